@@ -1,0 +1,25 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv bench clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m mgrit.demo
+
+test: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,147 @@
+"""Inter-level transfer (FAS restriction, ideal interpolation) and the cycle.
+
+Level ``l`` with factor ``m`` and its coarse level ``l + 1`` share points: the
+coarse point ``k`` is the fine C-point ``i = k m``. A rank owns the same
+points on both levels, so injection and correction are local; only the coarse
+ghost needs a message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _backend as B
+from .relax import LevelState, advance, c_relax, c_residual, exchange, f_relax, sequential_solve
+
+
+class DivergenceError(FloatingPointError):
+    """The iteration produced NaN or Inf; raised instead of returning a result."""
+
+
+def _inject(w: LevelState, wc: LevelState):
+    """``v_c = R_x(u_i)`` at the fine C-points this rank owns (the initial point included).
+
+    Stores it in ``wc.v``, fills the coarse ghost from the left neighbour and
+    starts the coarse iterate at ``u_c = v_c``.
+    """
+    m = w.level.cf
+    own0 = w.lo - w.g0  # local slot of the first owned point
+    ac = own0 if (w.g0 + own0) % m == 0 else w.first(0)
+    U = w.u[ac::m]
+    V = w.transfer.restrict(U) if w.transfer is not None else B.copy(U)
+    if wc.v is None:
+        wc.v = B.empty_stack(wc.nloc, V[0])
+        wc.u = B.empty_stack(wc.nloc, V[0])
+    wc.v[wc.lo - wc.g0 :] = V
+    exchange(wc, wc.v)
+    wc.u[:] = wc.v
+
+
+def restrict(w: LevelState, wc: LevelState, r) -> None:
+    """FAS restriction from level ``w`` to ``wc`` given the fine C-point residuals ``r``.
+
+    Per coarse point ``k >= 1`` (fine C-point ``i = k m``), REFERENCE.md 1:
+    ``g_c[k] = R_x(g_i - u_i + Phi(u_{i-1})) + v[k] - Psi(v[k-1])``.
+    """
+    # 1. inject the fine C-points: v = R_x u (this is also the coarse initial iterate)
+    _inject(w, wc)
+    # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
+    psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:])
+    # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
+    rc = w.transfer.restrict_residual(r) if w.transfer is not None else r
+    # 4. g_c = r_c + A_c-consistent shift: v[k] - Psi(v[k-1])
+    if wc.g is None:
+        wc.g = B.zeros_stack(wc.nloc, wc.v[0])
+    wc.g[1:] = rc + (wc.v[1:] - psi)
+
+
+def inject_guess(w: LevelState, wc: LevelState) -> None:
+    """XBraid's skip: inject the fine iterate to the coarse level with a zero right-hand side."""
+    _inject(w, wc)
+    wc.g = None
+
+
+def correct(w: LevelState, wc: LevelState) -> None:
+    """Add the coarse correction ``P_x(u_c - v_c)`` to the fine C-points ``i >= 1``."""
+    if wc.nloc <= 1:
+        return
+    E = wc.u[1:] - wc.v[1:]
+    if w.transfer is not None:
+        E = w.transfer.interpolate(E)
+    a = w.first(0)
+    w.u[a :: w.level.cf] += E
+
+
+@dataclass
+class CycleContext:
+    """What one cycle needs besides the level states."""
+
+    states: list  # LevelState or None (rank owns no point there), finest first
+    iteration: int = 0
+
+    def check(self, l: int) -> None:
+        w = self.states[l]
+        if not B.all_finite(w.u):
+            raise DivergenceError(
+                f"MGRIT diverged: NaN or Inf on level {l} in iteration {self.iteration}; "
+                "reduce the time step, use more levels of relaxation ('FCF') or a smaller `cf`"
+            )
+
+
+def down(ctx: CycleContext, l: int, skip: bool):
+    """Relax level ``l`` and set up the problem of level ``l + 1``.
+
+    Returns the C-point residuals of level ``l`` (None when skipping).
+    """
+    w, wc = ctx.states[l], ctx.states[l + 1]
+    if skip:
+        if wc is not None:
+            inject_guess(w, wc)
+        return None
+    for _ in range(w.level.nrelax):
+        f_relax(w)
+        c_relax(w)
+    f_relax(w)
+    r = c_residual(w)
+    ctx.check(l)
+    if wc is not None:
+        restrict(w, wc, r)
+    return r
+
+
+def cycle(ctx: CycleContext, l: int, kind: str, skip: bool = False):
+    """One V- or F-cycle starting on level ``l``.
+
+    ``V(l)``: down(l); V(l+1); F-relax(l+1); correct(l).
+    ``F(l)``: down(l); F(l+1); V(l+1); F-relax(l+1); correct(l).
+    Returns the C-point residuals computed on level ``l`` (None when skipped).
+    """
+    w = ctx.states[l]
+    if w is None:
+        return None
+    last = len(ctx.states) - 1
+    if l == last:
+        sequential_solve(w)
+        ctx.check(l)
+        return None
+    r = down(ctx, l, skip)
+    if ctx.states[l + 1] is not None:
+        cycle(ctx, l + 1, kind, skip)
+        if kind == "F" and not skip and l + 1 < last:
+            cycle(ctx, l + 1, "V")
+        if l + 1 < last:
+            f_relax(ctx.states[l + 1])
+        correct(w, ctx.states[l + 1])
+    return r
+
+
+def temporal_norm_parts(norms: np.ndarray, p) -> float:
+    """This rank's part of the temporal norm: sum of squares (2), sum (1) or max (inf)."""
+    if norms.size == 0:
+        return 0.0
+    if p == 2:
+        return float(np.sum(norms * norms))
+    if p == 1:
+        return float(np.sum(norms))
+    return float(np.max(norms))

@@ -1,0 +1,169 @@
+"""The time-grid hierarchy: a list of small frozen level descriptions.
+
+Level ``l + 1`` keeps every ``cf_l``-th point of level ``l`` (index 0
+included). A coarser level is created while ``floor(N_l / cf_l) >= min_coarse``
+and fewer than ``max_levels`` levels exist (XBraid's rule). When ``N_l`` is not
+a multiple of ``cf_l``, the points after the last C-point are F-points of the
+last interval. Building the hierarchy costs O(N) time and memory.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+_RELAX_RE = re.compile(r"^F(CF)*$")
+
+
+def per_level(value, n: int, name: str) -> list:
+    """Expand a scalar or a sequence (last entry repeats) to ``n`` per-level values."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return [value] * n
+    if len(value) == 0:
+        raise ValueError(f"`{name}` is an empty sequence; give one value or one per level")
+    return [value[min(i, len(value) - 1)] for i in range(n)]
+
+
+def parse_relax(relax: str) -> int:
+    """Number of (C, F) sweeps after the first F sweep: "F" -> 0, "FCF" -> 1, ...
+
+    >>> [parse_relax(r) for r in ("F", "FCF", "FCFCF")]
+    [0, 1, 2]
+    """
+    if not isinstance(relax, str) or not _RELAX_RE.match(relax.upper()):
+        raise ValueError(
+            f"`relax` must be 'F', 'FCF', 'FCFCF', ... (F followed by CF pairs), got {relax!r}"
+        )
+    return relax.upper().count("C")
+
+
+@dataclass(frozen=True, eq=False)
+class Level:
+    """One level of the time hierarchy.
+
+    Attributes
+    ----------
+    index : int
+        0 is the finest level.
+    t : numpy.ndarray, shape (n + 1,)
+        Time points of this level (read-only).
+    stride : int
+        Fine-level index of this level's point ``k`` is ``k * stride``.
+    cf : int or None
+        Coarsening factor to the next coarser level; None on the coarsest.
+    relax : str or None
+        Relaxation on this level ("F", "FCF", ...); None on the coarsest,
+        which is solved by sequential stepping.
+    c_weight : float
+        Weight of C-relaxation (1.0 is plain C-relaxation).
+    """
+
+    index: int
+    t: np.ndarray = field(repr=False)
+    stride: int
+    cf: int | None
+    relax: str | None
+    c_weight: float = 1.0
+
+    @property
+    def n(self) -> int:
+        """Number of intervals (points minus one)."""
+        return self.t.shape[0] - 1
+
+    @property
+    def nrelax(self) -> int:
+        return parse_relax(self.relax) if self.relax else 0
+
+
+class Hierarchy(tuple):
+    """Tuple of :class:`Level` objects, finest first, with a readable table.
+
+    >>> import numpy as np
+    >>> print(build_hierarchy(np.linspace(0, 1, 17), cf=4, max_levels=3))
+    level  points  intervals  cf  relax
+        0      17         16   4  FCF
+        1       5          4   -  (sequential)
+    """
+
+    def __str__(self) -> str:
+        rows = ["level  points  intervals  cf  relax"]
+        for lv in self:
+            cf = "-" if lv.cf is None else str(lv.cf)
+            rx = lv.relax if lv.relax else "(sequential)"
+            if lv.relax and lv.c_weight != 1.0:
+                rx += f" (C weight {lv.c_weight:g})"
+            rows.append(f"{lv.index:5d}  {lv.n + 1:6d}  {lv.n:9d}  {cf:>2}  {rx}")
+        return "\n".join(rows)
+
+
+def check_time_grid(t) -> np.ndarray:
+    """Validate ``t`` (1-D, at least 2 points, finite, strictly increasing)."""
+    t = np.array(t, dtype=np.float64)
+    if t.ndim != 1 or t.shape[0] < 2:
+        raise ValueError(f"`t` must be a 1-D array of at least 2 time points, got shape {t.shape}")
+    if not np.all(np.isfinite(t)):
+        raise ValueError("`t` contains NaN or Inf")
+    if not np.all(np.diff(t) > 0):
+        raise ValueError("`t` must be strictly increasing")
+    return t
+
+
+def build_hierarchy(
+    t,
+    cf: int | Sequence[int] = 2,
+    max_levels: int = 30,
+    min_coarse: int = 2,
+    relax: str | Sequence[str] = "FCF",
+    c_weight: float | Sequence[float] = 1.0,
+) -> Hierarchy:
+    """Build the time-grid hierarchy for fine time points ``t``.
+
+    Parameters
+    ----------
+    t : array_like, shape (N + 1,)
+        Strictly increasing fine time points.
+    cf : int or sequence of int
+        Coarsening factor, one for all levels or one per level (last repeats).
+    max_levels : int
+        Largest number of levels (1 means sequential stepping).
+    min_coarse : int
+        A coarser level is made only if it has at least this many intervals.
+    relax : str or sequence of str
+        "F", "FCF", "FCFCF", ... for all levels or per level (last repeats).
+    c_weight : float or sequence of float
+        Weight of C-relaxation, for all levels or per level.
+    """
+    t = check_time_grid(t)
+    if not isinstance(max_levels, (int, np.integer)) or max_levels < 1:
+        raise ValueError(f"`max_levels` must be an integer >= 1, got {max_levels!r}")
+    if not isinstance(min_coarse, (int, np.integer)) or min_coarse < 1:
+        raise ValueError(f"`min_coarse` must be an integer >= 1, got {min_coarse!r}")
+    cfs = per_level(cf, max_levels, "cf")
+    relaxes = per_level(relax, max_levels, "relax")
+    weights = per_level(c_weight, max_levels, "c_weight")
+    for c in cfs:
+        if not isinstance(c, (int, np.integer)) or c < 2:
+            raise ValueError(f"`cf` must be an integer >= 2 (or one per level), got {cf!r}")
+    for r in relaxes:
+        parse_relax(r)
+    for w in weights:
+        if not (isinstance(w, (int, float, np.floating)) and 0.0 < w <= 2.0):
+            raise ValueError(f"`c_weight` must be in (0, 2], got {c_weight!r}")
+
+    levels = []
+    tl, stride = t, 1
+    tl.setflags(write=False)
+    while True:
+        lid = len(levels)
+        n = tl.shape[0] - 1
+        m = int(cfs[lid])
+        if lid + 1 < max_levels and n // m >= min_coarse:
+            levels.append(Level(lid, tl, stride, m, relaxes[lid].upper(), float(weights[lid])))
+            tl = np.ascontiguousarray(tl[::m])
+            tl.setflags(write=False)
+            stride *= m
+        else:
+            levels.append(Level(lid, tl, stride, None, None, 1.0))
+            return Hierarchy(levels)

@@ -1,0 +1,69 @@
+"""The propagator interface: the one thing a user of the solver implements.
+
+A propagator advances a state over one time interval. MGRIT calls the same
+propagator for every interval of a level, in any order, so ``step`` must be a
+pure function of its arguments: it returns a new state and keeps no hidden
+state that depends on which interval was stepped last.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from . import _backend as B
+
+
+class Propagator(ABC):
+    """Abstract base class of all propagators.
+
+    Subclasses implement :meth:`step`. They may override :meth:`step_batch`
+    to advance many independent intervals in one call (stacked states), which
+    is how relaxation gets its speed; the default loops over :meth:`step`.
+
+    Examples
+    --------
+    Backward Euler for the decay problem ``u' = -u``:
+
+    >>> import numpy as np, mgrit
+    >>> class Decay(mgrit.Propagator):
+    ...     def step(self, u, t0, t1):
+    ...         return u / (1.0 + (t1 - t0))
+    >>> Decay().step(np.array([1.0]), 0.0, 1.0)
+    array([0.5])
+    >>> Decay().step_batch(np.ones((3, 1)), np.zeros(3), np.array([1.0, 3.0, 4.0]))[:, 0]
+    array([0.5 , 0.25, 0.2 ])
+    """
+
+    @abstractmethod
+    def step(self, u, t0: float, t1: float):
+        """Advance state ``u`` from time ``t0`` to ``t1`` and return the new state.
+
+        Must not modify ``u``. The returned state has the shape of ``u``.
+        """
+
+    def step_batch(self, U, t0: np.ndarray, t1: np.ndarray):
+        """Advance ``n`` independent states at once.
+
+        Parameters
+        ----------
+        U : array, shape (n, *state_shape)
+            Stacked states; row ``k`` starts at time ``t0[k]``.
+        t0, t1 : numpy.ndarray, shape (n,)
+            Start and end time of every interval.
+
+        Returns
+        -------
+        array, shape (n, *state_shape)
+            Row ``k`` is ``step(U[k], t0[k], t1[k])``. Must not modify ``U``.
+        """
+        step = self.step
+        return B.stack([step(U[k], float(t0[k]), float(t1[k])) for k in range(U.shape[0])])
+
+    def norms(self, U) -> np.ndarray:
+        """Spatial norm of every state in the stack ``U`` (default: Euclidean).
+
+        Override to measure residuals in another norm (for example a grid-weighted
+        L2 norm). Returns a float64 numpy array of shape ``(n,)``.
+        """
+        return B.row_norms(U)

@@ -1,0 +1,184 @@
+"""Relaxation kernels on one level: F-relaxation, C-relaxation, C-point residuals.
+
+Notation (REFERENCE.md): on a level with coarsening factor ``m``, point ``i``
+is a C-point when ``i % m == 0`` and an F-point otherwise; ``Phi`` steps from
+``t_{i-1}`` to ``t_i``; ``g`` is the right-hand side (zero on the finest level
+except the initial condition, which is never changed).
+
+* F-relaxation: ``u_i <- Phi(u_{i-1}) + g_i`` at every F-point, in order
+  within each interval, all intervals at once.
+* C-relaxation: ``u_i <- (1 - w) u_i + w (Phi(u_{i-1}) + g_i)`` at C-points.
+* Residual at C-points: ``r_i = g_i + Phi(u_{i-1}) - u_i``.
+
+Every kernel works on the points one rank owns. The local array of a level
+holds the owned points ``lo..hi`` preceded by one *ghost* slot for point
+``lo - 1`` when ``lo > 0``; the ghost is refreshed from the left neighbour by
+the F-relaxation (the only kernel that needs a neighbour's newest value), so
+the other kernels can read it afterwards. Because all points of a given
+residue ``i % m`` are independent, each sweep is ``m - 1`` (F) or one (C)
+batched propagator call per level, whatever the number of intervals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _backend as B
+from .comm import Communicator
+from .hierarchy import Level
+from .propagator import Propagator
+from .spatial import SpatialTransfer
+
+
+@dataclass(eq=False)
+class LevelState:
+    """The iterates of one level on one rank (mutable; kept apart from :class:`Level`).
+
+    ``u`` / ``g`` / ``v`` are stacks over local points ``g0 .. hi`` (global
+    indices of this level); ``g`` is None where the right-hand side is zero and
+    ``v`` holds the values restricted from the finer level (FAS).
+    """
+
+    level: Level
+    prop: Propagator
+    transfer: SpatialTransfer | None
+    comm: Communicator
+    lo: int
+    hi: int
+    left: int | None
+    right: int | None
+    u: object = None
+    g: object = None
+    v: object = None
+    count: int = 0
+    tl: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.tl = self.level.t[self.g0 : self.hi + 1]
+
+    @property
+    def g0(self) -> int:
+        """Global index of local slot 0 (the ghost when ``lo > 0``)."""
+        return self.lo - 1 if self.lo > 0 else 0
+
+    @property
+    def nloc(self) -> int:
+        return self.hi + 1 - self.g0
+
+    def first(self, residue: int) -> int:
+        """First local slot ``a >= 1`` whose global index is ``residue`` mod ``cf``."""
+        m = self.level.cf
+        return (residue - self.g0 - 1) % m + 1
+
+
+def advance(w: LevelState, U, t0: np.ndarray, t1: np.ndarray):
+    """Batched propagator call on level ``w`` with shape check and cost count."""
+    out = w.prop.step_batch(U, t0, t1)
+    if tuple(out.shape) != tuple(U.shape):
+        raise ValueError(
+            f"the propagator of level {w.level.index} returned states of shape "
+            f"{tuple(out.shape)[1:]} for inputs of shape {tuple(U.shape)[1:]}; "
+            "`step` must return a state shaped like its input"
+        )
+    w.count += U.shape[0]
+    return out
+
+
+def _phi_from(w: LevelState, a: int):
+    """``Phi(u_{i-1}) + g_i`` for the local slots ``a, a + m, a + 2m, ...``."""
+    m = w.level.cf
+    n = (w.nloc - 1 - a) // m + 1
+    new = advance(w, w.u[a - 1 : a - 1 + (n - 1) * m + 1 : m], w.tl[a - 1 :: m][:n], w.tl[a::m])
+    if w.g is not None:
+        new = new + w.g[a::m]
+    return new
+
+
+def send_last(w: LevelState, X) -> None:
+    if w.right is not None:
+        w.comm.send(X[-1], w.right, w.level.index)
+
+
+def recv_ghost(w: LevelState, X) -> None:
+    X[0] = w.comm.recv(X[-1], w.left, w.level.index)
+
+
+def exchange(w: LevelState, X) -> None:
+    """Send the last owned entry of ``X`` right and fill the ghost of ``X`` from the left."""
+    send_last(w, X)
+    if w.left is not None:
+        recv_ghost(w, X)
+
+
+def f_relax(w: LevelState) -> None:
+    """F-relaxation: ``u_i <- Phi(u_{i-1}) + g_i`` at all F-points of the level.
+
+    The F-points with residue ``j = 1 .. m-1`` are updated in order of ``j``;
+    each residue class is one batched call. The ghost is needed first when
+    this rank starts inside an interval, otherwise it is refreshed at the end
+    (for the C-relaxation and residuals that follow).
+    """
+    m = w.level.cf
+    starts_inside = w.left is not None and w.lo % m != 0
+    if starts_inside:
+        recv_ghost(w, w.u)
+    for j in range(1, m):
+        a = w.first(j)
+        if a < w.nloc:
+            w.u[a::m] = _phi_from(w, a)
+    send_last(w, w.u)
+    if w.left is not None and not starts_inside:
+        recv_ghost(w, w.u)
+
+
+def c_relax(w: LevelState) -> None:
+    """(Weighted) C-relaxation: ``u_i <- (1-w) u_i + w (Phi(u_{i-1}) + g_i)``, i a C-point."""
+    m, wt = w.level.cf, w.level.c_weight
+    a = w.first(0)
+    if a >= w.nloc:
+        return
+    new = _phi_from(w, a)
+    if wt != 1.0:
+        new = (1.0 - wt) * w.u[a::m] + wt * new
+    w.u[a::m] = new
+
+
+def c_residual(w: LevelState):
+    """Residuals ``r_i = g_i + Phi(u_{i-1}) - u_i`` at the owned C-points ``i >= 1``.
+
+    Returns the stack of residuals (possibly with zero rows).
+    """
+    m = w.level.cf
+    a = w.first(0)
+    if a >= w.nloc:
+        return w.u[0:0]
+    return _phi_from(w, a) - w.u[a::m]
+
+
+def sequential_solve(w: LevelState) -> None:
+    """Solve the level exactly by stepping ``u_i = Phi(u_{i-1}) + g_i`` in order.
+
+    Used on the coarsest level (and for one-level runs). Across ranks the
+    solve is a chain: receive the last state of the left neighbour, step,
+    send the last state on.
+    """
+    if w.left is not None:
+        recv_ghost(w, w.u)
+    u, tl, step, g = w.u, w.tl, w.prop.step, w.g
+    shape = tuple(u.shape[1:])
+    for a in range(1, w.nloc):
+        x = step(u[a - 1], float(tl[a - 1]), float(tl[a]))
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"the propagator of level {w.level.index} returned a state of shape "
+                f"{tuple(x.shape)} for an input of shape {shape}; "
+                "`step` must return a state shaped like its input"
+            )
+        u[a] = x if g is None else x + g[a]
+    w.count += max(w.nloc - 1, 0)
+    send_last(w, w.u)
+
+
+def all_finite(w: LevelState) -> bool:
+    return B.all_finite(w.u)

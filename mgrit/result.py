@@ -1,0 +1,100 @@
+"""What a solve returns: a result dataclass and a status enum."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .hierarchy import Hierarchy
+
+
+class Status(enum.Enum):
+    """Why the iteration stopped; the value is the message for users."""
+
+    CONVERGED = "converged: residual norm below tolerance"
+    MAX_ITER = "stopped after max_iter cycles without reaching the tolerance"
+    SEQUENTIAL = "one level: solved by sequential stepping (exact)"
+
+
+@dataclass(frozen=True)
+class IterationInfo:
+    """Statistics handed to the ``callback`` after every cycle."""
+
+    iteration: int  #: 0-based index of the cycle that just finished
+    residual: float | None  #: level-0 residual norm computed in it (None if skipped)
+    counts: tuple  #: propagator calls per level on this rank so far
+
+
+def convergence_factors(residuals) -> list:
+    """Ratios ``r_k / r_{k-1}`` of consecutive available residuals (None otherwise)."""
+    out = [None]
+    for prev, cur in zip(residuals[:-1], residuals[1:]):
+        out.append(cur / prev if (prev not in (None, 0.0) and cur is not None) else None)
+    return out[: len(residuals)]
+
+
+@dataclass
+class Result:
+    """Outcome of :func:`mgrit.solve`.
+
+    Attributes
+    ----------
+    u : array, shape (n_local, *state_shape)
+        States at the fine time points this rank owns (all of them in a serial
+        run), in order. Use :func:`mgrit.gather` for the whole trajectory.
+    t : numpy.ndarray, shape (n_local,)
+        The times of those points.
+    index : range
+        Global fine indices of those points.
+    residuals : list of float or None
+        Level-0 residual norm per cycle; None where none was computed
+        (the skipped first cycle).
+    iterations : int
+        Number of cycles run (XBraid's count).
+    converged : bool
+    status : Status
+    counts : list of int
+        Propagator calls (intervals advanced) per level, on this rank.
+    hierarchy : Hierarchy
+    """
+
+    u: object
+    t: np.ndarray
+    index: range
+    residuals: list
+    iterations: int
+    converged: bool
+    status: Status
+    counts: list
+    hierarchy: Hierarchy
+    rank: int = 0
+    size: int = 1
+    comm: object = field(default=None, repr=False)
+
+    @property
+    def factors(self) -> list:
+        """Per-cycle convergence factors ``r_k / r_{k-1}``."""
+        return convergence_factors(self.residuals)
+
+    def __str__(self) -> str:
+        lines = [str(self.hierarchy), "", "iter  residual      factor"]
+        for k, (r, f) in enumerate(zip(self.residuals, self.factors)):
+            rs = "-" if r is None else f"{r:.6e}"
+            fs = "-" if f is None else f"{f:.4f}"
+            lines.append(f"{k:4d}  {rs:<12}  {fs}")
+        lines.append("")
+        lines.append(f"{self.status.value}; {self.iterations} cycles")
+        calls = ", ".join(f"level {i}: {c}" for i, c in enumerate(self.counts))
+        lines.append(f"propagator calls ({'rank %d' % self.rank if self.size > 1 else 'all'}): {calls}")
+        if self.size > 1:
+            lines.append(f"rank {self.rank} of {self.size} holds points {self.index.start}..{self.index.stop - 1}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        last = next((r for r in reversed(self.residuals) if r is not None), math.nan)
+        return (
+            f"Result(status={self.status.name}, iterations={self.iterations}, "
+            f"residual={last:.3e}, points={len(self.index)}, counts={self.counts})"
+        )

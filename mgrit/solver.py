@@ -1,0 +1,320 @@
+"""``mgrit.solve``: set up the hierarchy and iterates, run cycles, report."""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import _backend as B
+from .comm import Communicator, as_communicator
+from .cycle import CycleContext, DivergenceError, cycle, temporal_norm_parts
+from .hierarchy import Hierarchy, build_hierarchy, per_level
+from .propagator import Propagator
+from .relax import LevelState, f_relax
+from .result import IterationInfo, Result, Status
+from .spatial import SpatialTransfer
+
+
+def block_range(n_points: int, size: int, rank: int) -> tuple[int, int]:
+    """Contiguous, balanced block of ``n_points`` indices owned by ``rank`` (hi inclusive).
+
+    >>> [block_range(10, 3, r) for r in range(3)]
+    [(0, 2), (3, 5), (6, 9)]
+    """
+    return (rank * n_points) // size, ((rank + 1) * n_points) // size - 1
+
+
+def _level_ranges(hierarchy: Hierarchy, size: int):
+    """For every level, the (lo, hi) owned by every rank: coarse point k belongs to
+    the owner of fine point ``k * stride``. Empty ranges have ``hi < lo``."""
+    n0 = hierarchy[0].n + 1
+    fine = [block_range(n0, size, r) for r in range(size)]
+    out = []
+    for lv in hierarchy:
+        s = lv.stride
+        out.append([(-(-lo // s), hi // s) for lo, hi in fine])
+    return out
+
+
+def _neighbours(ranges, rank: int):
+    """Left / right neighbour ranks of ``rank`` on one level (owners of lo-1 and hi+1)."""
+    lo, hi = ranges[rank]
+    los = [r[0] if r[0] <= r[1] else None for r in ranges]
+    owners = [(l, p) for p, l in enumerate(los) if l is not None]
+    starts = [l for l, _ in owners]
+
+    def owner(i):
+        return owners[bisect_right(starts, i) - 1][1]
+
+    n = max(r[1] for r in ranges)
+    left = owner(lo - 1) if lo > 0 else None
+    right = owner(hi + 1) if hi < n else None
+    return left, right
+
+
+def _check_propagators(propagator, n_levels: int) -> list:
+    props = per_level(propagator, n_levels, "propagator")
+    for p in props:
+        if not isinstance(p, Propagator):
+            raise TypeError(
+                "`propagator` must be an mgrit.Propagator (or one per level), "
+                f"got {type(p).__name__}; subclass mgrit.Propagator and implement step(u, t0, t1)"
+            )
+    return props
+
+
+def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index: range):
+    """Stack of initial iterates at the local points (the caller sets u0 at t[0])."""
+    n = len(t_local)
+    if initial_guess is None:
+        X = B.empty_stack(n, u0)
+        X[:] = u0
+        return X
+    if callable(initial_guess):
+        states = [B.as_state(initial_guess(float(tk))) for tk in t_local]
+        X = B.stack(states) if n else B.empty_stack(0, u0)
+    else:
+        g = initial_guess if B.is_torch(initial_guess) else np.asarray(initial_guess)
+        shape, ushape = tuple(g.shape), tuple(u0.shape)
+        X = B.empty_stack(n, u0)
+        if shape == (n_total,) + ushape:
+            X[:] = g[index.start : index.stop]
+            return X
+        if shape not in ((), ushape):
+            raise ValueError(
+                f"`initial_guess` has shape {shape}; give a scalar, a state of shape {ushape}, "
+                f"a trajectory of shape {(n_total,) + ushape}, or a callable of t"
+            )
+        X[:] = g if B.is_torch(g) or not B.is_torch(u0) else float(g)
+        return X
+    if tuple(X.shape[1:]) != tuple(u0.shape):
+        raise ValueError(f"`initial_guess(t)` returned shape {tuple(X.shape[1:])}, expected {tuple(u0.shape)}")
+    return X
+
+
+def _validate(tol, tol_type, norm, max_iter, cycle_kind):
+    if tol is not None and (not isinstance(tol, (int, float)) or not tol >= 0):
+        raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
+    if tol_type not in ("abs", "rel"):
+        raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
+    if norm not in (1, 2, math.inf, "inf"):
+        raise ValueError(f"`norm` (temporal) must be 1, 2 or inf, got {norm!r}")
+    if not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+        raise ValueError(f"`max_iter` must be an integer >= 1, got {max_iter!r}")
+    if cycle_kind not in ("V", "F"):
+        raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle_kind!r}")
+
+
+def solve(
+    propagator: Propagator | Sequence[Propagator],
+    u0,
+    t,
+    *,
+    cf: int | Sequence[int] = 2,
+    max_levels: int = 30,
+    min_coarse: int = 2,
+    relax: str | Sequence[str] = "FCF",
+    c_weight: float | Sequence[float] = 1.0,
+    cycle: str = "V",
+    tol: float | None = 1e-9,
+    tol_type: str = "abs",
+    norm=2,
+    max_iter: int = 100,
+    skip: bool = True,
+    initial_guess=None,
+    spatial: SpatialTransfer | Sequence[SpatialTransfer | None] | None = None,
+    callback: Callable[[IterationInfo], None] | None = None,
+    comm=None,
+) -> Result:
+    """Solve ``u_i = Phi(u_{i-1})``, ``u_0 = u0`` on the time grid ``t`` with MGRIT / FAS.
+
+    Parameters
+    ----------
+    propagator : Propagator or sequence of Propagator
+        One propagator for all levels (it is called with each level's own
+        ``t0, t1``: rediscretization) or one per level (last repeats).
+    u0 : array
+        Initial state at ``t[0]``; numpy array (any shape) or torch tensor.
+    t : array_like, shape (N + 1,)
+        Strictly increasing fine time points; non-uniform grids are fine.
+    cf, max_levels, min_coarse, relax, c_weight
+        Hierarchy and relaxation, see :func:`mgrit.build_hierarchy`.
+        ``relax`` is "F", "FCF", "FCFCF", ... (or one per level).
+    cycle : {"V", "F"}
+        V-cycles, or F-cycles (each level visits its coarse level twice).
+    tol : float or None
+        Stop after the cycle whose level-0 residual norm is ``<= tol`` (abs) or
+        ``<= tol * first residual`` (rel); None runs ``max_iter`` cycles.
+    tol_type : {"abs", "rel"}
+    norm : {2, 1, inf}
+        Temporal norm of the C-point residuals (spatial norm: ``propagator.norms``).
+    max_iter : int
+        Largest number of cycles.
+    skip : bool
+        XBraid's skip: the first cycle does no relaxation on the way down; the
+        fine initial guess is injected to all levels (zero right-hand side) and
+        the coarsest level is solved and interpolated up (a nested-iteration start).
+    initial_guess : None, scalar, state, trajectory or callable
+        Iterate at ``t > t[0]``: None copies ``u0``; a scalar or a state is used
+        at every point; an array of shape ``(N + 1, *u0.shape)`` is a whole
+        trajectory (warm start); a callable is called as ``initial_guess(t_k)``.
+    spatial : SpatialTransfer or sequence of (SpatialTransfer or None), optional
+        Spatial coarsening between level ``l`` and ``l + 1`` (entry ``l``; last
+        repeats); None keeps the spatial grid.
+    callback : callable, optional
+        Called after every cycle with an :class:`IterationInfo`.
+    comm : None, mpi4py communicator or Communicator
+        Split the time axis over the ranks of this communicator; None runs serially.
+
+    Returns
+    -------
+    Result
+
+    Raises
+    ------
+    DivergenceError
+        NaN or Inf appeared (the message names the level and iteration).
+
+    Examples
+    --------
+    XBraid's ex-01 (``u' = -u``, backward Euler, 10 steps on [0, 5]):
+
+    >>> import numpy as np, mgrit
+    >>> class Decay(mgrit.Propagator):
+    ...     def step(self, u, t0, t1):
+    ...         return u / (1.0 + (t1 - t0))
+    >>> res = mgrit.solve(Decay(), np.array(1.0), np.linspace(0, 5, 11), cf=2, max_levels=2,
+    ...                   relax="FCF", tol=1e-6, initial_guess=0.456)
+    >>> ["%.6e" % r for r in res.residuals[1:]]
+    ['2.845538e-02', '8.621939e-04', '0.000000e+00']
+    >>> res.iterations, res.converged
+    (4, True)
+    """
+    _validate(tol, tol_type, norm, max_iter, cycle)
+    p = math.inf if norm == "inf" else norm
+    u0 = B.as_state(u0)
+    if not B.all_finite(u0):
+        raise ValueError("`u0` contains NaN or Inf")
+    hierarchy = build_hierarchy(t, cf, max_levels, min_coarse, relax, c_weight)
+    L = len(hierarchy)
+    props = _check_propagators(propagator, L)
+    transfers = per_level(spatial, max(L - 1, 1), "spatial")
+    for tr in transfers:
+        if tr is not None and not isinstance(tr, SpatialTransfer):
+            raise TypeError(f"`spatial` entries must be mgrit.SpatialTransfer or None, got {type(tr).__name__}")
+    if callback is not None and not callable(callback):
+        raise TypeError("`callback` must be callable")
+
+    comm = as_communicator(comm)
+    try:
+        return _run(hierarchy, props, transfers, u0, initial_guess, comm, cycle, tol, tol_type,
+                    p, max_iter, skip, callback)
+    except BaseException as exc:
+        comm.notify_failure(exc)
+        raise
+
+
+def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator):
+    ranges = _level_ranges(hierarchy, comm.size)
+    states = []
+    for l, lv in enumerate(hierarchy):
+        lo, hi = ranges[l][comm.rank]
+        if hi < lo:
+            states.append(None)
+            continue
+        left, right = _neighbours(ranges[l], comm.rank)
+        tr = transfers[l] if l < len(hierarchy) - 1 else None
+        states.append(LevelState(lv, props[l], tr, comm, lo, hi, left, right))
+    w = states[0]
+    if w is not None:
+        n_total = hierarchy[0].n + 1
+        X = _initial_states(initial_guess, u0, w.tl, n_total, range(w.g0, w.hi + 1))
+        if not B.all_finite(X):
+            raise ValueError("`initial_guess` contains NaN or Inf")
+        if w.lo == 0:
+            X[0] = u0
+        w.u = X
+    return states
+
+
+def _run(hierarchy, props, transfers, u0, initial_guess, comm, kind, tol, tol_type, p,
+         max_iter, skip, callback) -> Result:
+    states = _setup(hierarchy, props, transfers, u0, initial_guess, comm)
+    ctx = CycleContext(states)
+    residuals: list = []
+    converged = False
+    status = Status.MAX_ITER
+    L = len(hierarchy)
+    if L == 1:
+        cycle(ctx, 0, kind)
+        residuals, converged, status = [], True, Status.SEQUENTIAL
+        iterations = 1
+    else:
+        first = None
+        iterations = 0
+        for k in range(max_iter):
+            ctx.iteration = k
+            r = cycle(ctx, 0, kind, skip=skip and k == 0)
+            iterations = k + 1
+            res_k = None
+            if not (skip and k == 0):
+                w0 = states[0]
+                local = temporal_norm_parts(w0.prop.norms(r), p) if w0 is not None else 0.0
+                total = comm.allreduce(local, "max" if p == math.inf else "sum")
+                res_k = math.sqrt(total) if p == 2 else total
+                if not math.isfinite(res_k):
+                    raise DivergenceError(f"MGRIT diverged: residual norm {res_k} in iteration {k}")
+                first = res_k if first is None else first
+            residuals.append(res_k)
+            if callback is not None:
+                callback(IterationInfo(k, res_k, tuple(w.count if w else 0 for w in states)))
+            if res_k is not None and tol is not None:
+                target = tol if tol_type == "abs" else tol * first
+                if res_k <= target:
+                    converged, status = True, Status.CONVERGED
+                    break
+        if states[0] is not None:
+            f_relax(states[0])  # ideal interpolation of the last correction
+            ctx.check(0)
+    comm.finish()
+    w0 = states[0]
+    if w0 is None:
+        u_local, t_local, index = B.empty_stack(0, u0), np.zeros(0), range(0, 0)
+    else:
+        own0 = w0.lo - w0.g0
+        u_local, t_local, index = w0.u[own0:], np.array(w0.tl[own0:]), range(w0.lo, w0.hi + 1)
+    return Result(
+        u=u_local,
+        t=t_local,
+        index=index,
+        residuals=residuals,
+        iterations=iterations,
+        converged=converged,
+        status=status,
+        counts=[w.count if w is not None else 0 for w in states],
+        hierarchy=hierarchy,
+        rank=comm.rank,
+        size=comm.size,
+        comm=comm,
+    )
+
+
+def gather(result: Result, root: int | None = 0):
+    """Whole trajectory ``(N + 1, *state_shape)`` from a distributed result.
+
+    Returns the stacked states on ``root`` (on every rank when ``root`` is
+    None) and None on the other ranks. For a serial result it returns ``u``.
+    """
+    if result.size == 1:
+        return result.u
+    parts = result.comm.gather((result.index.start, result.u), root=root)
+    if parts is None:
+        return None
+    parts = [u for _, u in sorted(parts, key=lambda x: x[0]) if len(u)]
+    if B.is_torch(parts[0]):
+        import torch
+
+        return torch.cat(parts)
+    return np.concatenate(parts)
