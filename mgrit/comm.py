@@ -22,6 +22,7 @@ from . import _backend as B
 #: Tags used by the solver: data tags are ``_TAG_BASE + level``.
 _TAG_BASE = 0x4D00
 _ERR_TAG = 0x7A00
+_BCAST_TAG = 0x7A01
 
 
 class RemoteRankError(RuntimeError):
@@ -55,6 +56,10 @@ class Communicator(ABC):
     def gather(self, obj, root: int | None = 0):
         """Gather a Python object to ``root`` (or to all ranks when ``root`` is None)."""
         return [obj]
+
+    def bcast(self, obj, root: int = 0):
+        """``obj`` of rank ``root`` on every rank (pickled; listens for failures while waiting)."""
+        return obj
 
 
 class SerialComm(Communicator):
@@ -174,6 +179,21 @@ class MPIComm(Communicator):
         for req, _ in self._pending:
             self._wait(req)
         self._pending = []
+
+    def bcast(self, obj, root=0):
+        if self.rank == root:
+            for r in range(self.size):
+                if r != root:
+                    self._pending.append((self.comm.isend(obj, dest=r, tag=_BCAST_TAG), None))
+            return obj
+        spins = 0
+        while True:
+            if self.comm.Iprobe(source=root, tag=_BCAST_TAG):
+                return self.comm.recv(source=root, tag=_BCAST_TAG)
+            self._check_remote_failure()
+            spins += 1
+            if spins > 200:
+                time.sleep(min(1e-3, 1e-6 * (spins - 200)))
 
     def gather(self, obj, root=0):
         if root is None:

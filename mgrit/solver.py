@@ -26,11 +26,27 @@ def block_range(n_points: int, size: int, rank: int) -> tuple[int, int]:
     return (rank * n_points) // size, ((rank + 1) * n_points) // size - 1
 
 
-def _level_ranges(hierarchy: Hierarchy, size: int):
+def fine_ranges(n_points: int, size: int, partition=None) -> list:
+    """(lo, hi) of every rank on the fine level: balanced blocks, or the blocks that
+    start at the indices ``partition`` (one per rank, starting at 0, non-decreasing)."""
+    if partition is None:
+        return [block_range(n_points, size, r) for r in range(size)]
+    starts = [int(s) for s in partition]
+    if len(starts) != size or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
+            or starts[-1] > n_points:
+        raise ValueError(
+            f"`partition` must list one start index per rank ({size}), beginning with 0 and "
+            f"non-decreasing up to {n_points}, got {partition!r}"
+        )
+    ends = starts[1:] + [n_points]
+    return [(a, b - 1) for a, b in zip(starts, ends)]
+
+
+def _level_ranges(hierarchy: Hierarchy, size: int, partition=None):
     """For every level, the (lo, hi) owned by every rank: coarse point k belongs to
     the owner of fine point ``k * stride``. Empty ranges have ``hi < lo``."""
     n0 = hierarchy[0].n + 1
-    fine = [block_range(n0, size, r) for r in range(size)]
+    fine = fine_ranges(n0, size, partition)
     out = []
     for lv in hierarchy:
         s = lv.stride
@@ -127,6 +143,7 @@ def solve(
     spatial: SpatialTransfer | Sequence[SpatialTransfer | None] | None = None,
     callback: Callable[[IterationInfo], None] | None = None,
     comm=None,
+    partition=None,
 ) -> Result:
     """Solve ``u_i = Phi(u_{i-1})``, ``u_0 = u0`` on the time grid ``t`` with MGRIT / FAS.
 
@@ -167,6 +184,9 @@ def solve(
         Called after every cycle with an :class:`IterationInfo`.
     comm : None, mpi4py communicator or Communicator
         Split the time axis over the ranks of this communicator; None runs serially.
+    partition : sequence of int, optional
+        Fine index at which the block of each rank starts (default: balanced
+        contiguous blocks).
 
     Returns
     -------
@@ -210,14 +230,14 @@ def solve(
     comm = as_communicator(comm)
     try:
         return _run(hierarchy, props, transfers, u0, initial_guess, comm, cycle, tol, tol_type,
-                    p, max_iter, skip, callback)
+                    p, max_iter, skip, callback, partition)
     except BaseException as exc:
         comm.notify_failure(exc)
         raise
 
 
-def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator):
-    ranges = _level_ranges(hierarchy, comm.size)
+def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, partition=None):
+    ranges = _level_ranges(hierarchy, comm.size, partition)
     states = []
     for l, lv in enumerate(hierarchy):
         lo, hi = ranges[l][comm.rank]
@@ -240,8 +260,8 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator):
 
 
 def _run(hierarchy, props, transfers, u0, initial_guess, comm, kind, tol, tol_type, p,
-         max_iter, skip, callback) -> Result:
-    states = _setup(hierarchy, props, transfers, u0, initial_guess, comm)
+         max_iter, skip, callback, partition=None) -> Result:
+    states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, partition)
     ctx = CycleContext(states)
     residuals: list = []
     converged = False

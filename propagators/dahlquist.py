@@ -1,0 +1,46 @@
+"""The Dahlquist test equation, the model problem of MGRIT convergence theory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mgrit import Propagator
+
+
+@dataclass(frozen=True)
+class Dahlquist(Propagator):
+    """``u' = xi u`` with one Euler step per interval; ``xi`` may be complex.
+
+    With ``z = xi (t1 - t0)`` the step multiplies ``u`` by
+    ``1 / (1 - z)`` (``scheme="be"``, backward Euler) or ``1 + z``
+    (``scheme="fe"``, forward Euler: a linear ResNet layer). The state may be
+    any array; every entry evolves independently.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Dahlquist(-1.0, "be").step(np.array([1.0]), 0.0, 0.5)
+    array([0.66666667])
+    >>> Dahlquist(-1.0, "fe").step(np.array([1.0]), 0.0, 0.5)
+    array([0.5])
+    """
+
+    xi: complex = -1.0
+    scheme: str = "be"
+
+    def __post_init__(self):
+        if self.scheme not in ("be", "fe"):
+            raise ValueError(f"`scheme` must be 'be' (backward Euler) or 'fe' (forward Euler), got {self.scheme!r}")
+
+    def factor(self, dt):
+        """Amplification factor of one step of size ``dt`` (scalar or array)."""
+        z = self.xi * np.asarray(dt)
+        return 1.0 / (1.0 - z) if self.scheme == "be" else 1.0 + z
+
+    def step(self, u, t0, t1):
+        return self.factor(t1 - t0) * u
+
+    def step_batch(self, U, t0, t1):
+        f = self.factor(np.asarray(t1) - np.asarray(t0))
+        return f.reshape((-1,) + (1,) * (U.ndim - 1)) * U

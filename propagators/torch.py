@@ -1,0 +1,559 @@
+"""Torch-backed propagators and layer-parallel training.
+
+A residual network ``u_{i+1} = u_i + h f(u_i; theta_i)`` is forward Euler on an
+ODE, and its layers are time steps (REFERENCE.md section 4). This module
+provides
+
+* :class:`ODEPropagator` -- steps a state through a stack of layer modules
+  (``scheme(f, u, dt)``, forward Euler by default). Coarse levels step
+  ``m h`` with the parameters of the layer at the coarse point (parameter
+  injection; pluggable through ``layer_index``). When all layers share one
+  architecture, a batched step runs all intervals of a sweep as one
+  ``torch.func.vmap`` over stacked parameters; otherwise intervals are looped,
+  concurrently on CUDA streams when the state lives on a GPU.
+* :class:`AdjointPropagator` -- the adjoint in reverse layer-time, one
+  vector-Jacobian product per step at the stored forward state.
+* :class:`LayerParallel` -- an ``nn.Module`` whose forward pass is an MGRIT
+  solve over layers and whose backward pass is an MGRIT solve of the adjoint;
+  ``loss.backward()`` fills ``.grad`` of the layer parameters each rank owns.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+
+import mgrit
+from mgrit.comm import MPIComm, SerialComm, as_communicator
+from mgrit.hierarchy import build_hierarchy
+from mgrit.solver import _level_ranges, fine_ranges
+
+# --------------------------------------------------------------------------
+# time-stepping schemes: scheme(f, u, dt) -> next state; f(*args) is the layer
+
+
+def forward_euler(f, u, dt):
+    """ResNet step ``u + dt f(u)``."""
+    return u + dt * f(u)
+
+
+def heun(f, u, dt):
+    """Second-order Runge-Kutta (Heun): ``u + dt/2 (k1 + k2)``."""
+    k1 = f(u)
+    k2 = f(u + dt * k1)
+    return u + 0.5 * dt * (k1 + k2)
+
+
+def rk4(f, u, dt):
+    """Classical fourth-order Runge-Kutta step."""
+    k1 = f(u)
+    k2 = f(u + 0.5 * dt * k1)
+    k3 = f(u + 0.5 * dt * k2)
+    k4 = f(u + dt * k3)
+    return u + dt / 6.0 * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+
+
+def dt_aware(f, u, dt):
+    """The layer is the whole step: ``f(u, dt)`` returns the next state."""
+    return f(u, dt)
+
+
+def inject_layer(i0: np.ndarray, i1: np.ndarray) -> np.ndarray:
+    """Default coarse parameters: the layer at the start of the interval."""
+    return i0
+
+
+# --------------------------------------------------------------------------
+
+
+class LayerStack:
+    """A snapshot of the parameters (and buffers) of ``N`` layers.
+
+    When every layer has the same type and parameter names / shapes
+    (``uniform``), the tensors are also stacked along a new leading axis so
+    that a batched step can gather the parameters of many layers at once.
+    The snapshot shares nothing with autograd (tensors are detached).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.template = layers[0]
+        sig = [(n, p.shape, p.dtype) for n, p in layers[0].named_parameters()]
+        self.param_names = [n for n, _, _ in sig]
+        self.buffer_names = [n for n, _ in layers[0].named_buffers()]
+        self.uniform = all(
+            type(m) is type(layers[0]) and [(n, p.shape, p.dtype) for n, p in m.named_parameters()] == sig
+            for m in layers
+        )
+        self.layers = list(layers)
+        self.stacked = None
+        if self.uniform:
+            def stack(get):
+                return {n: torch.stack([get(m)[n].detach() for m in layers]) for n in self.param_names}
+
+            self.stacked = stack(lambda m: dict(m.named_parameters()))
+            if self.buffer_names:
+                self.stacked.update(
+                    {n: torch.stack([dict(m.named_buffers())[n] for m in layers]) for n in self.buffer_names}
+                )
+
+    def one(self, k: int):
+        """Parameters and buffers of layer ``k`` as ``(params, buffers)`` dicts."""
+        if self.stacked is not None:
+            return ({n: self.stacked[n][k] for n in self.param_names},
+                    {n: self.stacked[n][k] for n in self.buffer_names})
+        m = self.layers[k]
+        return ({n: p.detach() for n, p in m.named_parameters()}, dict(m.named_buffers()))
+
+    def gather(self, idx: np.ndarray, device):
+        """Stacked ``(params, buffers)`` of the layers ``idx`` (uniform stacks only)."""
+        it = torch.as_tensor(idx, device=device)
+        return ({n: self.stacked[n].index_select(0, it) for n in self.param_names},
+                {n: self.stacked[n].index_select(0, it) for n in self.buffer_names})
+
+    def module_of(self, k: int) -> nn.Module:
+        return self.layers[k] if self.stacked is None else self.template
+
+
+class ODEPropagator(mgrit.Propagator):
+    """Steps a state through a stack of layers: ``u_{i+1} = scheme(f_i, u_i, dt)``.
+
+    Time points are multiples of the layer step ``h``: an interval from
+    ``t0 = i0 h`` to ``t1 = i1 h`` uses ``dt = (i1 - i0) h`` and the layer
+    ``layer_index(i0, i1)`` (default: ``i0``, parameter injection).
+
+    Parameters
+    ----------
+    stack : LayerStack
+    h : float
+        Layer step (final time / number of layers).
+    scheme : callable
+        ``scheme(f, u, dt)`` returns the next state; ``f`` calls the layer.
+    layer_index : callable, optional
+        ``layer_index(i0, i1)`` on integer arrays: which layer's parameters step
+        from fine index ``i0`` to ``i1``.
+    batched : bool
+        Use one vmapped call per sweep when the layers are uniform.
+    streams : int
+        On CUDA, run looped intervals concurrently on this many streams (0: no streams).
+    """
+
+    def __init__(self, stack: LayerStack, h: float, scheme=forward_euler, layer_index=None,
+                 batched: bool = True, streams: int = 0):
+        self.stack, self.h, self.scheme = stack, float(h), scheme
+        self.layer_index = layer_index or inject_layer
+        self.batched = bool(batched) and stack.uniform
+        self.n_streams = int(streams)
+        self._streams = None
+        self._vstep = vmap(self._single)
+
+    # integer bookkeeping -------------------------------------------------
+    def ints(self, t):
+        return np.rint(np.asarray(t, dtype=np.float64) / self.h).astype(np.int64)
+
+    def _dt(self, i0, i1, like):
+        return torch.as_tensor((i1 - i0) * self.h, dtype=like.dtype, device=like.device)
+
+    # the step ------------------------------------------------------------
+    def _single(self, params, buffers, u, dt, module=None):
+        mod = module if module is not None else self.stack.template
+
+        def f(*args):
+            return functional_call(mod, {**params, **buffers}, args)
+
+        return self.scheme(f, u, dt)
+
+    def step(self, u, t0, t1):
+        i0, i1 = self.ints(t0), self.ints(t1)
+        k = int(self.layer_index(np.atleast_1d(i0), np.atleast_1d(i1))[0])
+        p, b = self.stack.one(k)
+        return self._single(p, b, u, self._dt(i0, i1, u), self.stack.module_of(k))
+
+    def step_batch(self, U, t0, t1):
+        i0, i1 = self.ints(t0), self.ints(t1)
+        idx = self.layer_index(i0, i1)
+        dt = self._dt(i0, i1, U)
+        if self.batched:
+            p, b = self.stack.gather(idx, U.device)
+            return self._vstep(p, b, U, dt)
+        return self._loop(U, idx, dt)
+
+    def _loop(self, U, idx, dt):
+        def one(k):
+            p, b = self.stack.one(int(idx[k]))
+            return self._single(p, b, U[k], dt[k], self.stack.module_of(int(idx[k])))
+
+        if not (U.is_cuda and self.n_streams > 0):
+            return torch.stack([one(k) for k in range(U.shape[0])])
+        return _on_streams(self, one, U.shape[0])
+
+
+def _on_streams(prop: ODEPropagator, one, n: int):
+    """Run ``one(k)`` for ``k < n`` round-robin on CUDA streams, then join."""
+    if prop._streams is None:
+        prop._streams = [torch.cuda.Stream() for _ in range(prop.n_streams)]
+    cur = torch.cuda.current_stream()
+    outs = [None] * n
+    for s in prop._streams:
+        s.wait_stream(cur)
+    for k in range(n):
+        s = prop._streams[k % len(prop._streams)]
+        with torch.cuda.stream(s):
+            outs[k] = one(k)
+    for s in prop._streams:
+        cur.wait_stream(s)
+    for o in outs:
+        o.record_stream(cur)
+    return torch.stack(outs)
+
+
+class AdjointPropagator(mgrit.Propagator):
+    """The adjoint of an :class:`ODEPropagator` in reverse layer-time.
+
+    Reverse time ``tau = T - t``. A step from ``tau0`` to ``tau1`` covers the
+    forward interval ``[T - tau1, T - tau0]`` (fine indices ``ia < ib``) and
+    returns ``J^T v`` with ``J`` the Jacobian of that forward step at the stored
+    forward state ``u_ia`` (one vector-Jacobian product).
+
+    Parameters
+    ----------
+    forward : ODEPropagator
+    states : callable
+        ``states(ia)`` returns the stacked forward states at fine indices ``ia``.
+    n_layers : int
+    """
+
+    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int):
+        self.fwd, self.states, self.N = forward, states, int(n_layers)
+        self._vvjp = vmap(self._vjp_single)
+
+    def _vjp_single(self, params, buffers, u, v, dt, module=None):
+        _, pull = vjp(lambda x: self.fwd._single(params, buffers, x, dt, module), u)
+        return pull(v)[0]
+
+    def _intervals(self, tau0, tau1):
+        ia = self.N - self.fwd.ints(tau1)
+        ib = self.N - self.fwd.ints(tau0)
+        return ia, ib
+
+    def step(self, v, tau0, tau1):
+        return self.step_batch(v[None], np.atleast_1d(tau0), np.atleast_1d(tau1))[0]
+
+    def step_batch(self, V, tau0, tau1):
+        ia, ib = self._intervals(tau0, tau1)
+        idx = self.fwd.layer_index(ia, ib)
+        dt = self.fwd._dt(ia, ib, V)
+        Ua = self.states(ia)
+        st = self.fwd.stack
+        if self.fwd.batched:
+            p, b = st.gather(idx, V.device)
+            return self._vvjp(p, b, Ua, V, dt)
+        outs = []
+        for k in range(V.shape[0]):
+            p, b = st.one(int(idx[k]))
+            outs.append(self._vjp_single(p, b, Ua[k], V[k], dt[k], st.module_of(int(idx[k]))))
+        return torch.stack(outs)
+
+
+def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W):
+    """``(d Phi_j / d theta_j)^T w_j`` for the fine steps of the given layers.
+
+    ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
+    at the state it produces. Returns a dict of stacked gradients.
+    """
+    st = fwd.stack
+    dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)
+
+    def g(params, buffers, u, w, dt_, module=None):
+        _, pull = vjp(lambda p: fwd._single(p, buffers, u, dt_, module), params)
+        return pull(w)[0]
+
+    if fwd.batched:
+        p, b = st.gather(layers, U.device)
+        return vmap(g)(p, b, U, W, dt)
+    outs = []
+    for k, j in enumerate(layers):
+        p, b = st.one(int(j))
+        outs.append(g(p, b, U[k], W[k], dt[k], st.module_of(int(j))))
+    return {n: torch.stack([o[n] for o in outs]) for n in st.param_names}
+
+
+# --------------------------------------------------------------------------
+
+
+class _LayerParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lp, x, *params):
+        y, saved = lp._forward_solve(x)
+        ctx.lp, ctx.saved = lp, saved
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        gx, gparams = ctx.lp._adjoint_solve(ctx.saved, gy)
+        ctx.saved = None
+        return (None, gx, *gparams)
+
+
+class LayerParallel(nn.Module):
+    """A stack of residual layers evaluated by MGRIT, forward and backward.
+
+    ``y = model(x)`` solves ``u_i = scheme(f_i, u_{i-1}, h)``, ``u_0 = x`` over
+    the layers with MGRIT and returns ``u_N``; ``loss.backward()`` solves the
+    adjoint with MGRIT in reverse layer-time and fills ``.grad`` of the layer
+    parameters this rank owns (parameters of other ranks' layers keep
+    ``grad = None``, so optimizers skip them).
+
+    Parameters
+    ----------
+    layers : sequence of nn.Module, or callable
+        The layer modules ``f_i`` (the right-hand side of the ODE, not the
+        residual step), or a factory ``layers(i) -> nn.Module`` with ``n_layers``.
+    n_layers : int, optional
+        Needed with a factory.
+    T : float
+        Final time; the layer step is ``h = T / n_layers``.
+    cf, max_levels, min_coarse, relax, cycle
+        MGRIT settings (see :func:`mgrit.solve`); default ``relax=("F", "FCF")``:
+        F-relaxation on the layers, FCF on coarse levels.
+    fwd_iters, bwd_iters : int
+        Cycles of the forward and the adjoint solve (defaults 2 and 1).
+    fwd_tol, bwd_tol : float or None
+        Absolute residual tolerances (None: run the given number of cycles).
+    scheme : callable
+        ``scheme(f, u, dt)``; :func:`forward_euler` (ResNet), :func:`heun`,
+        :func:`rk4` or :func:`dt_aware`, or your own.
+    layer_index : callable, optional
+        Which layer's parameters a coarse step uses (default: injection).
+    batched : bool
+        Batched (vmapped) relaxation when the layers share an architecture.
+    streams : int
+        CUDA streams for looped (non-uniform) layers on a GPU.
+    comm : mpi4py communicator, optional
+        The layer communicator: distributes the layers over its ranks.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)],
+    ...                    T=1.0, cf=4, max_levels=2, fwd_iters=20, fwd_tol=1e-12).double()
+    >>> x = torch.randn(3, 4, dtype=torch.float64)
+    >>> u = x
+    >>> for f in lp.layers:
+    ...     u = u + lp.h * f(u)
+    >>> bool(torch.allclose(lp(x), u, atol=1e-11))
+    True
+    """
+
+    def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
+                 max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
+                 fwd_iters: int = 2, bwd_iters: int = 1, fwd_tol: float | None = None,
+                 bwd_tol: float | None = None, scheme=forward_euler, layer_index=None,
+                 batched: bool = True, streams: int = 0, comm=None, callback=None):
+        super().__init__()
+        if callable(layers) and not isinstance(layers, (nn.Module, Sequence)):
+            if n_layers is None:
+                raise ValueError("`n_layers` is required when `layers` is a factory")
+            layers = [layers(i) for i in range(n_layers)]
+        layers = list(layers)
+        if n_layers is not None and n_layers != len(layers):
+            raise ValueError(f"`n_layers`={n_layers} but {len(layers)} layers were given")
+        if len(layers) < 1:
+            raise ValueError("`layers` is empty")
+        self.layers = nn.ModuleList(layers)
+        self.n_layers = len(layers)
+        self.T = float(T)
+        self.h = self.T / self.n_layers
+        self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
+        self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
+        self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
+        self.scheme, self.layer_index = scheme, layer_index or inject_layer
+        self.batched, self.streams = batched, streams
+        self.callback = callback
+        self.t = np.arange(self.n_layers + 1, dtype=np.float64) * self.h
+        self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
+        self._setup_comm(comm)
+        #: mgrit.Result of the last forward and adjoint solve
+        self.last_forward: mgrit.Result | None = None
+        self.last_backward: mgrit.Result | None = None
+
+    # -- distribution -------------------------------------------------------
+    def _setup_comm(self, comm):
+        self._comm = as_communicator(comm)
+        P, r, N = self._comm.size, self._comm.rank, self.n_layers
+        self._ranges = fine_ranges(N + 1, P)
+        lo, hi = self._ranges[r]
+        self.lo, self.hi = lo, hi
+        if P == 1:
+            self._adj_comm = SerialComm()
+        else:
+            raw = self._comm.comm
+            self._adj_comm = MPIComm(raw.Split(0, P - 1 - r))
+        # the adjoint runs on the mirrored blocks: reverse index s <-> forward N - s
+        self._adj_partition = [N - self._ranges[P - 1 - q][1] for q in range(P)]
+        self._adj_partition[0] = 0
+        #: indices of the layers whose parameters this rank owns (layer j maps u_j -> u_{j+1})
+        self.owned_layers = range(max(lo - 1, 0), max(hi, 0)) if hi >= lo else range(0)
+        self._halo = self._halo_plan() if P > 1 else []
+
+    def _layers_used(self, rank: int) -> set:
+        """Layers whose parameters ``rank`` needs for its forward and adjoint steps."""
+        P, N, used = self._comm.size, self.n_layers, set()
+        fwd_ranges = _level_ranges(self.hierarchy, P)
+        adj_ranges = _level_ranges(self.hierarchy, P, self._adj_partition)
+        for l, lv in enumerate(self.hierarchy):
+            s = lv.stride
+            lo, hi = fwd_ranges[l][rank]
+            k = np.arange(max(lo, 1), hi + 1)
+            used.update(np.asarray(self.layer_index((k - 1) * s, k * s)).tolist())
+            lo, hi = adj_ranges[l][P - 1 - rank]
+            k = np.arange(max(lo, 1), hi + 1)
+            used.update(np.asarray(self.layer_index(N - k * s, N - (k - 1) * s)).tolist())
+        return used
+
+    def _owner_of_layer(self, j: int) -> int:
+        for p, (lo, hi) in enumerate(self._ranges):
+            if lo <= j + 1 <= hi:
+                return p
+        raise AssertionError(j)
+
+    def _halo_plan(self):
+        """Deterministic list of (owner, user, layer) for parameters that must travel."""
+        plan = []
+        for p in range(self._comm.size):
+            lo, hi = self._ranges[p]
+            own = set(range(max(lo - 1, 0), hi)) if hi >= lo else set()
+            for j in sorted(self._layers_used(p) - own):
+                plan.append((self._owner_of_layer(j), p, j))
+        return plan
+
+    def _exchange_halo(self):
+        r = self._comm.rank
+        for owner, user, j in self._halo:
+            if owner == r:
+                for p in self.layers[j].parameters():
+                    self._comm.send(p.detach(), user, 900)
+        for owner, user, j in self._halo:
+            if user == r:
+                with torch.no_grad():
+                    for p in self.layers[j].parameters():
+                        p.copy_(self._comm.recv(p.detach(), owner, 900))
+
+    # -- forward --------------------------------------------------------------
+    def _propagator(self):
+        return ODEPropagator(LayerStack(self.layers), self.h, self.scheme, self.layer_index,
+                             self.batched, self.streams)
+
+    def forward(self, x):
+        params = [p for m in self.layers for p in m.parameters()]
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return _LayerParallelFunction.apply(self, x, *params)
+        return self._forward_solve(x)[0]
+
+    def _forward_solve(self, x):
+        if self._comm.size > 1:
+            self._exchange_halo()
+        with torch.no_grad():
+            prop = self._propagator()
+            res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                              max_iter=self.fwd_iters, skip=False, comm=self._comm,
+                              callback=self.callback)
+            self.last_forward = res
+            U = res.u
+            if self._comm.size > 1:
+                U = self._with_ghost(U)
+                y = self._comm.bcast(U[-1].cpu() if self.hi == self.n_layers else None,
+                                     root=self._owner_of_layer(self.n_layers - 1)).to(x.device)
+            else:
+                y = U[-1].clone()
+        return y, (prop, U, x.shape)
+
+    def _with_ghost(self, U):
+        """Prepend the left neighbour's last state (u_{lo-1}) to this rank's states."""
+        c, r, P = self._comm, self._comm.rank, self._comm.size
+        if r + 1 < P and self._ranges[r + 1][0] <= self._ranges[r + 1][1]:
+            c.send(U[-1], r + 1, 901)
+        if self.lo > 0:
+            return torch.cat([c.recv(U[-1], r - 1, 901)[None], U])
+        return U
+
+    # -- backward -------------------------------------------------------------
+    def _adjoint_solve(self, saved, gy):
+        prop, U, xshape = saved
+        g0 = self.lo - 1 if self.lo > 0 else 0  # forward index of U[0]
+        N = self.n_layers
+
+        def states(ia):
+            return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
+
+        adj = AdjointPropagator(prop, states, N)
+        with torch.no_grad():
+            res = mgrit.solve(adj, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
+                              max_iter=self.bwd_iters, skip=False, comm=self._adj_comm,
+                              partition=self._adj_partition, initial_guess=0.0)
+        self.last_backward = res
+        W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
+        layers = np.arange(max(self.lo - 1, 0), self.hi)
+        grads = [None] * sum(1 for m in self.layers for _ in m.parameters())
+        if len(layers):
+            Win = W[1:] if self.lo == 0 else W  # w_{j+1} for j in layers
+            Uin = U[: len(layers)]  # u_j
+            with torch.enable_grad():
+                G = parameter_vjp(prop, layers, Uin, Win)
+            names = prop.stack.param_names
+            offs = np.cumsum([0] + [len(list(m.parameters())) for m in self.layers])
+            for k, j in enumerate(layers):
+                for q, n in enumerate(names):
+                    grads[offs[j] + q] = G[n][k]
+        if self._comm.size > 1:
+            gx = self._comm.bcast(W[0].cpu() if self.lo == 0 else None, root=0).to(gy.device)
+        else:
+            gx = W[0]
+        return gx.reshape(xshape), grads
+
+    # -- diagnostics ----------------------------------------------------------
+    @property
+    def forward_residuals(self) -> list:
+        """Residual history of the last forward solve."""
+        return [] if self.last_forward is None else list(self.last_forward.residuals)
+
+    @property
+    def backward_residuals(self) -> list:
+        """Residual history of the last adjoint solve."""
+        return [] if self.last_backward is None else list(self.last_backward.residuals)
+
+    def serial(self, x):
+        """The same network applied layer by layer with plain autograd (reference)."""
+        u = x
+        for m in self.layers:
+            u = self.scheme(m, u, torch.as_tensor(self.h, dtype=u.dtype, device=u.device))
+        return u
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"n_layers={self.n_layers}, T={self.T}, cf={o['cf']}, max_levels={o['max_levels']}, "
+                f"relax={o['relax']}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}, "
+                f"ranks={self._comm.size}")
+
+
+def allreduce_gradients(module: nn.Module, data_comm) -> None:
+    """Average ``.grad`` of every parameter of ``module`` over the data communicator.
+
+    Call after ``loss.backward()`` when each data rank computed its loss on its
+    own shard of the batch (equal shard sizes, mean loss). Parameters whose
+    ``grad`` is None (owned by another layer rank) are skipped.
+    """
+    from mpi4py import MPI
+
+    size = data_comm.Get_size()
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        buf = p.grad.detach().cpu().contiguous().numpy().copy()
+        data_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        p.grad.copy_(torch.from_numpy(buf / size).to(p.grad.device))
