@@ -76,35 +76,32 @@ class LayerStack:
     When every layer has the same type and parameter names / shapes
     (``uniform``), the tensors are also stacked along a new leading axis so
     that a batched step can gather the parameters of many layers at once.
-    The snapshot shares nothing with autograd (tensors are detached).
+    Stacked tensors are detached copies; single steps call the live modules.
+
+    Parameters
+    ----------
+    layers : nn.ModuleList
+    uniform : bool, optional
+        Whether the layers share one architecture (computed when omitted).
     """
 
-    def __init__(self, layers: Sequence[nn.Module]):
+    def __init__(self, layers: nn.ModuleList, uniform: bool | None = None):
+        self.layers = layers
         self.template = layers[0]
-        sig = [(n, p.shape, p.dtype) for n, p in layers[0].named_parameters()]
-        self.param_names = [n for n, _, _ in sig]
+        self.param_names = [n for n, _ in layers[0].named_parameters()]
         self.buffer_names = [n for n, _ in layers[0].named_buffers()]
-        self.uniform = all(
-            type(m) is type(layers[0]) and [(n, p.shape, p.dtype) for n, p in m.named_parameters()] == sig
-            for m in layers
-        )
-        self.layers = list(layers)
+        self.uniform = is_uniform(layers) if uniform is None else uniform
         self.stacked = None
         if self.uniform:
-            def stack(get):
-                return {n: torch.stack([get(m)[n].detach() for m in layers]) for n in self.param_names}
-
-            self.stacked = stack(lambda m: dict(m.named_parameters()))
-            if self.buffer_names:
-                self.stacked.update(
-                    {n: torch.stack([dict(m.named_buffers())[n] for m in layers]) for n in self.buffer_names}
-                )
+            k, kb = len(self.param_names), len(self.buffer_names)
+            flat = [p.detach() for p in layers.parameters()]
+            self.stacked = {n: torch.stack(flat[q::k]) for q, n in enumerate(self.param_names)}
+            if kb:
+                flat_b = list(layers.buffers())
+                self.stacked.update({n: torch.stack(flat_b[q::kb]) for q, n in enumerate(self.buffer_names)})
 
     def one(self, k: int):
         """Parameters and buffers of layer ``k`` as ``(params, buffers)`` dicts."""
-        if self.stacked is not None:
-            return ({n: self.stacked[n][k] for n in self.param_names},
-                    {n: self.stacked[n][k] for n in self.buffer_names})
         m = self.layers[k]
         return ({n: p.detach() for n, p in m.named_parameters()}, dict(m.named_buffers()))
 
@@ -115,7 +112,18 @@ class LayerStack:
                 {n: self.stacked[n].index_select(0, it) for n in self.buffer_names})
 
     def module_of(self, k: int) -> nn.Module:
-        return self.layers[k] if self.stacked is None else self.template
+        return self.layers[k]
+
+
+def is_uniform(layers) -> bool:
+    """True when all layers have the same structure (``repr``: types and hyper-parameters)
+    and the same parameter / buffer names, shapes and dtypes."""
+    def sig(m):
+        return (type(m), repr(m), [(n, p.shape, p.dtype) for n, p in m.named_parameters()],
+                [(n, b.shape) for n, b in m.named_buffers()])
+
+    ref = sig(layers[0])
+    return all(sig(m) == ref for m in layers)
 
 
 class ODEPropagator(mgrit.Propagator):
@@ -169,8 +177,7 @@ class ODEPropagator(mgrit.Propagator):
     def step(self, u, t0, t1):
         i0, i1 = self.ints(t0), self.ints(t1)
         k = int(self.layer_index(np.atleast_1d(i0), np.atleast_1d(i1))[0])
-        p, b = self.stack.one(k)
-        return self._single(p, b, u, self._dt(i0, i1, u), self.stack.module_of(k))
+        return self.scheme(self.stack.layers[k], u, self._dt(i0, i1, u))
 
     def step_batch(self, U, t0, t1):
         i0, i1 = self.ints(t0), self.ints(t1)
@@ -240,7 +247,12 @@ class AdjointPropagator(mgrit.Propagator):
         return ia, ib
 
     def step(self, v, tau0, tau1):
-        return self.step_batch(v[None], np.atleast_1d(tau0), np.atleast_1d(tau1))[0]
+        ia, ib = self._intervals(np.atleast_1d(tau0), np.atleast_1d(tau1))
+        k = int(self.fwd.layer_index(ia, ib)[0])
+        dt = self.fwd._dt(ia[0], ib[0], v)
+        module = self.fwd.stack.layers[k]
+        _, pull = vjp(lambda x: self.fwd.scheme(module, x, dt), self.states(ia)[0])
+        return pull(v)[0]
 
     def step_batch(self, V, tau0, tau1):
         ia, ib = self._intervals(tau0, tau1)
@@ -294,7 +306,6 @@ class _LayerParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         gx, gparams = ctx.lp._adjoint_solve(ctx.saved, gy)
-        ctx.saved = None
         return (None, gx, *gparams)
 
 
@@ -376,6 +387,8 @@ class LayerParallel(nn.Module):
         self.batched, self.streams = batched, streams
         self.callback = callback
         self.t = np.arange(self.n_layers + 1, dtype=np.float64) * self.h
+        self._uniform = is_uniform(self.layers)
+        self._param_counts = [sum(1 for _ in m.parameters()) for m in self.layers]
         self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
         self._setup_comm(comm)
         #: mgrit.Result of the last forward and adjoint solve
@@ -446,11 +459,11 @@ class LayerParallel(nn.Module):
 
     # -- forward --------------------------------------------------------------
     def _propagator(self):
-        return ODEPropagator(LayerStack(self.layers), self.h, self.scheme, self.layer_index,
+        return ODEPropagator(LayerStack(self.layers, self._uniform), self.h, self.scheme, self.layer_index,
                              self.batched, self.streams)
 
     def forward(self, x):
-        params = [p for m in self.layers for p in m.parameters()]
+        params = list(self.layers.parameters())
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return _LayerParallelFunction.apply(self, x, *params)
         return self._forward_solve(x)[0]
@@ -499,14 +512,14 @@ class LayerParallel(nn.Module):
         self.last_backward = res
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
         layers = np.arange(max(self.lo - 1, 0), self.hi)
-        grads = [None] * sum(1 for m in self.layers for _ in m.parameters())
+        grads = [None] * sum(self._param_counts)
         if len(layers):
             Win = W[1:] if self.lo == 0 else W  # w_{j+1} for j in layers
             Uin = U[: len(layers)]  # u_j
             with torch.enable_grad():
                 G = parameter_vjp(prop, layers, Uin, Win)
             names = prop.stack.param_names
-            offs = np.cumsum([0] + [len(list(m.parameters())) for m in self.layers])
+            offs = np.cumsum([0] + self._param_counts)
             for k, j in enumerate(layers):
                 for q, n in enumerate(names):
                     grads[offs[j] + q] = G[n][k]
