@@ -10,6 +10,7 @@ from .propagator import Propagator
 from .result import IterationInfo, Result, Status
 from .solver import gather, solve
 from .spatial import SpatialTransfer
+from . import theory
 
 __all__ = [
     "Propagator",
