@@ -7,6 +7,7 @@ ghost needs a message.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,8 @@ def restrict(w: LevelState, wc: LevelState, r) -> None:
     """
     # 1. inject the fine C-points: v = R_x u (this is also the coarse initial iterate)
     _inject(w, wc)
+    if wc.nloc == 1:  # this rank holds only coarse point 0 (the initial condition)
+        return
     # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
     psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:])
     # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
@@ -80,9 +83,9 @@ class CycleContext:
     states: list  # LevelState or None (rank owns no point there), finest first
     iteration: int = 0
 
-    def check(self, l: int) -> None:
-        w = self.states[l]
-        if not B.all_finite(w.u):
+    def check(self, l: int, X=None) -> None:
+        """Raise DivergenceError if ``X`` (default: all states of level ``l``) has NaN or Inf."""
+        if not B.all_finite(self.states[l].u if X is None else X):
             raise DivergenceError(
                 f"MGRIT diverged: NaN or Inf on level {l} in iteration {self.iteration}; "
                 "reduce the time step, use more levels of relaxation ('FCF') or a smaller `cf`"
@@ -104,7 +107,9 @@ def down(ctx: CycleContext, l: int, skip: bool):
         c_relax(w)
     f_relax(w)
     r = c_residual(w)
-    ctx.check(l)
+    # A NaN or Inf in an interval reaches the residual at its closing C-point, so
+    # checking r (1/m of the states) suffices; trailing F-points are checked at the end.
+    ctx.check(l, r)
     if wc is not None:
         restrict(w, wc, r)
     return r
@@ -136,12 +141,14 @@ def cycle(ctx: CycleContext, l: int, kind: str, skip: bool = False):
     return r
 
 
-def temporal_norm_parts(norms: np.ndarray, p) -> float:
-    """This rank's part of the temporal norm: sum of squares (2), sum (1) or max (inf)."""
-    if norms.size == 0:
-        return 0.0
+def temporal_norm(norms: np.ndarray, p, comm) -> float:
+    """Temporal ``p``-norm (2, 1 or inf) of the spatial norms of all ranks' C-point residuals.
+
+    Sums are exact (correctly rounded) so that the value does not depend on
+    the number of ranks; a NaN or Inf anywhere gives ``inf`` or NaN.
+    """
     if p == 2:
-        return float(np.sum(norms * norms))
+        return math.sqrt(comm.sum_exact(norms * norms))
     if p == 1:
-        return float(np.sum(norms))
-    return float(np.max(norms))
+        return comm.sum_exact(norms)
+    return max(comm.max(norms), 0.0)

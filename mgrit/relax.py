@@ -115,20 +115,29 @@ def f_relax(w: LevelState) -> None:
     """F-relaxation: ``u_i <- Phi(u_{i-1}) + g_i`` at all F-points of the level.
 
     The F-points with residue ``j = 1 .. m-1`` are updated in order of ``j``;
-    each residue class is one batched call. The ghost is needed first when
-    this rank starts inside an interval, otherwise it is refreshed at the end
-    (for the C-relaxation and residuals that follow).
+    each residue class is one batched call. The last owned point is sent to
+    the right neighbour as soon as it is final (before the sweeps if it is a
+    C-point, after sweep ``hi % m`` otherwise). When this rank starts inside
+    an interval, the ghost is received just before sweep ``lo % m``, the
+    first that needs it, so the sweeps before it overlap with the neighbour's
+    work and the wait along a chain of such ranks is at most ``m - 1`` sweeps;
+    otherwise the ghost is refreshed at the end (for the C-relaxation and
+    residuals that follow).
     """
     m = w.level.cf
-    starts_inside = w.left is not None and w.lo % m != 0
-    if starts_inside:
-        recv_ghost(w, w.u)
+    j_lo = w.lo % m if w.left is not None else 0  # sweep that first reads the ghost (0: none)
+    j_hi = w.hi % m if w.right is not None else -1  # sweep after which u[hi] is final
+    if j_hi == 0:
+        send_last(w, w.u)
     for j in range(1, m):
+        if j == j_lo:
+            recv_ghost(w, w.u)
         a = w.first(j)
         if a < w.nloc:
             w.u[a::m] = _phi_from(w, a)
-    send_last(w, w.u)
-    if w.left is not None and not starts_inside:
+        if j == j_hi:
+            send_last(w, w.u)
+    if w.left is not None and j_lo == 0:
         recv_ghost(w, w.u)
 
 
@@ -168,7 +177,7 @@ def sequential_solve(w: LevelState) -> None:
     u, tl, step, g = w.u, w.tl, w.prop.step, w.g
     shape = tuple(u.shape[1:])
     for a in range(1, w.nloc):
-        x = step(u[a - 1], float(tl[a - 1]), float(tl[a]))
+        x = B.as_state(step(u[a - 1], float(tl[a - 1]), float(tl[a])))  # a float is a 0-d state
         if tuple(x.shape) != shape:
             raise ValueError(
                 f"the propagator of level {w.level.index} returned a state of shape "

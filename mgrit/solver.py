@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from .comm import Communicator, as_communicator
-from .cycle import CycleContext, DivergenceError, cycle, temporal_norm_parts
+from .comm import Communicator, args_signature, as_communicator
+from .cycle import CycleContext, DivergenceError, cycle, temporal_norm
 from .hierarchy import Hierarchy, build_hierarchy, per_level
 from .propagator import Propagator
 from .relax import LevelState, f_relax
@@ -111,13 +111,13 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
 
 
 def _validate(tol, tol_type, norm, max_iter, cycle_kind):
-    if tol is not None and (not isinstance(tol, (int, float)) or not tol >= 0):
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0):
         raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
     if tol_type not in ("abs", "rel"):
         raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
-    if norm not in (1, 2, math.inf, "inf"):
+    if isinstance(norm, bool) or norm not in (1, 2, math.inf, "inf"):
         raise ValueError(f"`norm` (temporal) must be 1, 2 or inf, got {norm!r}")
-    if not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
         raise ValueError(f"`max_iter` must be an integer >= 1, got {max_iter!r}")
     if cycle_kind not in ("V", "F"):
         raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle_kind!r}")
@@ -183,7 +183,13 @@ def solve(
     callback : callable, optional
         Called after every cycle with an :class:`IterationInfo`.
     comm : None, mpi4py communicator or Communicator
-        Split the time axis over the ranks of this communicator; None runs serially.
+        Split the time axis over the ranks of this communicator; None runs
+        serially. The call is collective: every rank passes the same grid,
+        hierarchy and stopping rule (checked). Rank ``p`` owns a contiguous
+        block of fine points; ranks may outnumber the coarse points or even
+        the fine points (they then own nothing). ``Result.u`` holds this
+        rank's points (see ``Result.index``); :func:`gather` collects them.
+        The results do not depend on the number of ranks, bit for bit.
     partition : sequence of int, optional
         Fine index at which the block of each rank starts (default: balanced
         contiguous blocks).
@@ -196,6 +202,9 @@ def solve(
     ------
     DivergenceError
         NaN or Inf appeared (the message names the level and iteration).
+    RemoteRankError
+        Another rank of ``comm`` failed (bad input, an exception in its
+        propagator, a divergence); the message names the rank and its error.
 
     Examples
     --------
@@ -212,28 +221,41 @@ def solve(
     >>> res.iterations, res.converged
     (4, True)
     """
-    _validate(tol, tol_type, norm, max_iter, cycle)
-    p = math.inf if norm == "inf" else norm
-    u0 = B.as_state(u0)
-    if not B.all_finite(u0):
-        raise ValueError("`u0` contains NaN or Inf")
-    hierarchy = build_hierarchy(t, cf, max_levels, min_coarse, relax, c_weight)
-    L = len(hierarchy)
-    props = _check_propagators(propagator, L)
-    transfers = per_level(spatial, max(L - 1, 1), "spatial")
-    for tr in transfers:
-        if tr is not None and not isinstance(tr, SpatialTransfer):
-            raise TypeError(f"`spatial` entries must be mgrit.SpatialTransfer or None, got {type(tr).__name__}")
-    if callback is not None and not callable(callback):
-        raise TypeError("`callback` must be callable")
-
     comm = as_communicator(comm)
-    try:
-        return _run(hierarchy, props, transfers, u0, initial_guess, comm, cycle, tol, tol_type,
-                    p, max_iter, skip, callback, partition)
-    except BaseException as exc:
-        comm.notify_failure(exc)
+    try:  # every check is local: a rank with bad input tells the others in comm.open
+        _validate(tol, tol_type, norm, max_iter, cycle)
+        p = math.inf if norm == "inf" else norm
+        u0 = B.as_state(u0)
+        if not B.is_torch(u0) and u0.dtype.kind not in "fc":
+            raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")
+        if not B.all_finite(u0):
+            raise ValueError("`u0` contains NaN or Inf")
+        hierarchy = build_hierarchy(t, cf, max_levels, min_coarse, relax, c_weight)
+        L = len(hierarchy)
+        props = _check_propagators(propagator, L)
+        transfers = per_level(spatial, max(L - 1, 1), "spatial")
+        for tr in transfers:
+            if tr is not None and not isinstance(tr, SpatialTransfer):
+                raise TypeError(f"`spatial` entries must be mgrit.SpatialTransfer or None, got {type(tr).__name__}")
+        if callback is not None and not callable(callback):
+            raise TypeError("`callback` must be callable")
+        states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, partition)
+        sig = args_signature(
+            [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
+            B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], cycle, tol, tol_type, p,
+            max_iter, skip, None if partition is None else [int(s) for s in partition],
+        )
+    except Exception as exc:
+        comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
+    comm.open(signature=sig)
+    try:
+        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter, skip, callback)
+    except BaseException as exc:
+        comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
+        raise
+    comm.close()
+    return res
 
 
 def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, partition=None):
@@ -259,9 +281,7 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
     return states
 
 
-def _run(hierarchy, props, transfers, u0, initial_guess, comm, kind, tol, tol_type, p,
-         max_iter, skip, callback, partition=None) -> Result:
-    states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, partition)
+def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback) -> Result:
     ctx = CycleContext(states)
     residuals: list = []
     converged = False
@@ -281,9 +301,8 @@ def _run(hierarchy, props, transfers, u0, initial_guess, comm, kind, tol, tol_ty
             res_k = None
             if not (skip and k == 0):
                 w0 = states[0]
-                local = temporal_norm_parts(w0.prop.norms(r), p) if w0 is not None else 0.0
-                total = comm.allreduce(local, "max" if p == math.inf else "sum")
-                res_k = math.sqrt(total) if p == 2 else total
+                norms = w0.prop.norms(r) if w0 is not None else np.zeros(0)
+                res_k = temporal_norm(norms, p, comm)
                 if not math.isfinite(res_k):
                     raise DivergenceError(f"MGRIT diverged: residual norm {res_k} in iteration {k}")
                 first = res_k if first is None else first

@@ -1,0 +1,328 @@
+"""A critical-path cost model of a distributed MGRIT solve.
+
+The model replays the solver's schedule (:mod:`mgrit.cycle`, :mod:`mgrit.relax`)
+on ``P`` simulated ranks that own the same blocks as in :func:`mgrit.solve`.
+Every rank has a clock; propagator work advances it, and a message from a
+neighbour arrives ``latency`` seconds after it was sent: a receive sets the
+clock to ``max(own clock, send time + latency)``. Along the way the model
+tracks which work lies on the critical path (the chain of work and messages
+that ends at the latest clock), per level.
+
+What one operation costs on a rank (``n`` = states it advances):
+
+* F-relaxation of a level with factor ``m``: ``m - 1`` batched calls, one per
+  residue class of F-points in its block. A rank whose block starts inside an
+  interval waits for its left neighbour before the sweep that first needs the
+  ghost; the neighbour sends its last point as soon as it is final.
+* C-relaxation, C-point residuals and the FAS coarse operator ``Psi(v)``: one
+  batched call each (the last one counted on the coarse level).
+* The coarsest level: sequential stepping, a chain over the ranks that own
+  coarsest points: receive, step through the block, send.
+* The residual norm (every cycle but a skipped first one) and the final
+  handshake are all-reduces: every clock jumps to the largest plus
+  ``reduce_latency`` (default ``latency * ceil(log2 P)``).
+
+A batched call of ``n`` states costs ``per_call + n * per_state`` and a single
+step ``single`` (:class:`StepCost`, per level); with the default unit costs
+the predicted time counts propagator calls. Sequential stepping, the
+baseline of the speedup, costs ``N * single`` of the finest level.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .hierarchy import Hierarchy, per_level
+from .solver import _level_ranges, _neighbours
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of propagator work on one level.
+
+    Attributes
+    ----------
+    single : float
+        One ``step`` call: sequential stepping and the coarsest-level solve.
+    per_state : float
+        Each state advanced by a batched ``step_batch`` call.
+    per_call : float
+        Fixed cost of every batched call (Python and dispatch overhead).
+
+    >>> StepCost(single=3.0, per_state=1.0, per_call=0.5).batch(4)
+    4.5
+    """
+
+    single: float = 1.0
+    per_state: float = 1.0
+    per_call: float = 0.0
+
+    def __post_init__(self):
+        for name in ("single", "per_state", "per_call"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
+
+    def batch(self, n: int) -> float:
+        """Seconds of one batched call advancing ``n`` states (0 when ``n == 0``)."""
+        return self.per_call + n * self.per_state if n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What :func:`predict` returns.
+
+    Attributes
+    ----------
+    time : float
+        Predicted duration of the solve (the latest clock).
+    sequential_time : float
+        ``N`` single steps of the finest level: the baseline.
+    path_calls : tuple of int
+        Propagator calls (states advanced) per level on the critical path.
+    iteration_path_calls : tuple of tuple of int
+        The growth of the critical path's calls per level in each cycle (the
+        last entry is the final F-relaxation and handshake).
+    iteration_times : tuple of float
+        The latest clock at the end of each cycle.
+    rank_calls : tuple of tuple of int
+        Calls per level done by every rank (what ``Result.counts`` reports there).
+    path_messages : int
+        Point-to-point messages on the critical path.
+    """
+
+    time: float
+    sequential_time: float
+    path_calls: tuple
+    iteration_path_calls: tuple
+    iteration_times: tuple
+    rank_calls: tuple
+    path_messages: int
+
+    @property
+    def speedup(self) -> float:
+        """Sequential stepping time over the predicted time."""
+        return self.sequential_time / self.time if self.time > 0 else math.inf
+
+
+def count_residue(lo: int, hi: int, j: int, m: int) -> int:
+    """Number of indices ``i`` in ``lo..hi`` with ``i % m == j``.
+
+    >>> count_residue(1, 8, 0, 2), count_residue(1, 8, 1, 2), count_residue(5, 4, 0, 2)
+    (4, 4, 0)
+    """
+    if hi < lo:
+        return 0
+    return (hi - j) // m - (lo - 1 - j) // m
+
+
+def sequential_time(hierarchy: Hierarchy, cost: StepCost | Sequence[StepCost] = StepCost()) -> float:
+    """Time of plain sequential stepping over the fine grid: ``N * single``."""
+    return hierarchy[0].n * per_level(cost, len(hierarchy), "cost")[0].single
+
+
+class _Schedule:
+    """Clocks, critical paths and the blocks of the simulated ranks (internal)."""
+
+    def __init__(self, hierarchy, size, costs, latency, reduce_latency, partition):
+        self.h, self.size, self.costs, self.lat = hierarchy, size, costs, latency
+        self.red = latency * math.ceil(math.log2(size)) if reduce_latency is None else reduce_latency
+        L = len(hierarchy)
+        self.clock = np.zeros(size)
+        self.path = np.zeros((size, L), dtype=np.int64)  # calls on the path that ends at each clock
+        self.msgs = np.zeros(size, dtype=np.int64)
+        self.work = np.zeros((size, L), dtype=np.int64)  # everything each rank did
+        self.blocks = []  # per level: {rank: (lo, hi, left, right)}
+        for l, ranges in enumerate(_level_ranges(hierarchy, size, partition)):
+            self.blocks.append({r: (lo, hi) + _neighbours(ranges, r) for r, (lo, hi) in enumerate(ranges) if hi >= lo})
+
+    # -- primitives -------------------------------------------------------
+    def snap(self, r):
+        return self.clock[r], self.path[r].copy(), self.msgs[r]
+
+    def arrive(self, r, sent) -> None:
+        """A message sent at ``sent`` reaches rank ``r``."""
+        t, path, msgs = sent
+        if t + self.lat > self.clock[r]:
+            self.clock[r], self.path[r], self.msgs[r] = t + self.lat, path, msgs + 1
+
+    def compute(self, r, l, n, batched=True) -> None:
+        if n <= 0:
+            return
+        c = self.costs[l]
+        self.clock[r] += c.batch(n) if batched else n * c.single
+        self.path[r, l] += n
+        self.work[r, l] += n
+
+    def sync(self) -> None:
+        """An all-reduce over every rank."""
+        r = int(np.argmax(self.clock))
+        self.clock[:] = self.clock[r] + self.red
+        self.path[:] = self.path[r]
+        self.msgs[:] = self.msgs[r]
+
+    # -- solver operations ------------------------------------------------
+    def f_relax(self, l) -> None:
+        m, sent = self.h[l].cf, {}
+        for r, (lo, hi, left, right) in self.blocks[l].items():  # left neighbours come first
+            j_lo = lo % m if left is not None else 0
+            j_hi = hi % m if right is not None else -1
+            if j_hi == 0:
+                sent[r] = self.snap(r)
+            for j in range(1, m):
+                if j == j_lo:
+                    self.arrive(r, sent[left])
+                self.compute(r, l, count_residue(max(lo, 1), hi, j, m))
+                if j == j_hi:
+                    sent[r] = self.snap(r)
+            if left is not None and j_lo == 0:
+                self.arrive(r, sent[left])
+
+    def c_sweep(self, l) -> None:
+        """C-relaxation or C-point residuals: one batched call over the owned C-points."""
+        m = self.h[l].cf
+        for r, (lo, hi, _, _) in self.blocks[l].items():
+            self.compute(r, l, count_residue(max(lo, 1), hi, 0, m))
+
+    def exchange(self, l) -> None:
+        """Every rank sends its last point right, then receives its ghost."""
+        sent = {r: self.snap(r) for r in self.blocks[l]}
+        for r, (_, _, left, _) in self.blocks[l].items():
+            if left is not None:
+                self.arrive(r, sent[left])
+
+    def coarse_operator(self, l) -> None:
+        """``Psi(v[k-1])`` at the owned coarse points ``k >= 1``."""
+        for r, (lo, hi, _, _) in self.blocks[l].items():
+            self.compute(r, l, hi - max(lo, 1) + 1)
+
+    def sequential(self, l) -> None:
+        sent = {}
+        for r, (lo, hi, left, _) in self.blocks[l].items():
+            if left is not None:
+                self.arrive(r, sent[left])
+            self.compute(r, l, hi - max(lo, 1) + 1, batched=False)
+            sent[r] = self.snap(r)
+
+    def down(self, l, skip) -> None:
+        if not skip:
+            for _ in range(self.h[l].nrelax):
+                self.f_relax(l)
+                self.c_sweep(l)
+            self.f_relax(l)
+            self.c_sweep(l)  # residuals
+        self.exchange(l + 1)  # injection
+        if not skip:
+            self.coarse_operator(l + 1)
+
+    def cycle(self, l, kind, skip=False) -> None:
+        last = len(self.h) - 1
+        if l == last:
+            self.sequential(l)
+            return
+        self.down(l, skip)
+        if self.blocks[l + 1]:
+            self.cycle(l + 1, kind, skip)
+            if kind == "F" and not skip and l + 1 < last:
+                self.cycle(l + 1, "V")
+            if l + 1 < last:
+                self.f_relax(l + 1)
+
+    def latest(self) -> tuple:
+        r = int(np.argmax(self.clock))
+        return float(self.clock[r]), self.path[r].copy()
+
+
+def predict(
+    hierarchy: Hierarchy,
+    size: int,
+    iterations: int,
+    *,
+    cycle: str = "V",
+    skip: bool = True,
+    cost: StepCost | Sequence[StepCost] = StepCost(),
+    latency: float = 0.0,
+    reduce_latency: float | None = None,
+    partition=None,
+) -> Prediction:
+    """Predict the critical path and time of ``mgrit.solve`` on ``size`` ranks.
+
+    Parameters
+    ----------
+    hierarchy : Hierarchy
+        From :func:`mgrit.build_hierarchy` (time grid, factors, relaxation).
+    size : int
+        Number of ranks ``P``.
+    iterations : int
+        Number of cycles (``Result.iterations``).
+    cycle : {"V", "F"}
+    skip : bool
+        XBraid's skip, as in :func:`mgrit.solve`.
+    cost : StepCost or sequence of StepCost
+        Propagator cost per level (last repeats); default: unit costs, so
+        that times count propagator calls.
+    latency : float
+        Seconds from sending a message to its arrival.
+    reduce_latency : float, optional
+        Seconds of an all-reduce; default ``latency * ceil(log2 P)``.
+    partition : sequence of int, optional
+        Start index of every rank's block, as in :func:`mgrit.solve`.
+
+    Returns
+    -------
+    Prediction
+
+    Examples
+    --------
+    Eight intervals on two ranks (points 0..3 and 4..8), two levels,
+    F-relaxation, one cycle without skip. The critical path holds 7 fine and
+    6 coarse calls (rank 1's work) and four latencies: two ghost messages and
+    two all-reduces (the residual norm, the final handshake):
+
+    >>> import numpy as np, mgrit
+    >>> h = mgrit.build_hierarchy(np.linspace(0, 1, 9), cf=2, max_levels=2, relax="F")
+    >>> p = predict(h, 2, iterations=1, skip=False, latency=0.5)
+    >>> p.path_calls, p.path_messages, p.time, p.sequential_time, p.rank_calls
+    ((7, 6), 2, 15.0, 8.0, ((5, 2), (7, 6)))
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"`size` must be an integer >= 1, got {size!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+        raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
+    if cycle not in ("V", "F"):
+        raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
+    if not latency >= 0 or (reduce_latency is not None and not reduce_latency >= 0):
+        raise ValueError("`latency` and `reduce_latency` must be >= 0")
+    L = len(hierarchy)
+    costs = per_level(cost, L, "cost")
+    s = _Schedule(hierarchy, int(size), costs, float(latency), reduce_latency, partition)
+    marks, times = [np.zeros(L, dtype=np.int64)], []
+    if L == 1:
+        s.sequential(0)
+        iterations = 0
+    for k in range(iterations):
+        first_skipped = skip and k == 0
+        s.cycle(0, cycle, skip=first_skipped)
+        if not first_skipped:
+            s.sync()  # the residual norm
+        t, path = s.latest()
+        times.append(t)
+        marks.append(path)
+    if L > 1:
+        s.f_relax(0)
+    s.sync()  # the final handshake
+    t, path = s.latest()
+    marks.append(path)
+    per_iter = tuple(tuple(int(x) for x in b - a) for a, b in zip(marks[:-1], marks[1:]))
+    return Prediction(
+        time=t,
+        sequential_time=sequential_time(hierarchy, costs),
+        path_calls=tuple(int(x) for x in path),
+        iteration_path_calls=per_iter,
+        iteration_times=tuple(times),
+        rank_calls=tuple(tuple(int(x) for x in row) for row in s.work),
+        path_messages=int(s.msgs[int(np.argmax(s.clock))]),
+    )
