@@ -1,0 +1,234 @@
+"""Bad input gets a clear error that names the argument; NaN / Inf is never a result."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+import mgrit
+from propagators import Dahlquist
+
+from conftest import uniform_grid
+
+T = uniform_grid(16, 1.0)
+U0 = np.array([1.0, 2.0])
+
+
+def solve(**kw):
+    args = dict(propagator=Dahlquist(-1.0), u0=U0, t=T)
+    args.update(kw)
+    return mgrit.solve(args.pop("propagator"), args.pop("u0"), args.pop("t"), **args)
+
+
+# --------------------------------------------------------------------------- time grid
+@pytest.mark.parametrize("t", [
+    T[::-1],
+    np.array([0.0, 0.5, 0.5, 1.0]),
+    np.array([0.0, 1.0, 0.5, 2.0]),
+])
+def test_non_increasing_t(t):
+    with pytest.raises(ValueError, match="`t`.*increasing"):
+        solve(t=t)
+
+
+@pytest.mark.parametrize("t", [[0.0], [], np.zeros((3, 2))])
+def test_too_short_or_not_1d_t(t):
+    with pytest.raises(ValueError, match="`t`"):
+        solve(t=t)
+
+
+@pytest.mark.parametrize("t", [[0.0, np.nan, 1.0], [0.0, 1.0, np.inf]])
+def test_non_finite_t(t):
+    with pytest.raises(ValueError, match="`t`"):
+        solve(t=t)
+
+
+# --------------------------------------------------------------------------- hierarchy options
+@pytest.mark.parametrize("cf", [1, 0, -2, 2.5, [2, 1], "2", []])
+def test_bad_cf(cf):
+    with pytest.raises(ValueError, match="`cf`"):
+        solve(cf=cf)
+
+
+@pytest.mark.parametrize("relax", ["X", "CF", "FC", "FF", "", 3, None, ["F", "FCX"]])
+def test_unknown_relaxation(relax):
+    with pytest.raises(ValueError, match="`relax`"):
+        solve(relax=relax)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("max_levels", 0), ("max_levels", 2.0), ("min_coarse", 0), ("c_weight", 0.0),
+    ("c_weight", 2.5), ("c_weight", [1.0, -1.0]),
+])
+def test_bad_hierarchy_numbers(name, value):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        solve(**{name: value})
+
+
+# --------------------------------------------------------------------------- solver options
+@pytest.mark.parametrize("name,value", [
+    ("tol_type", "relative"), ("tol_type", None),
+    ("norm", 3), ("norm", 0), ("norm", "fro"), ("norm", True),
+    ("cycle", "W"), ("cycle", "v2"), ("cycle", None),
+    ("max_iter", 0), ("max_iter", -1), ("max_iter", 2.5), ("max_iter", "10"), ("max_iter", True),
+    ("tol", -1e-3), ("tol", math.nan), ("tol", "1e-6"),
+])
+def test_bad_solver_option(name, value):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        solve(**{name: value})
+
+
+def test_not_a_propagator():
+    class Stepper:  # has the method but is not an mgrit.Propagator
+        def step(self, u, t0, t1):
+            return u
+
+    for bad in (Stepper(), lambda u, t0, t1: u, [Dahlquist(-1.0), Stepper()]):
+        with pytest.raises(TypeError, match="`propagator`"):
+            solve(propagator=bad)
+
+
+def test_bad_callback_and_spatial():
+    with pytest.raises(TypeError, match="`callback`"):
+        solve(callback=42)
+    with pytest.raises(TypeError, match="`spatial`"):
+        solve(spatial="coarsen")
+
+
+# --------------------------------------------------------------------------- states
+@pytest.mark.parametrize("u0", [np.array([1.0, np.nan]), np.array(np.inf), np.array([[1.0, -np.inf]])])
+def test_non_finite_u0(u0):
+    with pytest.raises(ValueError, match="`u0`"):
+        solve(u0=u0)
+
+
+@pytest.mark.parametrize("u0", ["abc", np.array(["a", "b"]), [object()]])
+def test_non_numeric_u0(u0):
+    with pytest.raises(TypeError, match="`u0`"):
+        solve(u0=u0)
+
+
+@pytest.mark.parametrize("guess", [
+    np.nan,
+    np.array([1.0, np.inf]),
+    np.vstack([np.ones((16, 2)), [[np.nan, 0.0]]]),
+    lambda s: np.array([1.0, np.nan if s > 0.5 else 0.0]),
+])
+def test_non_finite_initial_guess(guess):
+    with pytest.raises(ValueError, match="`initial_guess`"):
+        solve(initial_guess=guess)
+
+
+@pytest.mark.parametrize("guess", [np.ones(3), np.ones((17, 3)), np.ones((16, 2)), lambda s: np.ones(3)])
+def test_wrongly_shaped_initial_guess(guess):
+    with pytest.raises(ValueError, match="`initial_guess"):
+        solve(initial_guess=guess)
+
+
+class WrongShape(mgrit.Propagator):
+    def step(self, u, t0, t1):
+        return np.concatenate([u, u])
+
+
+class WrongBatchShape(Dahlquist):
+    def step_batch(self, U, t0, t1):
+        return super().step_batch(U, t0, t1)[:, :1]
+
+
+@pytest.mark.parametrize("prop,levels", [(WrongShape(), 1), (WrongShape(), 2), (WrongShape(), 3),
+                                         (WrongBatchShape(-1.0), 2), (WrongBatchShape(-1.0), 3)])
+@pytest.mark.parametrize("skip", [False, True])
+def test_propagator_returning_wrong_shape(prop, levels, skip):
+    """Checked on every path: single steps (sequential solves) and batched relaxation
+    sweeps (one level never calls ``step_batch``)."""
+    with pytest.raises(ValueError, match=r"propagator.*shape.*\(2,\)") as info:
+        solve(propagator=prop, max_levels=levels, skip=skip)
+    assert "`step`" in str(info.value)
+
+
+# --------------------------------------------------------------------------- divergence
+class NaNAfter(mgrit.Propagator):
+    """Backward Euler for u' = -u that returns NaN on steps ending after ``t_bad``."""
+
+    def __init__(self, t_bad):
+        self.t_bad = t_bad
+
+    def step(self, u, t0, t1):
+        return u * np.nan if t1 > self.t_bad else u / (1.0 + (t1 - t0))
+
+
+class NaNForLongSteps(mgrit.Propagator):
+    """Fine only for steps up to ``h``: every coarse-level step returns NaN."""
+
+    def __init__(self, h):
+        self.h = h
+
+    def step(self, u, t0, t1):
+        return u / (1.0 + (t1 - t0)) if t1 - t0 <= self.h * (1 + 1e-9) else u * np.inf
+
+
+class Switchable(Dahlquist):
+    """Backward Euler for u' = -u that returns NaN once ``broken[0]`` is set."""
+
+    def __init__(self):
+        super().__init__(-1.0)
+        object.__setattr__(self, "broken", [False])
+
+    def step_batch(self, U, t0, t1):
+        out = super().step_batch(U, t0, t1)
+        return out * np.nan if self.broken[0] else out
+
+
+def divergence_message(**kw):
+    seen = []
+    with pytest.raises(mgrit.DivergenceError) as info, np.errstate(invalid="ignore", over="ignore"):
+        solve(callback=seen.append, **kw)
+    msg = str(info.value)
+    return msg, seen
+
+
+def test_nan_on_fine_level_first_iteration():
+    msg, _ = divergence_message(propagator=NaNAfter(0.5), skip=False, max_levels=2)
+    assert re.search(r"level 0 in iteration 0", msg), msg
+
+
+def test_nan_on_coarse_level_is_named():
+    h = T[1] - T[0]
+    msg, _ = divergence_message(propagator=NaNForLongSteps(h), skip=False, max_levels=2)
+    assert re.search(r"level 1 in iteration 0", msg), msg
+
+
+def test_nan_in_a_later_iteration():
+    """The fine propagator breaks after the callback of iteration 1: the NaN appears in the
+    relaxation of iteration 2 on level 0, and no result comes back."""
+    prop = Switchable()
+    seen = []
+
+    def callback(info):
+        seen.append(info)
+        if info.iteration == 1:
+            prop.broken[0] = True
+
+    with pytest.raises(mgrit.DivergenceError) as info, np.errstate(invalid="ignore"):
+        solve(propagator=[prop, Dahlquist(-1.0)], skip=False, max_levels=2, tol=None,
+              max_iter=10, callback=callback)
+    assert re.search(r"level 0 in iteration 2", str(info.value)), str(info.value)
+    assert [i.iteration for i in seen] == [0, 1]
+    assert all(math.isfinite(i.residual) for i in seen)
+
+
+def test_nan_with_one_level():
+    msg, _ = divergence_message(propagator=NaNAfter(0.5), max_levels=1)
+    assert re.search(r"level 0 in iteration 0", msg), msg
+
+
+def test_overflow_to_inf_is_divergence():
+    class Explode(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return u * 1e300
+
+    with np.errstate(over="ignore"):
+        with pytest.raises(mgrit.DivergenceError, match=r"level \d+ in iteration \d+"):
+            solve(propagator=Explode(), t=uniform_grid(64, 1.0), max_levels=2)

@@ -1,0 +1,124 @@
+"""Spatial coarsening between time levels (REFERENCE.md 1, XBraid's SpatialCoarsen/Refine).
+
+With spatial coarsening the fine problem is unchanged, so the FAS fixed point is
+still fine-level sequential stepping; only the speed of convergence depends on
+the coarse grids.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mgrit
+from propagators import Heat1D, HeatTransfer, heat_hierarchy
+
+from conftest import max_err, scale, sequential, uniform_grid
+
+
+class Recording(mgrit.Propagator):
+    """Wraps a propagator and records the state shapes it is asked to step."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.shapes = set()
+
+    def step(self, u, t0, t1):
+        self.shapes.add(tuple(u.shape))
+        return self.inner.step(u, t0, t1)
+
+    def step_batch(self, U, t0, t1):
+        self.shapes.add(tuple(U.shape[1:]))
+        return self.inner.step_batch(U, t0, t1)
+
+
+class Identity(mgrit.SpatialTransfer):
+    """No coarsening, written as a transfer: must change nothing at all."""
+
+    def restrict(self, U):
+        return U.copy()
+
+    def interpolate(self, E):
+        return E.copy()
+
+
+def test_heat_hierarchy_shapes():
+    props, transfers = heat_hierarchy(33, 4)
+    assert [p.nx for p in props] == [33, 17, 9, 5]
+    assert all(isinstance(tr, HeatTransfer) for tr in transfers)
+    props, transfers = heat_hierarchy(33, 3, coarsen_from=2)
+    assert [p.nx for p in props] == [33, 33, 17]
+    assert transfers[0] is None and isinstance(transfers[1], HeatTransfer)
+
+
+def test_heat_transfer_maps():
+    """Injection of every other interior point; linear interpolation with zero boundaries,
+    so interpolate-then-restrict is the identity and smooth functions are reproduced."""
+    tr = HeatTransfer()
+    coarse = np.random.default_rng(3).standard_normal((4, 7))
+    fine = tr.interpolate(coarse)
+    assert fine.shape == (4, 15)
+    assert np.array_equal(tr.restrict(fine), coarse)
+    x_f = np.linspace(0, 1, 17)[1:-1]
+    x_c = np.linspace(0, 1, 9)[1:-1]
+    line = lambda x: np.minimum(x, 1 - x)  # piecewise linear, kink on a coarse node
+    np.testing.assert_allclose(tr.interpolate(line(x_c)[None])[0], line(x_f), atol=1e-15)
+
+
+@pytest.mark.parametrize("levels", [2, 3, 4])
+@pytest.mark.parametrize("cycle", ["V", "F"])
+def test_spatial_coarsening_converges_to_fine_sequential(levels, cycle):
+    nx, N = 33, 64
+    props, transfers = heat_hierarchy(nx, levels)
+    recorders = [Recording(p) for p in props]
+    fine = props[0]
+    t = uniform_grid(N, 1.0)
+    ref = sequential(fine, fine.initial(), t)
+    tol = 1e-9
+    res = mgrit.solve(recorders, fine.initial(), t, cf=2, max_levels=levels, cycle=cycle,
+                      spatial=transfers, tol=tol)
+    assert res.converged and len(res.hierarchy) == levels
+    assert res.residuals[-1] <= tol
+    assert max_err(res.u, ref) <= N * tol * scale(ref)
+    # every level really ran on its own spatial grid
+    for rec, p in zip(recorders, props):
+        assert rec.shapes == {(p.nx - 2,)}
+    # and the fixed point is the fine problem, not the coarse ones
+    assert max_err(sequential(props[1], props[1].initial(), t[::2]), ref[::2, 1::2]) > 1e-4
+
+
+def test_identity_transfer_changes_nothing():
+    prop = Heat1D(17)
+    t = uniform_grid(64, 1.0)
+    kw = dict(cf=2, max_levels=3, tol=None, max_iter=3)
+    plain = mgrit.solve(prop, prop.initial(), t, **kw)
+    ident = mgrit.solve(prop, prop.initial(), t, spatial=Identity(), **kw)
+    assert np.array_equal(plain.u, ident.u) and plain.residuals == ident.residuals
+
+
+def test_spatial_coarsening_from_second_level():
+    props, transfers = heat_hierarchy(33, 3, coarsen_from=2)
+    t = uniform_grid(64, 1.0)
+    ref = sequential(props[0], props[0].initial(), t)
+    res = mgrit.solve(props, props[0].initial(), t, cf=4, max_levels=3, spatial=transfers, tol=1e-10)
+    assert res.converged
+    assert max_err(res.u, ref) <= 1e-7 * scale(ref)
+
+
+def test_restrict_residual_hook_is_used():
+    """A transfer whose residual restriction differs from state injection (full weighting)
+    is called for the FAS right-hand side and still converges to the fine solution."""
+
+    class FullWeighting(HeatTransfer):
+        calls = 0
+
+        def restrict_residual(self, R):
+            FullWeighting.calls += 1
+            return 0.25 * R[:, 0:-2:2] + 0.5 * R[:, 1:-1:2] + 0.25 * R[:, 2::2]
+
+    props, _ = heat_hierarchy(33, 2)
+    t = uniform_grid(64, 1.0)
+    ref = sequential(props[0], props[0].initial(), t)
+    res = mgrit.solve(props, props[0].initial(), t, cf=2, max_levels=2, spatial=FullWeighting(),
+                      tol=1e-10)
+    assert FullWeighting.calls == res.iterations - 1  # no residual in the skipped cycle
+    assert res.converged and max_err(res.u, ref) <= 1e-7 * scale(ref)
