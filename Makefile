@@ -16,7 +16,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m mgrit.demo
+	$(BIN)/python -m propagators.demo $(ARGS)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -83,9 +83,11 @@ class LayerStack:
     layers : nn.ModuleList
     uniform : bool, optional
         Whether the layers share one architecture (computed when omitted).
+    flat : (list, list), optional
+        ``(list(layers.parameters()), list(layers.buffers()))`` if already known.
     """
 
-    def __init__(self, layers: nn.ModuleList, uniform: bool | None = None):
+    def __init__(self, layers: nn.ModuleList, uniform: bool | None = None, flat=None):
         self.layers = layers
         self.template = layers[0]
         self.param_names = [n for n, _ in layers[0].named_parameters()]
@@ -94,10 +96,11 @@ class LayerStack:
         self.stacked = None
         if self.uniform:
             k, kb = len(self.param_names), len(self.buffer_names)
-            flat = [p.detach() for p in layers.parameters()]
-            self.stacked = {n: torch.stack(flat[q::k]) for q, n in enumerate(self.param_names)}
+            params, buffers = flat if flat is not None else (list(layers.parameters()), list(layers.buffers()))
+            flat_p = [p.detach() for p in params]
+            self.stacked = {n: torch.stack(flat_p[q::k]) for q, n in enumerate(self.param_names)}
             if kb:
-                flat_b = list(layers.buffers())
+                flat_b = buffers
                 self.stacked.update({n: torch.stack(flat_b[q::kb]) for q, n in enumerate(self.buffer_names)})
 
     def one(self, k: int):
@@ -389,11 +392,21 @@ class LayerParallel(nn.Module):
         self.t = np.arange(self.n_layers + 1, dtype=np.float64) * self.h
         self._uniform = is_uniform(self.layers)
         self._param_counts = [sum(1 for _ in m.parameters()) for m in self.layers]
+        self._refresh_flat()
         self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
         self._setup_comm(comm)
         #: mgrit.Result of the last forward and adjoint solve
         self.last_forward: mgrit.Result | None = None
         self.last_backward: mgrit.Result | None = None
+
+    def _refresh_flat(self):
+        """Cache the flat parameter / buffer lists (walking 1000s of modules is slow)."""
+        self._flat = (list(self.layers.parameters()), list(self.layers.buffers()))
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._refresh_flat()  # .to() / .double() may replace parameter tensors
+        return out
 
     # -- distribution -------------------------------------------------------
     def _setup_comm(self, comm):
@@ -459,11 +472,11 @@ class LayerParallel(nn.Module):
 
     # -- forward --------------------------------------------------------------
     def _propagator(self):
-        return ODEPropagator(LayerStack(self.layers, self._uniform), self.h, self.scheme, self.layer_index,
+        return ODEPropagator(LayerStack(self.layers, self._uniform, self._flat), self.h, self.scheme, self.layer_index,
                              self.batched, self.streams)
 
     def forward(self, x):
-        params = list(self.layers.parameters())
+        params = self._flat[0]
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return _LayerParallelFunction.apply(self, x, *params)
         return self._forward_solve(x)[0]
@@ -542,16 +555,34 @@ class LayerParallel(nn.Module):
 
     def serial(self, x):
         """The same network applied layer by layer with plain autograd (reference)."""
-        u = x
-        for m in self.layers:
-            u = self.scheme(m, u, torch.as_tensor(self.h, dtype=u.dtype, device=u.device))
-        return u
+        return serial_forward(self.layers, x, self.h, self.scheme)
 
     def extra_repr(self) -> str:
         o = self.options
         return (f"n_layers={self.n_layers}, T={self.T}, cf={o['cf']}, max_levels={o['max_levels']}, "
                 f"relax={o['relax']}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}, "
                 f"ranks={self._comm.size}")
+
+
+def serial_forward(layers, x, h: float, scheme=forward_euler):
+    """Apply ``u <- scheme(f_i, u, h)`` for every layer in order (plain autograd)."""
+    u = x
+    dt = torch.as_tensor(h, dtype=x.dtype, device=x.device)
+    for m in layers:
+        u = scheme(m, u, dt)
+    return u
+
+
+class ODENet(nn.Module):
+    """The serial counterpart of :class:`LayerParallel`: the same layers applied in sequence."""
+
+    def __init__(self, layers, T: float = 1.0, scheme=forward_euler):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.h, self.scheme = float(T) / len(self.layers), scheme
+
+    def forward(self, x):
+        return serial_forward(self.layers, x, self.h, self.scheme)
 
 
 def allreduce_gradients(module: nn.Module, data_comm) -> None:

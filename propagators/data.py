@@ -1,0 +1,78 @@
+"""Data sets for the layer-parallel demos: bundled digits and an MNIST idx reader.
+
+Nothing is downloaded: :func:`load_digits` uses the 8 x 8 handwritten digits
+that scikit-learn ships; :func:`read_idx` / :func:`load_mnist` read MNIST's
+idx files when you have them on disk.
+"""
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+
+
+def read_idx(path) -> np.ndarray:
+    """Read an idx file (MNIST's format; ``.gz`` compressed or not) into an array.
+
+    The header is two zero bytes, a type code, the number of dimensions and one
+    big-endian 32-bit size per dimension.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        data = fh.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
+        raise ValueError(f"{path} is not an idx file (bad magic number)")
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    dtype = np.dtype(_IDX_TYPES[data[2]])
+    body = np.frombuffer(data, dtype=dtype, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: header says {shape} but holds {body.size} values")
+    return body.reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def load_mnist(directory, kind: str = "train"):
+    """Images scaled to [0, 1] (n, 784) and labels (n,) from MNIST idx files in ``directory``.
+
+    Looks for ``{kind}-images-idx3-ubyte[.gz]`` and ``{kind}-labels-idx1-ubyte[.gz]``
+    with ``kind`` "train" or "t10k".
+    """
+    d = Path(directory)
+
+    def find(stem):
+        for name in (stem, stem + ".gz"):
+            if (d / name).exists():
+                return d / name
+        raise FileNotFoundError(f"no {stem}[.gz] in {d}; MNIST cannot be downloaded here, copy the files in")
+
+    images = read_idx(find(f"{kind}-images-idx3-ubyte"))
+    labels = read_idx(find(f"{kind}-labels-idx1-ubyte"))
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
+    return images.reshape(images.shape[0], -1).astype(np.float32) / 255.0, labels.astype(np.int64)
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's 8 x 8 digits, standardised, split into train and test sets.
+
+    Returns ``(X_train, y_train, X_test, y_test)`` as numpy arrays (float32, int64).
+    The split is stratified and fixed by ``seed``.
+    """
+    from sklearn.datasets import load_digits as _load
+
+    data = _load()
+    X, y = data.data.astype(np.float32) / 16.0, data.target.astype(np.int64)
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        test[idx[: int(round(test_fraction * len(idx)))]] = True
+    mean, std = X[~test].mean(0), X[~test].std(0) + 1e-3
+    X = (X - mean) / std
+    return X[~test], y[~test], X[test], y[test]

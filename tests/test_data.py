@@ -1,0 +1,54 @@
+"""Data loaders: idx files written by the test, and the bundled digits."""
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from propagators.data import load_digits, load_mnist, read_idx
+
+
+def write_idx(path, array, code):
+    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "wb") as fh:
+            fh.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def test_idx_roundtrip_plain_and_gzip(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(5, 28, 28)).astype(np.uint8)
+    labels = rng.integers(0, 10, size=5).astype(np.uint8)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images, 0x08)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels, 0x08)
+    X, y = load_mnist(tmp_path, "t10k")
+    assert X.shape == (5, 784) and X.dtype == np.float32
+    np.testing.assert_array_equal(X, images.reshape(5, -1) / np.float32(255))
+    np.testing.assert_array_equal(y, labels)
+    floats = rng.standard_normal((3, 4))
+    write_idx(tmp_path / "f.idx", floats, 0x0E)
+    np.testing.assert_array_equal(read_idx(tmp_path / "f.idx"), floats)
+
+
+def test_idx_errors(tmp_path):
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="magic"):
+        read_idx(tmp_path / "bad")
+    write_idx(tmp_path / "short", np.zeros((2, 2), np.uint8), 0x08)
+    (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-1])
+    with pytest.raises(ValueError, match="header"):
+        read_idx(tmp_path / "short")
+    with pytest.raises(FileNotFoundError, match="cannot be downloaded"):
+        load_mnist(tmp_path, "train")
+
+
+def test_digits_split_is_stratified_and_standardised():
+    X_train, y_train, X_test, y_test = load_digits(seed=1)
+    assert X_train.shape[1] == 64 and len(X_train) + len(X_test) == 1797
+    assert set(np.unique(y_test)) == set(range(10))
+    assert abs(float(X_train.mean())) < 1e-5
+    counts = np.bincount(y_test, minlength=10) / np.bincount(np.concatenate([y_train, y_test]), minlength=10)
+    assert np.all(np.abs(counts - 0.2) < 0.02)
