@@ -58,6 +58,9 @@ class Result:
     counts : list of int
         Propagator calls (intervals advanced) per level, on this rank.
     hierarchy : Hierarchy
+    final_residual : float or None
+        Residual norm of the returned solution (only with ``solve(..., final_residual=True)``;
+        0 for one level, which is exact).
     """
 
     u: object
@@ -69,6 +72,7 @@ class Result:
     status: Status
     counts: list
     hierarchy: Hierarchy
+    final_residual: float | None = None
     rank: int = 0
     size: int = 1
     comm: object = field(default=None, repr=False)

@@ -12,7 +12,7 @@ from .comm import Communicator, args_signature, as_communicator
 from .cycle import CycleContext, DivergenceError, cycle, temporal_norm
 from .hierarchy import Hierarchy, build_hierarchy, per_level
 from .propagator import Propagator
-from .relax import LevelState, f_relax
+from .relax import LevelState, c_residual, f_relax
 from .result import IterationInfo, Result, Status
 from .spatial import SpatialTransfer
 
@@ -142,6 +142,7 @@ def solve(
     initial_guess=None,
     spatial: SpatialTransfer | Sequence[SpatialTransfer | None] | None = None,
     callback: Callable[[IterationInfo], None] | None = None,
+    final_residual: bool = False,
     comm=None,
     partition=None,
 ) -> Result:
@@ -180,6 +181,11 @@ def solve(
     spatial : SpatialTransfer or sequence of (SpatialTransfer or None), optional
         Spatial coarsening between level ``l`` and ``l + 1`` (entry ``l``; last
         repeats); None keeps the spatial grid.
+    final_residual : bool
+        Also measure the residual of the returned solution (one extra batched
+        C-point sweep): ``Result.final_residual``. The residual history is
+        measured before each cycle's coarse correction (XBraid's convention),
+        so its last entry lags the returned solution by one cycle.
     callback : callable, optional
         Called after every cycle with an :class:`IterationInfo`.
     comm : None, mpi4py communicator or Communicator
@@ -250,7 +256,8 @@ def solve(
         raise
     comm.open(signature=sig)
     try:
-        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter, skip, callback)
+        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter, skip, callback,
+                   final_residual)
     except BaseException as exc:
         comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
         raise
@@ -281,7 +288,8 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
     return states
 
 
-def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback) -> Result:
+def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback,
+         final_residual=False) -> Result:
     ctx = CycleContext(states)
     residuals: list = []
     converged = False
@@ -317,6 +325,11 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
         if states[0] is not None:
             f_relax(states[0])  # ideal interpolation of the last correction
             ctx.check(0)
+    final = None
+    if final_residual:
+        w0 = states[0]
+        norms = w0.prop.norms(c_residual(w0)) if (w0 is not None and L > 1) else np.zeros(0)
+        final = temporal_norm(norms, p, comm)  # one level is exact: 0
     comm.finish()
     w0 = states[0]
     if w0 is None:
@@ -334,6 +347,7 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
         status=status,
         counts=[w.count if w is not None else 0 for w in states],
         hierarchy=hierarchy,
+        final_residual=final,
         rank=comm.rank,
         size=comm.size,
         comm=comm,
