@@ -73,11 +73,19 @@ def row_norms(X) -> np.ndarray:
 
 
 def all_finite(X) -> bool:
-    """True when no entry of ``X`` is NaN or infinite."""
+    """True when no entry of ``X`` is NaN or infinite.
+
+    One reduction: the sum of the entries is finite unless an entry is NaN or
+    infinite (or the sum overflows, in which case every entry is checked).
+    """
     if is_torch(X):
         import torch
 
+        if X.numel() == 0 or bool(torch.isfinite(X.sum())):
+            return True
         return bool(torch.isfinite(X).all())
+    if X.size == 0 or np.isfinite(X.sum()):
+        return True
     return bool(np.isfinite(X).all())
 
 

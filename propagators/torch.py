@@ -94,6 +94,7 @@ class LayerStack:
         self.buffer_names = [n for n, _ in layers[0].named_buffers()]
         self.uniform = is_uniform(layers) if uniform is None else uniform
         self.stacked = None
+        self._gathered: dict = {}
         if self.uniform:
             k, kb = len(self.param_names), len(self.buffer_names)
             params, buffers = flat if flat is not None else (list(layers.parameters()), list(layers.buffers()))
@@ -109,10 +110,19 @@ class LayerStack:
         return ({n: p.detach() for n, p in m.named_parameters()}, dict(m.named_buffers()))
 
     def gather(self, idx: np.ndarray, device):
-        """Stacked ``(params, buffers)`` of the layers ``idx`` (uniform stacks only)."""
-        it = torch.as_tensor(idx, device=device)
-        return ({n: self.stacked[n].index_select(0, it) for n in self.param_names},
+        """Stacked ``(params, buffers)`` of the layers ``idx`` (uniform stacks only).
+
+        Cached per index pattern: a sweep of a level uses the same layers in
+        every cycle of the forward and the adjoint solve.
+        """
+        key = (np.asarray(idx).tobytes(), str(device))
+        hit = self._gathered.get(key)
+        if hit is None:
+            it = torch.as_tensor(idx, device=device)
+            hit = self._gathered[key] = (
+                {n: self.stacked[n].index_select(0, it) for n in self.param_names},
                 {n: self.stacked[n].index_select(0, it) for n in self.buffer_names})
+        return hit
 
     def module_of(self, k: int) -> nn.Module:
         return self.layers[k]
@@ -127,6 +137,45 @@ def is_uniform(layers) -> bool:
 
     ref = sig(layers[0])
     return all(sig(m) == ref for m in layers)
+
+
+_ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.SiLU, nn.GELU, nn.ELU, nn.LeakyReLU, nn.Softplus,
+                nn.Identity)
+
+
+class DenseRHS:
+    """Batched right-hand side of dense layers ``act(W u + b)`` without vmap.
+
+    Recognises ``nn.Linear`` and ``nn.Sequential(nn.Linear, activation)`` with
+    a stateless element-wise activation; :meth:`of` returns None otherwise. Given
+    the parameters of ``n`` layers stacked along axis 0 it evaluates all ``n``
+    layers on their own states with one batched matrix product, so a whole
+    relaxation sweep (and, through autograd on that one graph, its
+    vector-Jacobian products) costs a few kernel launches.
+    """
+
+    def __init__(self, weight: str, bias: str | None, activation):
+        self.weight, self.bias, self.activation = weight, bias, activation
+
+    @classmethod
+    def of(cls, module: nn.Module):
+        if isinstance(module, nn.Linear):
+            return cls("weight", "bias" if module.bias is not None else None, None)
+        if (isinstance(module, nn.Sequential) and len(module) == 2 and isinstance(module[0], nn.Linear)
+                and type(module[1]) in _ELEMENTWISE):
+            return cls("0.weight", "0.bias" if module[0].bias is not None else None, module[1])
+        return None
+
+    def __call__(self, params, U):
+        W = params[self.weight]  # (n, out, in)
+        n = U.shape[0]
+        X = U.reshape(n, -1, U.shape[-1])
+        if self.bias is None:
+            Z = torch.bmm(X, W.transpose(1, 2))
+        else:
+            Z = torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
+        Z = Z.reshape(tuple(U.shape[:-1]) + (W.shape[1],))
+        return Z if self.activation is None else self.activation(Z)
 
 
 class ODEPropagator(mgrit.Propagator):
@@ -160,13 +209,20 @@ class ODEPropagator(mgrit.Propagator):
         self.n_streams = int(streams)
         self._streams = None
         self._vstep = vmap(self._single)
+        self._dts: dict = {}
+        self.dense = DenseRHS.of(stack.template) if self.batched and not stack.buffer_names else None
 
     # integer bookkeeping -------------------------------------------------
     def ints(self, t):
         return np.rint(np.asarray(t, dtype=np.float64) / self.h).astype(np.int64)
 
     def _dt(self, i0, i1, like):
-        return torch.as_tensor((i1 - i0) * self.h, dtype=like.dtype, device=like.device)
+        steps = np.asarray(i1 - i0)
+        key = (steps.tobytes(), steps.shape, like.dtype, str(like.device))
+        dt = self._dts.get(key)
+        if dt is None:
+            dt = self._dts[key] = torch.as_tensor(steps * self.h, dtype=like.dtype, device=like.device)
+        return dt
 
     # the step ------------------------------------------------------------
     def _single(self, params, buffers, u, dt, module=None):
@@ -182,12 +238,19 @@ class ODEPropagator(mgrit.Propagator):
         k = int(self.layer_index(np.atleast_1d(i0), np.atleast_1d(i1))[0])
         return self.scheme(self.stack.layers[k], u, self._dt(i0, i1, u))
 
+    def dense_step(self, params, U, dt):
+        """All intervals at once through :class:`DenseRHS` (``dt`` has shape (n,))."""
+        dtb = dt.reshape((-1,) + (1,) * (U.dim() - 1))
+        return self.scheme(lambda V: self.dense(params, V), U, dtb)
+
     def step_batch(self, U, t0, t1):
         i0, i1 = self.ints(t0), self.ints(t1)
         idx = self.layer_index(i0, i1)
         dt = self._dt(i0, i1, U)
         if self.batched:
             p, b = self.stack.gather(idx, U.device)
+            if self.dense is not None:
+                return self.dense_step(p, U, dt)
             return self._vstep(p, b, U, dt)
         return self._loop(U, idx, dt)
 
@@ -265,6 +328,10 @@ class AdjointPropagator(mgrit.Propagator):
         st = self.fwd.stack
         if self.fwd.batched:
             p, b = st.gather(idx, V.device)
+            if self.fwd.dense is not None:
+                with torch.enable_grad():
+                    Ua = Ua.detach().requires_grad_(True)
+                    return torch.autograd.grad(self.fwd.dense_step(p, Ua, dt), Ua, V)[0]
             return self._vvjp(p, b, Ua, V, dt)
         outs = []
         for k in range(V.shape[0]):
@@ -288,6 +355,11 @@ def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W):
 
     if fwd.batched:
         p, b = st.gather(layers, U.device)
+        if fwd.dense is not None:
+            p = {n: v.detach().requires_grad_(True) for n, v in p.items()}
+            with torch.enable_grad():
+                grads = torch.autograd.grad(fwd.dense_step(p, U.detach(), dt), list(p.values()), W)
+            return dict(zip(p.keys(), grads))
         return vmap(g)(p, b, U, W, dt)
     outs = []
     for k, j in enumerate(layers):

@@ -1,0 +1,209 @@
+"""Layer-parallel forward+backward against the serial network (deep narrow ODE-net).
+
+Measures, side by side in one run, the wall time of one forward+backward pass of
+
+* the serial network (the layers applied in sequence, plain autograd),
+* LayerParallel on 1 rank with batched relaxation (vmap over stacked layers),
+* LayerParallel on 1 rank with looped relaxation (one layer call per interval),
+* LayerParallel on 2 ranks (the script relaunches itself under mpiexec),
+
+and prints the ratios, plus the critical-path model's predicted speedup of the
+layer-parallel solve for 8 to 512 ranks.
+
+Run::
+
+    .venv/bin/python benchmarks/layer_parallel.py            # 1024 layers, width 16, batch 16
+    .venv/bin/python benchmarks/layer_parallel.py --quick    # small smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from propagators.torch import LayerParallel, ODENet  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=1024)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--cf", type=int, default=4)
+    p.add_argument("--levels", type=int, default=4)
+    p.add_argument("--fwd-iters", type=int, default=2)
+    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-mpi", action="store_true", help="skip the 2-rank measurement")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.quick:
+        a.layers, a.repeat = 64, 2
+    return a
+
+
+def layers(a):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(a.width, a.width), nn.Tanh()) for _ in range(a.layers)]
+
+
+def timed(fn, repeat, comm=None):
+    fn()  # warm-up (first vmap / vjp calls are slow)
+    best = float("inf")
+    for _ in range(repeat):
+        if comm is not None:
+            comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if comm is not None:
+            dt = comm.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
+        best = min(best, dt)
+    return best
+
+
+def fwd_bwd(model, x):
+    params = list(model.parameters())
+
+    def run():
+        for p in params:  # (model.zero_grad walks 1000s of modules: same cost for both, left out)
+            p.grad = None
+        xx = x.clone().requires_grad_(True)
+        model(xx).square().sum().backward()
+
+    return run
+
+
+def build_lp(a, batched=True, comm=None):
+    return LayerParallel(layers(a), T=1.0, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
+                         bwd_iters=a.bwd_iters, batched=batched, comm=comm)
+
+
+def child(a):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
+    t = timed(fwd_bwd(build_lp(a, comm=comm), x), a.repeat, comm)
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps({"lp2": t}))
+
+
+def main():
+    a = parse()
+    if a.child:
+        return child(a)
+    torch.set_num_threads(1)
+    x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
+    serial = ODENet(layers(a), T=1.0)
+    lp = build_lp(a)
+    looped = build_lp(a, batched=False)
+    t_serial = timed(fwd_bwd(serial, x), a.repeat)
+    t_lp = timed(fwd_bwd(lp, x), a.repeat)
+    t_loop = timed(fwd_bwd(looped, x), max(1, a.repeat // 2))
+    t_lp2 = None
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not a.no_mpi and mpiexec.exists():
+        cmd = [str(mpiexec), "-n", "2", sys.executable, __file__, "--child"] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+            if k not in ("quick", "no_mpi", "child")]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                t_lp2 = json.loads(line[7:])["lp2"]
+        if t_lp2 is None:
+            print(out.stdout, out.stderr)
+    res = lp.last_forward
+    print(f"deep narrow ODE-net: {a.layers} layers, width {a.width}, batch {a.batch}; MGRIT cf {a.cf}, "
+          f"{len(lp.hierarchy)} levels, relax {lp.options['relax']}, {a.fwd_iters} forward / "
+          f"{a.bwd_iters} backward iterations; 1 thread per rank; best of {a.repeat}")
+    print(f"propagator calls per forward solve (per level): {res.counts}")
+    print()
+    print(f"{'forward+backward':<34}{'time [ms]':>10}{'serial / this':>15}")
+    rows = [("serial network (autograd)", t_serial), ("LayerParallel, 1 rank, batched", t_lp),
+            ("LayerParallel, 1 rank, looped", t_loop)]
+    if t_lp2 is not None:
+        rows.append(("LayerParallel, 2 ranks, batched", t_lp2))
+    for name, t in rows:
+        print(f"{name:<34}{1e3 * t:>10.2f}{t_serial / t:>15.2f}")
+    print(f"\nbatched vs looped relaxation: {t_loop / t_lp:.1f}x faster")
+    print(f"forward residuals of the last solve: {['%.2e' % r for r in lp.forward_residuals]}")
+    print(f"backward residuals of the last solve: {['%.2e' % r for r in lp.backward_residuals]}")
+    print()
+    print(model_table(a, lp, t_serial, t_lp, t_lp2, [1, 2, 8, 64, 512]))
+    return 0
+
+
+def measure_costs(lp, x, repeat=20):
+    """StepCost of the forward and the adjoint propagator, fitted from batches of 1 and n."""
+    from mgrit.model import StepCost
+    from propagators.torch import AdjointPropagator
+
+    prop = lp._propagator()
+    n = lp.n_layers // lp.options["cf"]
+    U = x.detach()[None].repeat(n, *([1] * x.dim()))
+    states = U  # forward states for the adjoint (values do not change the cost)
+    adj = AdjointPropagator(prop, lambda ia: states.index_select(0, torch.as_tensor(ia % n)), lp.n_layers)
+    t0, t1 = np.arange(n) * lp.h, (np.arange(n) + 1) * lp.h
+
+    def best(fn):
+        fn()
+        return min(_time(fn) for _ in range(repeat))
+
+    costs = []
+    for P in (prop, adj):
+        one = best(lambda: P.step(U[0], t0[0], t1[0]))
+        b1 = best(lambda: P.step_batch(U[:1], t0[:1], t1[:1]))
+        bn = best(lambda: P.step_batch(U, t0, t1))
+        per_state = max((bn - b1) / (n - 1), 0.0)
+        costs.append(StepCost(single=one, per_state=per_state, per_call=max(b1 - per_state, 0.0)))
+    return costs
+
+
+def _time(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def model_table(a, lp, t_serial, t_lp, t_lp2, ranks):
+    """Critical-path prediction of a layer-parallel forward+backward on P ranks.
+
+    Forward MGRIT (fwd_iters cycles) + adjoint MGRIT (bwd_iters cycles) as
+    replayed by mgrit.model.predict with measured per-call costs, plus the
+    batched parameter-gradient call over each rank's layers. The baseline is
+    the measured serial forward+backward.
+    """
+    from mgrit.model import predict
+
+    x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(2))
+    fwd_cost, adj_cost = measure_costs(lp, x)
+    h = lp.hierarchy
+    lines = ["critical-path model (mgrit.model.predict, measured call costs, zero message latency):",
+             f"{'ranks':>6}{'predicted ms':>14}{'measured ms':>13}{'predicted speedup vs serial':>30}"]
+    for P in ranks:
+        t = (predict(h, P, a.fwd_iters, skip=False, cost=fwd_cost).time
+             + predict(h, P, a.bwd_iters, skip=False, cost=adj_cost).time
+             + adj_cost.batch(-(-a.layers // P)))
+        meas = {1: t_lp, 2: t_lp2}.get(P)
+        ms = "-" if meas is None else f"{1e3 * meas:.2f}"
+        lines.append(f"{P:>6}{1e3 * t:>14.2f}{ms:>13}{t_serial / t:>30.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
