@@ -49,6 +49,22 @@ _BCAST_TAG = 0x7A01
 _ABANDONED: list = []
 
 
+class _Backoff:
+    """Polling rhythm of a wait: yield the core for the first 2 ms (low latency,
+    and oversubscribed ranks still get to run), then sleep up to 0.2 ms at a time."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.nap = 1e-5
+
+    def pause(self) -> None:
+        if time.perf_counter() - self.start < 2e-3:
+            os.sched_yield()
+        else:
+            time.sleep(self.nap)
+            self.nap = min(2e-4, 2 * self.nap)
+
+
 class RemoteRankError(RuntimeError):
     """Raised on every rank when another rank of the same solve failed."""
 
@@ -149,7 +165,10 @@ class Communicator(ABC):
         The result does not depend on the number of ranks or on how the
         values are distributed over them (bit for bit).
         """
-        return bins_value(exact_bins(values))
+        x = np.asarray(values, dtype=np.float64).ravel()
+        if np.isfinite(x).all():
+            return math.fsum(x.tolist())  # correctly rounded too: equals bins_value(exact_bins(x))
+        return bins_value(exact_bins(x))
 
     def max(self, values) -> float:
         """Largest of all ``values`` of all ranks (``-inf`` when there are none;
@@ -307,13 +326,11 @@ class MPIComm(Communicator):
         On a failure notice (or an interrupt) a receive is cancelled; any
         other request is kept alive in ``_ABANDONED``.
         """
-        spins = 0
+        backoff = _Backoff()
         try:
             while not req.Test():
                 self._check_remote_failure()
-                spins += 1
-                if spins > 100:
-                    time.sleep(min(1e-3, 1e-5 * (spins - 100)))
+                backoff.pause()
         except BaseException:
             if cancel:
                 req.Cancel()
@@ -399,12 +416,10 @@ class MPIComm(Communicator):
                 if r != root:
                     self._pending.append((c.isend(obj, dest=r, tag=_BCAST_TAG), None))
             return obj
-        spins = 0
+        backoff = _Backoff()
         while not c.Iprobe(source=root, tag=_BCAST_TAG):
             self._check_remote_failure()
-            spins += 1
-            if spins > 100:
-                time.sleep(min(1e-3, 1e-5 * (spins - 100)))
+            backoff.pause()
         return c.recv(source=root, tag=_BCAST_TAG)
 
     def gather(self, obj, root=0):

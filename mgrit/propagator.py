@@ -57,8 +57,18 @@ class Propagator(ABC):
         array, shape (n, *state_shape)
             Row ``k`` is ``step(U[k], t0[k], t1[k])``. Must not modify ``U``.
         """
-        step = self.step
-        return B.stack([step(U[k], float(t0[k]), float(t1[k])) for k in range(U.shape[0])])
+        n = U.shape[0]
+        if n == 0:
+            return B.copy(U)
+        step, a, b = self.step, t0.tolist(), t1.tolist()
+        first = B.as_state(step(U[0], a[0], b[0]))
+        if tuple(first.shape) != tuple(U.shape[1:]):
+            return first[None]  # wrong shape: the solver reports it with the level
+        out = B.empty_stack(n, first)
+        out[0] = first
+        for k in range(1, n):
+            out[k] = step(U[k], a[k], b[k])
+        return out
 
     def norms(self, U) -> np.ndarray:
         """Spatial norm of every state in the stack ``U`` (default: Euclidean).

@@ -78,23 +78,44 @@ class Heat1D(Propagator):
             lu = self._lu[dt] = (dl, d, du, du2, ipiv)
         return lu
 
-    def _solve(self, dt: float, rhs_cols: np.ndarray) -> np.ndarray:
-        x, info = lapack.dgttrs(*self._factor(dt), rhs_cols)
+    def _solve(self, dt: float, rhs_cols: np.ndarray, overwrite: bool = False) -> np.ndarray:
+        """Solve ``(I - dt a D2) X = rhs_cols``, right-hand sides as columns (shape (nx - 2, k)).
+
+        With ``overwrite`` and a Fortran-ordered float64 ``rhs_cols``, LAPACK solves in place.
+        """
+        n = self.nx - 2
+        if n < 3:  # scipy's ?gttrf wrapper needs n >= 3: solve the tiny system densely
+            c = self.a * dt / self.dx**2
+            A = (1.0 + 2.0 * c) * np.eye(n) - c * (np.eye(n, k=1) + np.eye(n, k=-1))
+            return np.linalg.solve(A, rhs_cols)
+        x, info = lapack.dgttrs(*self._factor(dt), rhs_cols, overwrite_b=overwrite)
         return x
 
     def step(self, u, t0, t1):
         dt = t1 - t0
-        rhs = u + dt * self.source(t1)[0] if self.forcing else u
-        return self._solve(dt, np.asarray(rhs, dtype=np.float64).reshape(-1, 1))[:, 0]
+        if self.forcing:
+            # source(t1)[0] without the outer product: the same operations, so the same bits
+            t = np.array([t1], dtype=np.float64)
+            rhs = u + dt * -((np.sin(t) - self.a * np.pi**2 * np.cos(t)) * self._sinpx)
+            return self._solve(dt, rhs.reshape(-1, 1), overwrite=True)[:, 0]
+        return self._solve(dt, np.asarray(u, dtype=np.float64).reshape(-1, 1))[:, 0]
 
     def step_batch(self, U, t0, t1):
-        dt = np.asarray(t1) - np.asarray(t0)
-        rhs = U + dt[:, None] * self.source(t1) if self.forcing else U
-        out = np.empty_like(rhs, dtype=np.float64)
-        groups = [np.arange(len(dt))] if np.all(dt == dt[0]) else [np.flatnonzero(dt == d) for d in np.unique(dt)]
-        for idx in groups:
-            cols = np.asfortranarray(rhs[idx].T)
-            out[idx] = self._solve(float(dt[idx[0]]), cols).T
+        dt = np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)
+        if dt.shape[0] == 0:
+            return np.empty(np.shape(U), dtype=np.float64)
+        # a fresh C-ordered (n, nx - 2) array: its transpose is the Fortran-ordered
+        # block of right-hand sides that LAPACK overwrites with the solution
+        if self.forcing:
+            rhs = U + dt[:, None] * self.source(t1)
+        else:
+            rhs = np.array(U, dtype=np.float64, order="C")
+        if np.all(dt == dt[0]):  # one step size: one LAPACK call, no copies
+            return self._solve(float(dt[0]), rhs.T, overwrite=True).T
+        out = np.empty_like(rhs)
+        for d in np.unique(dt):
+            idx = np.flatnonzero(dt == d)
+            out[idx] = self._solve(float(d), rhs[idx].T, overwrite=True).T
         return out
 
 
