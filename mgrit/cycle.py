@@ -152,3 +152,28 @@ def temporal_norm(norms: np.ndarray, p, comm) -> float:
     if p == 1:
         return comm.sum_exact(norms)
     return max(comm.max(norms), 0.0)
+
+
+def nested_start(ctx: CycleContext, kind: str) -> None:
+    """Nested iteration (full multigrid start) before the first cycle.
+
+    The fine initial guess is injected to every level with a zero right-hand
+    side, so each level holds the rediscretized problem; the coarsest level is
+    solved, and then, from coarse to fine, every intermediate level receives the
+    solution of the level below it and runs one cycle on its own sub-hierarchy.
+    The finest level finally receives the corrected C-points from level 1.
+    """
+    S, last = ctx.states, len(ctx.states) - 1
+    for l in range(last):
+        if S[l] is not None and S[l + 1] is not None:
+            inject_guess(S[l], S[l + 1])
+    if S[last] is not None:
+        sequential_solve(S[last])
+    for l in range(last - 1, -1, -1):
+        if S[l] is None or S[l + 1] is None:
+            continue
+        if l + 1 < last:
+            f_relax(S[l + 1])
+        correct(S[l], S[l + 1])
+        if l > 0:
+            cycle(ctx, l, kind)

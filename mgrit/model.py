@@ -231,6 +231,21 @@ class _Schedule:
             if l + 1 < last:
                 self.f_relax(l + 1)
 
+    def nested(self, kind) -> None:
+        """The nested-iteration start (:func:`mgrit.cycle.nested_start`)."""
+        last = len(self.h) - 1
+        for l in range(last):
+            if self.blocks[l + 1]:
+                self.exchange(l + 1)  # injection
+        self.sequential(last)
+        for l in range(last - 1, -1, -1):
+            if not self.blocks[l + 1]:
+                continue
+            if l + 1 < last:
+                self.f_relax(l + 1)
+            if l > 0:
+                self.cycle(l, kind)
+
     def latest(self) -> tuple:
         r = int(np.argmax(self.clock))
         return float(self.clock[r]), self.path[r].copy()
@@ -243,6 +258,7 @@ def predict(
     *,
     cycle: str = "V",
     skip: bool = True,
+    nested: bool = False,
     cost: StepCost | Sequence[StepCost] = StepCost(),
     latency: float = 0.0,
     reduce_latency: float | None = None,
@@ -261,6 +277,8 @@ def predict(
     cycle : {"V", "F"}
     skip : bool
         XBraid's skip, as in :func:`mgrit.solve`.
+    nested : bool
+        Nested-iteration start, as in :func:`mgrit.solve` (``skip`` is then ignored).
     cost : StepCost or sequence of StepCost
         Propagator cost per level (last repeats); default: unit costs, so
         that times count propagator calls.
@@ -303,6 +321,9 @@ def predict(
     if L == 1:
         s.sequential(0)
         iterations = 0
+    elif nested:
+        s.nested(cycle)
+        skip = False
     for k in range(iterations):
         first_skipped = skip and k == 0
         s.cycle(0, cycle, skip=first_skipped)

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _backend as B
 from .comm import Communicator, args_signature, as_communicator
-from .cycle import CycleContext, DivergenceError, cycle, temporal_norm
+from .cycle import CycleContext, DivergenceError, cycle, nested_start, temporal_norm
 from .hierarchy import Hierarchy, build_hierarchy, per_level
 from .propagator import Propagator
 from .relax import LevelState, c_residual, f_relax
@@ -139,6 +139,7 @@ def solve(
     norm=2,
     max_iter: int = 100,
     skip: bool = True,
+    nested: bool = False,
     initial_guess=None,
     spatial: SpatialTransfer | Sequence[SpatialTransfer | None] | None = None,
     callback: Callable[[IterationInfo], None] | None = None,
@@ -173,7 +174,12 @@ def solve(
     skip : bool
         XBraid's skip: the first cycle does no relaxation on the way down; the
         fine initial guess is injected to all levels (zero right-hand side) and
-        the coarsest level is solved and interpolated up (a nested-iteration start).
+        the coarsest level is solved and interpolated up.
+    nested : bool
+        Nested iteration (full multigrid start, as in PyMGRIT): before the
+        first cycle, every coarse level runs one cycle on its own sub-hierarchy,
+        from the coarsest up; the first cycle then relaxes and measures a
+        residual (``skip`` is ignored).
     initial_guess : None, scalar, state, trajectory or callable
         Iterate at ``t > t[0]``: None copies ``u0``; a scalar or a state is used
         at every point; an array of shape ``(N + 1, *u0.shape)`` is a whole
@@ -256,8 +262,8 @@ def solve(
         raise
     comm.open(signature=sig)
     try:
-        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter, skip, callback,
-                   final_residual)
+        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter,
+                   skip and not nested, callback, final_residual, nested)
     except BaseException as exc:
         comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
         raise
@@ -289,8 +295,10 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
 
 
 def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback,
-         final_residual=False) -> Result:
+         final_residual=False, nested=False) -> Result:
     ctx = CycleContext(states)
+    if nested and len(hierarchy) > 1:
+        nested_start(ctx, kind)
     residuals: list = []
     converged = False
     status = Status.MAX_ITER

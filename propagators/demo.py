@@ -112,10 +112,11 @@ def main(argv=None) -> int:
         args.epochs = 2
     if args.ranks > 1 and world()[2] == 1:
         mpiexec = Path(sys.executable).parent / "mpiexec"
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable, "-m",
-               "propagators.demo"] + [a for a in (argv if argv is not None else sys.argv[1:])
-                                      if not a.startswith("--ranks")]
-        cmd = [c for i, c in enumerate(cmd) if not (i > 0 and cmd[i - 1] == "--ranks")]
+        argv = list(argv if argv is not None else sys.argv[1:])
+        rest = [x for i, x in enumerate(argv)
+                if not x.startswith("--ranks") and not (i > 0 and argv[i - 1] == "--ranks")]
+        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
+               "-m", "propagators.demo"] + rest
         return subprocess.call(cmd)
     comm, rank, size = world()
     torch.set_num_threads(1)

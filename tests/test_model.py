@@ -139,3 +139,14 @@ def test_step_cost_validates():
         StepCost(per_state=-1.0)
     with pytest.raises(ValueError, match="single"):
         StepCost(single=math.nan)
+
+
+@pytest.mark.parametrize("n, cf, levels, relax, kind", [
+    (64, 2, 4, "FCF", "V"), (64, 2, 5, "F", "F"), (37, 3, 3, "FCF", "F"), (64, 4, 3, "F", "V"), (37, 2, 2, "F", "V"),
+])
+def test_one_rank_predicts_the_nested_start_exactly(n, cf, levels, relax, kind):
+    t = np.linspace(0.0, 2.0, n + 1)
+    res = mgrit.solve(Dahlquist(-1.0), np.array(1.0), t, cf=cf, max_levels=levels, relax=relax, cycle=kind,
+                      nested=True, tol=1e-10, max_iter=20, min_coarse=1)
+    p = predict(res.hierarchy, 1, res.iterations, cycle=kind, nested=True)
+    assert list(p.rank_calls[0]) == res.counts
