@@ -53,6 +53,15 @@ def max_diff(a, b):
     return max(float((p - q).abs().max()) for p, q in zip(a, b))
 
 
+def assert_matches_serial(lp, x, tol_y=1e-12, tol_g=1e-10):
+    """Output, input gradient and parameter gradients of ``lp`` equal serial autograd."""
+    y_s, gx_s, gp_s = serial_grads(lp, x, loss_fn)
+    gx, gp = grads_of(lp, x, loss_fn)
+    assert float((lp(x).detach() - y_s).abs().max()) < tol_y
+    assert float((gx - gx_s).abs().max()) < tol_g
+    assert max_diff(gp, gp_s) < tol_g
+
+
 def loss_fn(y):
     return (y**2).sum() + y.sum()
 
@@ -121,10 +130,7 @@ def test_optimizer_step_then_forward_backward_still_matches_serial():
         opt.zero_grad()
         loss_fn(lp(x)).backward()
         opt.step()
-    y_s, gx_s, gp_s = serial_grads(lp, x, loss_fn)
-    gx, gp = grads_of(lp, x, loss_fn)
-    assert float((lp(x).detach() - y_s).abs().max()) < 1e-12
-    assert max_diff(gp, gp_s) < 1e-10
+    assert_matches_serial(lp, x)
 
 
 def test_batched_relaxation_equals_looped():
@@ -182,11 +188,7 @@ def test_convolutional_layers_and_heun_scheme():
     lp = LayerParallel([ConvLayer(2) for _ in range(8)], T=1.0, cf=2, max_levels=2, relax="FCF", scheme=heun,
                        **TIGHT)
     x = torch.randn(2, 2, 5, 5)
-    y_s, gx_s, gp_s = serial_grads(lp, x, loss_fn)
-    gx, gp = grads_of(lp, x, loss_fn)
-    assert float((lp(x).detach() - y_s).abs().max()) < 1e-12
-    assert float((gx - gx_s).abs().max()) < 1e-10
-    assert max_diff(gp, gp_s) < 1e-10
+    assert_matches_serial(lp, x)
 
 
 class DtLayer(nn.Module):
@@ -204,10 +206,7 @@ def test_dt_aware_module():
     torch.manual_seed(8)
     lp = LayerParallel([DtLayer(4) for _ in range(16)], T=1.0, cf=4, max_levels=2, scheme=dt_aware, **TIGHT)
     x = torch.randn(3, 4)
-    y_s, gx_s, gp_s = serial_grads(lp, x, loss_fn)
-    gx, gp = grads_of(lp, x, loss_fn)
-    assert float((lp(x).detach() - y_s).abs().max()) < 1e-12
-    assert max_diff(gp, gp_s) < 1e-10
+    assert_matches_serial(lp, x)
 
 
 def test_nonuniform_layers_fall_back_to_loop():
@@ -217,10 +216,7 @@ def test_nonuniform_layers_fall_back_to_loop():
     lp = LayerParallel(layers, T=1.0, cf=2, max_levels=2, **TIGHT)
     assert not lp._uniform
     x = torch.randn(2, 3)
-    y_s, gx_s, gp_s = serial_grads(lp, x, loss_fn)
-    gx, gp = grads_of(lp, x, loss_fn)
-    assert float((lp(x).detach() - y_s).abs().max()) < 1e-12
-    assert max_diff(gp, gp_s) < 1e-10
+    assert_matches_serial(lp, x)
 
 
 def test_module_behaviour_dtype_state_dict_and_factory():
