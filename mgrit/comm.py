@@ -50,15 +50,17 @@ _ABANDONED: list = []
 
 
 class _Backoff:
-    """Polling rhythm of a wait: yield the core for the first 2 ms (low latency,
-    and oversubscribed ranks still get to run), then sleep up to 0.2 ms at a time."""
+    """Polling rhythm of a wait: a few polls that only yield the core (low
+    latency), then naps that double from 10 us up to 0.2 ms, so that ranks
+    sharing a core (oversubscription) leave it to the ones that work."""
 
     def __init__(self):
-        self.start = time.perf_counter()
+        self.polls = 0
         self.nap = 1e-5
 
     def pause(self) -> None:
-        if time.perf_counter() - self.start < 2e-3:
+        self.polls += 1
+        if self.polls <= 20:
             os.sched_yield()
         else:
             time.sleep(self.nap)

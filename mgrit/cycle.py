@@ -170,10 +170,11 @@ def nested_start(ctx: CycleContext, kind: str) -> None:
     if S[last] is not None:
         sequential_solve(S[last])
     for l in range(last - 1, -1, -1):
-        if S[l] is None or S[l + 1] is None:
+        if S[l] is None:
             continue
-        if l + 1 < last:
-            f_relax(S[l + 1])
-        correct(S[l], S[l + 1])
-        if l > 0:
+        if S[l + 1] is not None:
+            if l + 1 < last:
+                f_relax(S[l + 1])
+            correct(S[l], S[l + 1])
+        if l > 0:  # every owner of level-l points takes part, coarse points or not
             cycle(ctx, l, kind)

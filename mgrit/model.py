@@ -239,8 +239,6 @@ class _Schedule:
                 self.exchange(l + 1)  # injection
         self.sequential(last)
         for l in range(last - 1, -1, -1):
-            if not self.blocks[l + 1]:
-                continue
             if l + 1 < last:
                 self.f_relax(l + 1)
             if l > 0:

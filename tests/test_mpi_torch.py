@@ -36,3 +36,11 @@ def test_layer_parallel_matches_serial_on_ranks(n):
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
 def test_layer_by_data_grid_matches_full_batch():
     launch(4, "grid")
+
+
+@pytest.mark.mpi
+@pytest.mark.cuda
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_layer_parallel_on_cuda_over_two_ranks():
+    launch(2, "cuda")

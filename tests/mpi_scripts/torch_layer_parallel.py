@@ -108,8 +108,29 @@ def grid_2x2():
         fail(f"data all-reduce {total} != serial {serial_total}")
 
 
+def cuda_ranks():
+    """The same comparison with the states and layers on the GPU (staged or CUDA-aware sends)."""
+    layers = make(16, 5, seed=3)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=world, **TIGHT).cuda()
+    ref = LayerParallel(copy.deepcopy(layers), T=1.0, max_levels=1)
+    torch.manual_seed(7)
+    x = torch.randn(4, 5)
+    xs = x.clone().requires_grad_(True)
+    loss_fn(ref.serial(xs)).backward()
+    xp = x.cuda().requires_grad_(True)
+    y = lp(xp)
+    loss_fn(y).backward()
+    check("cuda forward", y.detach().cpu(), ref.serial(x).detach(), 1e-12)
+    check("cuda input gradient", xp.grad.cpu(), xs.grad, 1e-10)
+    for j in lp.owned_layers:
+        for p, q in zip(lp.layers[j].parameters(), ref.layers[j].parameters()):
+            check(f"cuda gradient of layer {j}", p.grad.cpu(), q.grad, 1e-10)
+
+
 try:
-    if len(sys.argv) > 1 and sys.argv[1] == "grid":
+    if len(sys.argv) > 1 and sys.argv[1] == "cuda":
+        cuda_ranks()
+    elif len(sys.argv) > 1 and sys.argv[1] == "grid":
         grid_2x2()
     else:
         for n_layers, cf, levels, relax in [(16, 2, 3, ("F", "FCF")), (21, 4, 2, "FCF"), (13, 2, 4, "F")]:
