@@ -255,7 +255,8 @@ def solve(
         sig = args_signature(
             [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
             B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], cycle, tol, tol_type, p,
-            max_iter, skip, None if partition is None else [int(s) for s in partition],
+            max_iter, skip, nested, final_residual,
+            None if partition is None else [int(s) for s in partition],
         )
     except Exception as exc:
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
