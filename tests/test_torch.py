@@ -246,7 +246,7 @@ def test_plain_training_loop_learns():
         loss = ((model(X) - Y) ** 2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
 
 
