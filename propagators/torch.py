@@ -20,6 +20,7 @@ provides
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -491,7 +492,10 @@ class LayerParallel(nn.Module):
             self._adj_comm = SerialComm()
         else:
             raw = self._comm.comm
-            self._adj_comm = MPIComm(raw.Split(0, P - 1 - r))
+            reversed_comm = raw.Split(0, P - 1 - r)
+            self._adj_comm = MPIComm(reversed_comm)
+            # free it with the module, or at exit before MPI finalizes (no dangling communicator)
+            weakref.finalize(self, _free_comm, reversed_comm)
         # the adjoint runs on the mirrored blocks: reverse index s <-> forward N - s
         self._adj_partition = [N - self._ranges[P - 1 - q][1] for q in range(P)]
         self._adj_partition[0] = 0
@@ -567,6 +571,7 @@ class LayerParallel(nn.Module):
                 U = self._with_ghost(U)
                 y = self._comm.bcast(U[-1].cpu() if self.hi == self.n_layers else None,
                                      root=self._owner_of_layer(self.n_layers - 1)).to(x.device)
+                self._comm.finish()  # complete this pass's sends (halo, ghost, broadcast)
             else:
                 y = U[-1].clone()
         return y, (prop, U, x.shape)
@@ -610,6 +615,7 @@ class LayerParallel(nn.Module):
                     grads[offs[j] + q] = G[n][k]
         if self._comm.size > 1:
             gx = self._comm.bcast(W[0].cpu() if self.lo == 0 else None, root=0).to(gy.device)
+            self._comm.finish()
         else:
             gx = W[0]
         return gx.reshape(xshape), grads
@@ -671,6 +677,13 @@ class ODENet(nn.Module):
 
     def forward(self, x):
         return serial_forward(self.layers, x, self.h, self.scheme)
+
+
+def _free_comm(comm) -> None:
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        comm.Free()
 
 
 def allreduce_gradients(module: nn.Module, data_comm) -> None:
