@@ -82,6 +82,7 @@ class CycleContext:
 
     states: list  # LevelState or None (rank owns no point there), finest first
     iteration: int = 0
+    relaxed0: bool = False  # level-0 F-points are consistent with its C-points
 
     def check(self, l: int, X=None) -> None:
         """Raise DivergenceError if ``X`` (default: all states of level ``l``) has NaN or Inf."""
@@ -102,10 +103,17 @@ def down(ctx: CycleContext, l: int, skip: bool):
         if wc is not None:
             inject_guess(w, wc)
         return None
+    # After a cycle-end residual the fine F-points are already relaxed: the
+    # first F-relaxation would recompute the same values, so it is left out.
+    relaxed = l == 0 and ctx.relaxed0
+    ctx.relaxed0 = False if l == 0 else ctx.relaxed0
     for _ in range(w.level.nrelax):
-        f_relax(w)
+        if not relaxed:
+            f_relax(w)
+        relaxed = False
         c_relax(w)
-    f_relax(w)
+    if not relaxed:
+        f_relax(w)
     r = c_residual(w)
     # A NaN or Inf in an interval reaches the residual at its closing C-point, so
     # checking r (1/m of the states) suffices; trailing F-points are checked at the end.

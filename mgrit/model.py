@@ -132,6 +132,7 @@ class _Schedule:
         self.red = latency * math.ceil(math.log2(size)) if reduce_latency is None else reduce_latency
         L = len(hierarchy)
         self.clock = np.zeros(size)
+        self.relaxed0 = False
         self.path = np.zeros((size, L), dtype=np.int64)  # calls on the path that ends at each clock
         self.msgs = np.zeros(size, dtype=np.int64)
         self.work = np.zeros((size, L), dtype=np.int64)  # everything each rank did
@@ -209,10 +210,16 @@ class _Schedule:
 
     def down(self, l, skip) -> None:
         if not skip:
+            relaxed = l == 0 and self.relaxed0  # see mgrit.cycle.down
+            if l == 0:
+                self.relaxed0 = False
             for _ in range(self.h[l].nrelax):
-                self.f_relax(l)
+                if not relaxed:
+                    self.f_relax(l)
+                relaxed = False
                 self.c_sweep(l)
-            self.f_relax(l)
+            if not relaxed:
+                self.f_relax(l)
             self.c_sweep(l)  # residuals
         self.exchange(l + 1)  # injection
         if not skip:
@@ -257,6 +264,7 @@ def predict(
     cycle: str = "V",
     skip: bool = True,
     nested: bool = False,
+    residual: str = "xbraid",
     cost: StepCost | Sequence[StepCost] = StepCost(),
     latency: float = 0.0,
     reduce_latency: float | None = None,
@@ -277,6 +285,8 @@ def predict(
         XBraid's skip, as in :func:`mgrit.solve`.
     nested : bool
         Nested-iteration start, as in :func:`mgrit.solve` (``skip`` is then ignored).
+    residual : {"xbraid", "cycle_end"}
+        Where the residual is measured, as in :func:`mgrit.solve`.
     cost : StepCost or sequence of StepCost
         Propagator cost per level (last repeats); default: unit costs, so
         that times count propagator calls.
@@ -325,12 +335,17 @@ def predict(
     for k in range(iterations):
         first_skipped = skip and k == 0
         s.cycle(0, cycle, skip=first_skipped)
+        if residual == "cycle_end":
+            s.f_relax(0)
+            s.c_sweep(0)
+            s.relaxed0 = True
+            first_skipped = False  # a residual exists after every cycle
         if not first_skipped:
             s.sync()  # the residual norm
         t, path = s.latest()
         times.append(t)
         marks.append(path)
-    if L > 1:
+    if L > 1 and not s.relaxed0:
         s.f_relax(0)
     s.sync()  # the final handshake
     t, path = s.latest()

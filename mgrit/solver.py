@@ -140,6 +140,7 @@ def solve(
     max_iter: int = 100,
     skip: bool = True,
     nested: bool = False,
+    residual: str = "xbraid",
     initial_guess=None,
     spatial: SpatialTransfer | Sequence[SpatialTransfer | None] | None = None,
     callback: Callable[[IterationInfo], None] | None = None,
@@ -187,6 +188,13 @@ def solve(
     spatial : SpatialTransfer or sequence of (SpatialTransfer or None), optional
         Spatial coarsening between level ``l`` and ``l + 1`` (entry ``l``; last
         repeats); None keeps the spatial grid.
+    residual : {"xbraid", "cycle_end"}
+        Where the level-0 residual that decides convergence is measured.
+        "xbraid": in each cycle's down-sweep, before its coarse correction
+        (XBraid's convention; the skipped first cycle has none). "cycle_end":
+        after each cycle, on the F-relaxed iterate that would be returned (as
+        PyMGRIT reports it); this costs one extra C-point sweep per cycle and
+        usually saves the last cycle.
     final_residual : bool
         Also measure the residual of the returned solution (one extra batched
         C-point sweep): ``Result.final_residual``. The residual history is
@@ -236,6 +244,8 @@ def solve(
     comm = as_communicator(comm)
     try:  # every check is local: a rank with bad input tells the others in comm.open
         _validate(tol, tol_type, norm, max_iter, cycle)
+        if residual not in ("xbraid", "cycle_end"):
+            raise ValueError(f"`residual` must be 'xbraid' or 'cycle_end', got {residual!r}")
         p = math.inf if norm == "inf" else norm
         u0 = B.as_state(u0)
         if not B.is_torch(u0) and u0.dtype.kind not in "fc":
@@ -255,7 +265,7 @@ def solve(
         sig = args_signature(
             [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
             B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], cycle, tol, tol_type, p,
-            max_iter, skip, nested, final_residual,
+            max_iter, skip, nested, final_residual, residual,
             None if partition is None else [int(s) for s in partition],
         )
     except Exception as exc:
@@ -264,7 +274,7 @@ def solve(
     comm.open(signature=sig)
     try:
         res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter,
-                   skip and not nested, callback, final_residual, nested)
+                   skip and not nested, callback, final_residual, nested, residual == "cycle_end")
     except BaseException as exc:
         comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
         raise
@@ -296,7 +306,7 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
 
 
 def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback,
-         final_residual=False, nested=False) -> Result:
+         final_residual=False, nested=False, at_cycle_end=False) -> Result:
     ctx = CycleContext(states)
     if nested and len(hierarchy) > 1:
         nested_start(ctx, kind)
@@ -313,10 +323,18 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
         iterations = 0
         for k in range(max_iter):
             ctx.iteration = k
-            r = cycle(ctx, 0, kind, skip=skip and k == 0)
+            skipped = skip and k == 0
+            r = cycle(ctx, 0, kind, skip=skipped)
             iterations = k + 1
             res_k = None
-            if not (skip and k == 0):
+            if at_cycle_end:  # measure on the iterate as it would be returned
+                skipped = False
+                if states[0] is not None:
+                    f_relax(states[0])
+                    r = c_residual(states[0])
+                    ctx.check(0, r)
+                ctx.relaxed0 = True
+            if not skipped:
                 w0 = states[0]
                 norms = w0.prop.norms(r) if w0 is not None else np.zeros(0)
                 res_k = temporal_norm(norms, p, comm)
@@ -331,7 +349,7 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
                 if res_k <= target:
                     converged, status = True, Status.CONVERGED
                     break
-        if states[0] is not None:
+        if states[0] is not None and not ctx.relaxed0:
             f_relax(states[0])  # ideal interpolation of the last correction
             ctx.check(0)
     final = None

@@ -33,3 +33,45 @@ def test_nested_two_levels_is_skip_plus_one_relaxed_cycle():
     b = mgrit.solve(p, np.ones(1), t, cf=2, max_levels=2, tol=None, max_iter=4, skip=True)
     np.testing.assert_array_equal(a.u, b.u)
     assert a.residuals == b.residuals[1:]
+
+
+@pytest.mark.parametrize("relax,kind,nested,levels", [("FCF", "V", False, 3), ("F", "V", True, 4),
+                                                      ("FCF", "F", True, 4), ("F", "F", False, 2)])
+def test_cycle_end_residual_is_the_residual_of_the_returned_solution(relax, kind, nested, levels):
+    heat = Heat1D(17)
+    t = np.linspace(0, 1, 129)
+    full = mgrit.solve(heat, heat.initial(), t, cf=2, max_levels=levels, relax=relax, cycle=kind, nested=nested,
+                       residual="cycle_end", tol=None, max_iter=4)
+    assert None not in full.residuals
+    for k in range(1, 5):
+        part = mgrit.solve(heat, heat.initial(), t, cf=2, max_levels=levels, relax=relax, cycle=kind,
+                           nested=nested, residual="cycle_end", tol=None, max_iter=k, final_residual=True)
+        assert part.residuals == full.residuals[:k]
+        assert part.final_residual == pytest.approx(full.residuals[k - 1], rel=1e-12)
+
+
+@pytest.mark.parametrize("relax", ["F", "FCF", "FCFCF"])
+def test_cycle_end_measurement_does_not_change_the_iterates(relax):
+    # Only where the residual is measured changes: the iterates are the same bits.
+    p, t = Dahlquist(-3.0), np.linspace(0, 2, 65)
+    for k in (1, 2, 3):
+        a = mgrit.solve(p, np.ones(2), t, cf=4, max_levels=3, relax=relax, tol=None, max_iter=k, skip=False)
+        b = mgrit.solve(p, np.ones(2), t, cf=4, max_levels=3, relax=relax, tol=None, max_iter=k, skip=False,
+                        residual="cycle_end")
+        np.testing.assert_array_equal(a.u, b.u)
+        # with F-relaxation, XBraid's residual of cycle k + 1 is measured on the same
+        # iterate as the cycle-end residual of cycle k
+        if relax == "F":
+            c = mgrit.solve(p, np.ones(2), t, cf=4, max_levels=3, relax=relax, tol=None, max_iter=k + 1,
+                            skip=False)
+            assert c.residuals[k] == pytest.approx(b.residuals[k - 1], rel=1e-13)
+
+
+def test_cycle_end_needs_no_more_cycles_than_xbraid_and_rejects_unknown():
+    heat = Heat1D(33)
+    t = np.linspace(0, 2, 513)
+    a = mgrit.solve(heat, heat.initial(), t, cf=4, max_levels=4, tol=1e-10, nested=True)
+    b = mgrit.solve(heat, heat.initial(), t, cf=4, max_levels=4, tol=1e-10, nested=True, residual="cycle_end")
+    assert b.converged and b.iterations <= a.iterations
+    with pytest.raises(ValueError, match="`residual`"):
+        mgrit.solve(heat, heat.initial(), t, residual="after")

@@ -43,6 +43,11 @@ def cases(size: int, with_torch: bool):
          dict(cf=2, max_levels=4, relax="FCF", nested=True, tol=1e-12, max_iter=40)),
         ("nested iteration, F-cycles", Dahlquist(-1.5), np.ones(2), t37,
          dict(cf=2, max_levels=4, relax="F", cycle="F", nested=True, tol=1e-12, max_iter=40)),
+        ("residual at cycle end, FCF", Dahlquist(-1.5), np.ones(2), t37,
+         dict(cf=2, max_levels=3, relax="FCF", residual="cycle_end", tol=1e-12, max_iter=40)),
+        ("residual at cycle end, nested F-cycles", Dahlquist(-1.5), np.ones(2), t37,
+         dict(cf=2, max_levels=4, relax="F", cycle="F", nested=True, residual="cycle_end", tol=1e-12,
+              max_iter=40)),
         ("float32 state", Dahlquist(-1.0), np.array([1.0, 3.0], dtype=np.float32), t37,
          dict(cf=2, max_levels=4, relax="F", tol=None, max_iter=5)),
         ("forward Euler, cf 4, relative tol, 1-norm", Dahlquist(-0.8, "fe"), np.ones(3), t,
@@ -176,7 +181,8 @@ def check_case(comm, name, prop, u0, t, kw) -> list:
     if (res.rank, res.size) != (rank, size):
         bad.append("res.rank / res.size are wrong")
     model = predict(res.hierarchy, size, res.iterations, cycle=kw.get("cycle", "V"), skip=kw.get("skip", True),
-                    nested=kw.get("nested", False), partition=kw.get("partition"))
+                    nested=kw.get("nested", False), residual=kw.get("residual", "xbraid"),
+                    partition=kw.get("partition"))
     if list(model.rank_calls[rank]) != list(res.counts):
         bad.append(f"the cost model predicts calls {model.rank_calls[rank]} on this rank, the solver made {res.counts}")
     return [f"{name}: {b}" for b in bad]
