@@ -106,7 +106,8 @@ def down(ctx: CycleContext, l: int, skip: bool):
     # After a cycle-end residual the fine F-points are already relaxed: the
     # first F-relaxation would recompute the same values, so it is left out.
     relaxed = l == 0 and ctx.relaxed0
-    ctx.relaxed0 = False if l == 0 else ctx.relaxed0
+    if l == 0:
+        ctx.relaxed0 = False
     for _ in range(w.level.nrelax):
         if not relaxed:
             f_relax(w)

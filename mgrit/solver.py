@@ -197,9 +197,10 @@ def solve(
         usually saves the last cycle.
     final_residual : bool
         Also measure the residual of the returned solution (one extra batched
-        C-point sweep): ``Result.final_residual``. The residual history is
-        measured before each cycle's coarse correction (XBraid's convention),
-        so its last entry lags the returned solution by one cycle.
+        C-point sweep; none with ``residual="cycle_end"``, whose last entry is
+        already that residual): ``Result.final_residual``. With
+        ``residual="xbraid"`` the history is measured before each cycle's
+        coarse correction, so its last entry lags the returned solution by one cycle.
     callback : callable, optional
         Called after every cycle with an :class:`IterationInfo`.
     comm : None, mpi4py communicator or Communicator
@@ -349,11 +350,14 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
                 if res_k <= target:
                     converged, status = True, Status.CONVERGED
                     break
-        if states[0] is not None and not ctx.relaxed0:
-            f_relax(states[0])  # ideal interpolation of the last correction
-            ctx.check(0)
+        if states[0] is not None:
+            if not ctx.relaxed0:  # (a cycle-end residual has relaxed it already)
+                f_relax(states[0])  # ideal interpolation of the last correction
+            ctx.check(0)  # every state, the trailing F-points included
     final = None
-    if final_residual:
+    if final_residual and at_cycle_end and L > 1:
+        final = residuals[-1]  # measured on exactly the returned iterate
+    elif final_residual:
         w0 = states[0]
         norms = w0.prop.norms(c_residual(w0)) if (w0 is not None and L > 1) else np.zeros(0)
         final = temporal_norm(norms, p, comm)  # one level is exact: 0

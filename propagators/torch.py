@@ -503,11 +503,10 @@ class LayerParallel(nn.Module):
         self.owned_layers = range(max(lo - 1, 0), max(hi, 0)) if hi >= lo else range(0)
         self._halo = self._halo_plan() if P > 1 else []
 
-    def _layers_used(self, rank: int) -> set:
-        """Layers whose parameters ``rank`` needs for its forward and adjoint steps."""
+    def _layers_used(self, rank: int, fwd_ranges, adj_ranges) -> set:
+        """Layers whose parameters ``rank`` needs for its forward and adjoint steps
+        (``*_ranges``: the per-level blocks of the forward and the adjoint solve)."""
         P, N, used = self._comm.size, self.n_layers, set()
-        fwd_ranges = _level_ranges(self.hierarchy, P)
-        adj_ranges = _level_ranges(self.hierarchy, P, self._adj_partition)
         for l, lv in enumerate(self.hierarchy):
             s = lv.stride
             lo, hi = fwd_ranges[l][rank]
@@ -526,11 +525,13 @@ class LayerParallel(nn.Module):
 
     def _halo_plan(self):
         """Deterministic list of (owner, user, layer) for parameters that must travel."""
-        plan = []
-        for p in range(self._comm.size):
+        P, plan = self._comm.size, []
+        fwd_ranges = _level_ranges(self.hierarchy, P)
+        adj_ranges = _level_ranges(self.hierarchy, P, self._adj_partition)
+        for p in range(P):
             lo, hi = self._ranges[p]
             own = set(range(max(lo - 1, 0), hi)) if hi >= lo else set()
-            for j in sorted(self._layers_used(p) - own):
+            for j in sorted(self._layers_used(p, fwd_ranges, adj_ranges) - own):
                 plan.append((self._owner_of_layer(j), p, j))
         return plan
 
