@@ -3,14 +3,14 @@
 The solver runs against the abstract :class:`Propagator` interface: implement
 ``step(u, t0, t1)`` and call :func:`solve`. See the README for a tour.
 """
-from .comm import Communicator, MPIComm, RemoteRankError, SerialComm, split_comm
+from .comm import Communicator, MPIComm, RemoteRankError, SerialComm, Tag, split_comm
 from .cycle import DivergenceError
 from .hierarchy import Hierarchy, Level, build_hierarchy
 from .propagator import Propagator
 from .result import IterationInfo, Result, Status
 from .solver import gather, solve
 from .spatial import SpatialTransfer
-from . import theory
+from . import model, partition, theory
 
 __all__ = [
     "Propagator",
@@ -29,4 +29,5 @@ __all__ = [
     "MPIComm",
     "RemoteRankError",
     "split_comm",
+    "Tag",
 ]

@@ -19,9 +19,18 @@ def is_torch(x) -> bool:
 
 
 def as_state(u):
-    """Return ``u`` as an array state: tensors stay tensors, the rest becomes numpy."""
+    """Return ``u`` as an array state: tensors stay tensors, the rest becomes numpy.
+
+    Integer and boolean states become floating point (numpy: float64; torch:
+    the default floating dtype, ``torch.get_default_dtype()``), since the
+    states of the solve are stored in the dtype of the initial state.
+    """
     if is_torch(u):
-        return u
+        if u.is_floating_point() or u.is_complex():
+            return u
+        import torch
+
+        return u.to(torch.get_default_dtype())
     u = np.asarray(u)
     if u.dtype.kind in "biu":
         u = u.astype(np.float64)
@@ -61,15 +70,40 @@ def copy(x):
 
 
 def row_norms(X) -> np.ndarray:
-    """Euclidean norm of every state in the stack ``X``, as a float64 numpy array."""
+    """Euclidean norm of every state in the stack ``X``, as a float64 numpy array.
+
+    Rows whose plain norm over- or underflows (states near 1e200, or near
+    1e-200) are recomputed scaled by their largest entry, so a finite state
+    always has a finite, nonzero-if-nonzero norm.
+    """
     n = X.shape[0]
     if n == 0:
         return np.zeros(0)
     if is_torch(X):
         import torch
 
-        return torch.linalg.vector_norm(X.reshape(n, -1), dim=1).double().cpu().numpy()
-    return np.linalg.norm(X.reshape(n, -1), axis=1).astype(np.float64, copy=False)
+        Y = X.reshape(n, -1)
+        out = torch.linalg.vector_norm(Y, dim=1).double().cpu().numpy()
+        bad = np.flatnonzero(~np.isfinite(out) | (out == 0.0))
+        if bad.size:
+            sub = Y[torch.as_tensor(bad, device=Y.device)].abs().double()
+            s = sub.amax(dim=1, keepdim=True)
+            fix = torch.isfinite(s[:, 0]) & (s[:, 0] > 0)
+            if bool(fix.any()):
+                scaled = s[fix, 0] * torch.linalg.vector_norm(sub[fix] / s[fix], dim=1)
+                out[bad[fix.cpu().numpy()]] = scaled.cpu().numpy()
+        return out
+    Y = X.reshape(n, -1)
+    with np.errstate(over="ignore", under="ignore"):
+        out = np.linalg.norm(Y, axis=1).astype(np.float64, copy=True)
+    bad = np.flatnonzero(~np.isfinite(out) | (out == 0.0))
+    if bad.size:
+        sub = np.abs(Y[bad]).astype(np.float64)
+        s = sub.max(axis=1)
+        fix = np.isfinite(s) & (s > 0)
+        if fix.any():
+            out[bad[fix]] = s[fix] * np.linalg.norm(sub[fix] / s[fix, None], axis=1)
+    return out
 
 
 def all_finite(X) -> bool:
@@ -87,6 +121,27 @@ def all_finite(X) -> bool:
     if X.size == 0 or np.isfinite(X.sum()):
         return True
     return bool(np.isfinite(X).all())
+
+
+def is_complex(x) -> bool:
+    """True when the array or tensor ``x`` has a complex dtype (no per-element work)."""
+    if is_torch(x):
+        return x.is_complex()
+    return x.dtype.kind == "c"
+
+
+def requires_grad(x) -> bool:
+    """True when ``x`` is a torch tensor that autograd tracks."""
+    return is_torch(x) and x.requires_grad
+
+
+def type_name(x) -> str:
+    """Short name of the type of ``x`` for messages ("torch.Tensor", "numpy.ndarray", "list")."""
+    if is_torch(x):
+        return "torch.Tensor"
+    if isinstance(x, np.ndarray):
+        return "numpy.ndarray"
+    return type(x).__name__
 
 
 def shape_of(x) -> tuple:

@@ -4,29 +4,98 @@
 travel); :class:`MPIComm` wraps an mpi4py communicator. mpi4py is imported
 only when an MPI communicator is actually used.
 
-One solve is a collective call over the communicator and runs in three
-phases:
+Sessions
+--------
+Every collective piece of work (one :func:`mgrit.solve`, one halo exchange,
+one training step's broadcast ...) runs in a *session*::
 
-1. ``open(failure)``: every rank has checked its input locally; the ranks
-   agree that all of them succeeded (otherwise every rank raises before any
-   state is exchanged) and open a private channel (a duplicate of the
-   communicator, so that nothing of a failed solve can leak into the next one).
-2. point-to-point messages (:meth:`~Communicator.send` / :meth:`~Communicator.recv`)
-   and reductions (:meth:`~Communicator.sum_exact`, :meth:`~Communicator.max`).
-3. ``finish()`` and ``close(error)``: wait for the outstanding sends, confirm
-   that every rank got to the end, release the channel.
+    with comm.session(signature):      # open: handshake, take a channel
+        comm.send(...); comm.recv(...); comm.allreduce_array(...)
+    # normal exit: finish (complete and match every message), release the channel
+    # any exception: tell the other ranks, clean the channel up, re-raise
+
+``open(failure, signature)`` / ``close(error)`` are the same two steps
+spelled out. A rank whose input is bad must still take part in the handshake,
+so a solve reads::
+
+    try:
+        check the input, set up                # local work only
+    except BaseException as exc:
+        comm.open(failure=exc)                 # the others raise RemoteRankError
+        raise
+    with comm.session(signature):              # = open(signature=...) ... close(...)
+        result = run the cycles                # (its comm.finish() is not repeated)
+
+1. **Handshake** (``open``): every rank sends ``(its failure or None, its
+   signature, the ids of its clean pooled channels)`` to rank 0 and waits for
+   the verdict. If any rank failed, every other rank raises
+   :class:`RemoteRankError` (the failed one re-raises its own exception); if
+   the signatures differ every rank raises ``ValueError``. Otherwise the
+   session gets a *channel*: a duplicate of the communicator on which all of
+   its messages travel, so that nothing of one session can match a receive of
+   another. A channel that every rank holds clean in its pool is reused
+   (that is the common case: a loop of sessions costs no ``MPI_Comm_dup``);
+   otherwise a new one is duplicated.
+2. **Messages**: states (:meth:`~Communicator.send` / :meth:`~Communicator.recv`),
+   pickled objects (:meth:`~Communicator.bcast`, :meth:`~Communicator.gather`)
+   and reductions, all point to point. Reductions run up a binomial tree to
+   rank 0, which combines in a fixed order, and back down: every rank gets the
+   same bits. :meth:`~Communicator.sum_exact` and
+   :meth:`~Communicator.norm2_exact` reduce exact integer bins, so their values
+   do not even depend on the number of ranks. Every channel counts the
+   messages it sent to and received from each peer.
+3. **Finish** (normal exit): a barrier through rank 0 that also carries the
+   counts, so that every rank receives (and discards) any message sent to it
+   that it never received; then every own send is completed. Nobody leaves
+   while another rank may still fail, and the channel is left empty: it goes
+   back to the pool.
+4. **Failure** (``close(error)``): a rank whose own code raised sends a
+   failure notice to every other rank on the channel (a rank that raised
+   :class:`RemoteRankError` sends none). Then every rank runs the *cleanup*:
+   it sends each peer the number of messages it sent to it, receives the
+   peers' numbers, receives and discards what it has not received yet
+   (receives that were interrupted are cancelled; one that had already matched
+   a message counts as received), and completes its own sends. The channel
+   is then empty and goes back to the pool. The cleanup is bounded by
+   :attr:`MPIComm.cleanup_timeout` seconds (and skipped after an alarm, see
+   below); past it the channel is abandoned with whatever it still holds
+   (it is never freed, so nothing it holds can reach a later channel), and
+   :func:`abandoned_channels` counts it. A rank that fails after its block's
+   :meth:`~Communicator.finish` (the others may have left their blocks) sends
+   its notices and abandons the channel without a cleanup. Channels are
+   reused only when every rank released them clean, so that ranks which
+   disagree about a channel simply take a new one.
 
 The MPI implementation never blocks without listening: every wait polls for a
-failure notice from any other rank, so that an exception on one rank (a
-failing user propagator, a divergence) makes every rank raise
-:class:`RemoteRankError` within milliseconds instead of hanging. A failed
-solve abandons its private duplicate with whatever it still holds (unmatched
-sends, a collective that a rank never joined; receives are cancelled), so the
-communicator passed in stays clean for the next solve and ``MPI_Finalize``
-returns (checked with MPICH in tests/test_mpi.py).
+failure notice on every open channel (sessions may nest: a solve inside a
+session) and for alarms, so an exception on one rank makes every rank raise
+:class:`RemoteRankError` within milliseconds instead of hanging. The error
+names the failed rank by its rank in ``MPI.COMM_WORLD`` (and in the
+communicator, when that differs).
 
-The residual norm is reduced exactly (:func:`exact_bins`): its value, and
-so every convergence decision, does not depend on the number of ranks.
+Alarms
+------
+Outside a session nobody is waiting on a channel, so :meth:`MPIComm.alarm`
+tells every other rank "rank r failed" through the communicator's *base
+channel*, a private duplicate made once per wrapped communicator (it also
+carries the handshakes and the messages sent outside any session). Every wait
+of the communicator, handshakes included, raises :class:`RemoteRankError` when
+an alarm arrived. An alarm is final: the ranks may have left collective work
+half done, so the communicator (the wrapper and its base channel) is unusable
+afterwards on every rank; every later call raises. To go on, wrap a new
+duplicate of the raw communicator (``as_communicator(raw.Dup())``, collective;
+the raw communicator itself never carries any message of this module).
+
+:func:`as_communicator` returns the same :class:`MPIComm` for the same
+mpi4py communicator (it is cached as an MPI attribute of that communicator),
+so that all parts of a program share its pool and its alarms. Wrapping a
+communicator is collective (it duplicates it once).
+
+Tags
+----
+See :class:`Tag`: the solver's data tags are level indices (small numbers);
+the reserved tags sit at ``0x7A00`` and up; users of the interface take
+``Tag.HALO``, ``Tag.GHOST`` or tags from ``Tag.USER`` to :attr:`MPIComm.tag_ub`.
 """
 from __future__ import annotations
 
@@ -35,32 +104,69 @@ import os
 import time
 import zlib
 from abc import ABC, abstractmethod
+from enum import IntEnum
 
 import numpy as np
 
 from . import _backend as B
 
-#: Tags of failure notices and broadcasts; the solver's data tags are level indices.
-_ERR_TAG = 0x7A00
-_BCAST_TAG = 0x7A01
 
-#: Requests (and the buffers they use) left behind by failed solves. They are
+class Tag(IntEnum):
+    """Message tags on a communicator's channels.
+
+    ``0 .. Tag.FAILURE - 1``: data; the solver tags its states with the level
+    index. ``FAILURE .. GATHER``: reserved for the protocol of this module.
+    ``HALO`` and ``GHOST``: for layer-parallel modules (parameter halos and
+    ghost states). ``USER`` and above (up to :attr:`MPIComm.tag_ub`, at least
+    32767 by the MPI standard): free for users of the interface.
+    """
+
+    FAILURE = 0x7A00  #: failure notice of a session (a pickled message)
+    BCAST = 0x7A01  #: :meth:`Communicator.bcast`
+    REDUCE = 0x7A02  #: reductions (up and down the binomial tree)
+    BARRIER = 0x7A03  #: finish: sent-message counts to rank 0 and back
+    HANDSHAKE = 0x7A04  #: open / split: (failure, signature, pool) to rank 0, verdict back
+    CLEANUP = 0x7A05  #: after a failure: per-peer sent-message counts (not counted themselves)
+    ALARM = 0x7A06  #: :meth:`MPIComm.alarm`, on the base channel
+    GATHER = 0x7A07  #: :meth:`Communicator.gather`
+    HALO = 0x7A10  #: layer parameters sent to the ranks that need them
+    GHOST = 0x7A11  #: a neighbour's last state
+    USER = 0x7A20  #: first free tag
+
+
+#: Requests, buffers and channels left behind by failed cleanups. They are
 #: kept alive so that MPI never touches freed memory; this only grows on failures.
 _ABANDONED: list = []
+_N_ABANDONED = [0]
+
+
+def abandoned_channels() -> int:
+    """Number of channels this process abandoned (not freed) after a failure,
+    because their cleanup timed out or an alarm made it pointless."""
+    return _N_ABANDONED[0]
 
 
 class _Backoff:
-    """Polling rhythm of a wait: a few polls that only yield the core (low
-    latency), then naps that double from 10 us up to 0.2 ms, so that ranks
-    sharing a core (oversubscription) leave it to the ones that work."""
+    """Polling rhythm of a wait: for the first 0.5 ms polls that only yield the
+    core (low latency), then naps that double from 10 us up to 0.2 ms, so that
+    ranks sharing a core (oversubscription) leave it to the ones that work.
+
+    The spell of polling outlasts the longest nap: a rank that answers a
+    message is never asleep for longer than its partner keeps polling, so two
+    ranks exchanging messages cannot fall into a rhythm of alternate naps.
+    """
+
+    SPIN = 5e-4
 
     def __init__(self):
-        self.polls = 0
+        self.start = None
         self.nap = 1e-5
 
     def pause(self) -> None:
-        self.polls += 1
-        if self.polls <= 20:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = now
+        if now - self.start < self.SPIN:
             os.sched_yield()
         else:
             time.sleep(self.nap)
@@ -68,7 +174,27 @@ class _Backoff:
 
 
 class RemoteRankError(RuntimeError):
-    """Raised on every rank when another rank of the same solve failed."""
+    """Raised on every rank when another rank of the same session failed.
+
+    Attributes
+    ----------
+    rank : int or None
+        The failed rank in the communicator of the session.
+    world_rank : int or None
+        The failed rank in ``MPI.COMM_WORLD``.
+    """
+
+    def __init__(self, message: str = "", rank: int | None = None, world_rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.world_rank = world_rank
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.world_rank)
+
+
+def _note(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 # -- reproducible (rank-count independent) summation ------------------------
@@ -84,9 +210,9 @@ def exact_bins(values) -> np.ndarray:
     Every finite ``x`` is cut into pieces ``x = sum_b q_b 2**(E_b)`` with
     fixed bin exponents ``E_b = -1080 + 24 b`` and integers ``|q_b| < 2**24``.
     Adding the ``q_b`` of up to ``2**29`` values in one float64 is exact, so the
-    bins of several ranks can be added by an ordinary MPI sum in any order and
-    :func:`bins_value` turns them into the correctly rounded total. The last
-    entry carries the sum of the non-finite values (NaN / Inf propagate).
+    bins of several ranks can be added in any order and :func:`bins_value`
+    turns them into the correctly rounded total. The last entry carries the
+    sum of the non-finite values (NaN / Inf propagate).
 
     Returns a float64 array of shape ``(_N_BINS + 1,)``.
 
@@ -127,28 +253,144 @@ def bins_value(bins: np.ndarray) -> float:
     return total + special if special != 0.0 else total
 
 
+# Squares of floats reach 2**2048 and go down to 2**-2200 (the lowest bit of the
+# rounded square of the smallest subnormal): the same 24-bit grid, extended.
+_SQ_EMIN = _BIN_EMIN - 47 * _BIN_BITS  # -2208
+_N_SQ_BINS = (2047 - _SQ_EMIN) // _BIN_BITS + 1  # the top bin holds bit 2047
+_SAFE = 2.0 ** 500  # squares of magnitudes in [1/_SAFE, _SAFE] neither overflow nor underflow
+
+
+def square_bins(values) -> np.ndarray:
+    """Exact integer bins of the sum of the rounded squares of ``values``.
+
+    Each ``x = m 2**e`` (``frexp``) contributes ``fl(m**2) 2**(2e)``, which is
+    ``fl(x**2)`` whenever that is a normal float, and which never overflows or
+    underflows: it is cut into four 24-bit integer pieces on the grid
+    ``E_b = -2208 + 24 b`` (wide enough for every square of a double). Like
+    :func:`exact_bins`, bins of several ranks add exactly in any order;
+    :func:`square_bins_root` gives the square root of the total. The last entry
+    carries the sum of the squares of the non-finite values.
+    """
+    x = np.abs(np.asarray(values, dtype=np.float64).ravel())
+    bins = np.zeros(_N_SQ_BINS + 1)
+    finite = np.isfinite(x)
+    if not finite.all():
+        bins[-1] = np.sum(x[~finite] ** 2)  # inf or NaN
+        x = x[finite]
+    x = x[x != 0.0]
+    if x.size == 0:
+        return bins
+    m, e = np.frexp(x)
+    sq = m * m  # fl(m**2) in [0.25, 1)
+    t = 2 * e.astype(np.int64) - _SQ_EMIN  # the square is sq * 2**(t + _SQ_EMIN)
+    b = t // _BIN_BITS
+    y = np.ldexp(sq, (t - b * _BIN_BITS).astype(np.int32))  # sq 2**r, r < 24: exact, < 2**24
+    for k in range(4):  # 53 bits shifted by r < 24 span at most four bins: b, b-1, b-2, b-3
+        q = np.floor(y)  # integer < 2**24
+        ok = q != 0.0
+        bins[:-1] += np.bincount(b[ok] - k, weights=q[ok], minlength=_N_SQ_BINS)  # exact
+        y = (y - q) * 2.0 ** _BIN_BITS  # exact
+    return bins
+
+
+def square_bins_root(bins: np.ndarray) -> float:
+    """``sqrt`` of the (correctly rounded) total of bins made by :func:`square_bins`.
+
+    The total is formed exactly as an integer and scaled by a power of four
+    before rounding, so there is no overflow and, when the total is a normal
+    float, the result is exactly ``math.sqrt`` of its correctly rounded value.
+    """
+    special = float(bins[-1])
+    if special != 0.0 or math.isnan(special):
+        return math.sqrt(special)  # inf or NaN
+    n = 0
+    for b in np.flatnonzero(bins[:-1]):
+        n += int(bins[b]) << (_BIN_BITS * int(b))  # exact: the bins are integers
+    if n == 0:
+        return 0.0
+    j = (n.bit_length() - 1 + _SQ_EMIN) // 2  # total = n 2**_SQ_EMIN ~ 4**j
+    k = _SQ_EMIN - 2 * j
+    scaled = float(n << k) if k >= 0 else n / (1 << -k)  # correctly rounded, in [1, 4)
+    try:
+        return math.ldexp(math.sqrt(scaled), j)
+    except OverflowError:
+        return math.inf
+
+
+def _norm2_local(values) -> float:
+    x = np.asarray(values, dtype=np.float64).ravel()
+    if x.size == 0:
+        return 0.0
+    a = np.abs(x)
+    nz = a[a != 0.0]
+    if np.isfinite(a).all() and (nz.size == 0 or (nz.max() <= _SAFE and nz.min() >= 1.0 / _SAFE)):
+        try:
+            total = math.fsum((x * x).tolist())  # the same value, faster
+        except OverflowError:
+            total = math.inf
+        if total < math.inf:
+            return math.sqrt(total)
+    return square_bins_root(square_bins(x))
+
+
 # -- interface ----------------------------------------------------------------
 
 
 class Communicator(ABC):
-    """What the solver needs from a communicator along the time axis."""
+    """What the solver (and a layer-parallel module) needs from a communicator.
+
+    All methods but :meth:`send`, :meth:`recv`, :meth:`world_rank` and
+    :meth:`alarm` are collective: every rank calls them in the same order.
+    """
 
     rank: int = 0
     size: int = 1
 
+    # -- sessions -------------------------------------------------------------
     def open(self, failure: BaseException | None = None, signature=None) -> None:
-        """Start one solve (collective).
+        """Start a session (collective): the handshake.
 
         Every rank calls this after checking its input locally, passing the
         exception it got (``failure``) or None, and a ``signature`` of the
         arguments that must agree on all ranks. If any rank failed, the other
         ranks raise :class:`RemoteRankError` (the failed rank re-raises its own
-        exception after this returns). Nothing is sent before this point.
+        exception after this returns, and no session is opened). If the
+        signatures differ every rank raises ``ValueError``. Nothing is sent
+        before this point.
         """
 
     def close(self, error: BaseException | None = None) -> None:
-        """End one solve: release the channel; after an ``error``, tell the other ranks."""
+        """End the innermost session.
 
+        ``close()``: :meth:`finish` (if not just done) and release the channel.
+        ``close(error)``: tell the other ranks (unless ``error`` is a
+        :class:`RemoteRankError`: they know), clean the channel up (bounded
+        in time) and release it. Does not raise ``error``.
+        """
+
+    def session(self, signature=None) -> "Session":
+        """A context manager around one collective piece of work.
+
+        On entry :meth:`open` (the handshake; raises :class:`RemoteRankError`
+        if a rank's handshake was interrupted by a failure). On normal exit
+        :meth:`finish` and :meth:`close`. On any exception (``BaseException``:
+        interrupts too) inside the block, :meth:`close` with it (the other
+        ranks, waiting anywhere in their own block, raise
+        :class:`RemoteRankError` within milliseconds), then the exception
+        propagates. Sessions nest (a solve inside a session opens its own).
+        The value of the ``with`` statement is the communicator.
+
+        >>> with SerialComm().session() as c:
+        ...     c.allreduce(2.0)
+        2.0
+        """
+        return Session(self, signature)
+
+    def _depth(self) -> int:
+        """Number of open sessions (the serial communicator keeps none)."""
+        return 0
+
+    # -- messages -------------------------------------------------------------
     @abstractmethod
     def send(self, x, dest: int, tag: int) -> None:
         """Start sending a copy of state ``x`` to rank ``dest`` (non-blocking)."""
@@ -159,7 +401,20 @@ class Communicator(ABC):
 
     @abstractmethod
     def allreduce(self, value: float, op: str = "sum") -> float:
-        """Sum (``op="sum"``) or maximum (``op="max"``) of a float over all ranks."""
+        """Sum (``op="sum"``) or maximum (``op="max"``) of a float over all ranks
+        (the same value on every rank)."""
+
+    def allreduce_array(self, x):
+        """Elementwise sum of the array ``x`` over all ranks, the same bits on every rank.
+
+        ``x`` is a numpy array (or a torch tensor, returned as one on its
+        device); the result is a new array of the same shape and dtype. Works
+        inside and outside a session and listens for failures and alarms
+        while it waits.
+        """
+        if B.is_torch(x):
+            return x.detach().clone()
+        return np.array(x, copy=True)
 
     def sum_exact(self, values) -> float:
         """Correctly rounded sum of all ``values`` of all ranks.
@@ -172,24 +427,93 @@ class Communicator(ABC):
             return math.fsum(x.tolist())  # correctly rounded too: equals bins_value(exact_bins(x))
         return bins_value(exact_bins(x))
 
+    def norm2_exact(self, values) -> float:
+        """``sqrt`` of the sum of the squares of all ``values`` of all ranks, without overflow.
+
+        Equals ``math.sqrt(math.fsum(x * x))`` over all values whenever no
+        square over- or underflows (bit for bit, whatever the number of
+        ranks); otherwise it is the square root of the correctly rounded sum
+        of the squares rounded to 53 bits (finite for values up to the largest
+        float; a NaN or Inf anywhere gives NaN or Inf).
+        """
+        return _norm2_local(values)
+
     def max(self, values) -> float:
         """Largest of all ``values`` of all ranks (``-inf`` when there are none;
         ``inf`` when any value is NaN or infinite)."""
         return _local_max(values)
 
     def notify_failure(self, exc: BaseException) -> None:
-        """Tell the other ranks that this one failed (no-op on one process)."""
+        """Tell the other ranks of the innermost session that this one failed
+        (no-op outside a session and on one process)."""
 
     def finish(self) -> None:
-        """Complete every outstanding send and confirm that every rank got here."""
+        """Complete every outstanding send, receive (and discard) every message sent
+        to this rank but never received, and confirm that every rank got here."""
 
     def gather(self, obj, root: int | None = 0):
-        """Gather a Python object to ``root`` (or to all ranks when ``root`` is None)."""
+        """Gather a Python object to ``root`` (or to all ranks when ``root`` is None);
+        None on the other ranks."""
         return [obj]
 
     def bcast(self, obj, root: int = 0):
         """``obj`` of rank ``root`` on every rank (pickled; listens for failures while waiting)."""
         return obj
+
+    # -- failures outside sessions -----------------------------------------------
+    def alarm(self, exc: BaseException) -> None:
+        """Tell every other rank that this one failed with ``exc`` (not collective).
+
+        Their current or next wait on this communicator raises
+        :class:`RemoteRankError`. The communicator is unusable afterwards, on
+        every rank. No-op on one process.
+        """
+
+    # -- communicators -------------------------------------------------------------
+    def split(self, color: int, key: int = 0) -> "Communicator | None":
+        """Ranks with the same ``color`` form a new communicator, ordered by ``key``
+        (collective). None for ``color`` = ``MPI.UNDEFINED``. Free it with :meth:`free`."""
+        return SerialComm()
+
+    def reversed(self) -> "Communicator":
+        """The same ranks in reverse order (collective): rank ``r`` becomes
+        ``size - 1 - r``. Free it with :meth:`free`."""
+        return self.split(0, self.size - 1 - self.rank)
+
+    def free(self) -> None:
+        """Release the MPI resources of this communicator (collective); it is
+        unusable afterwards. A communicator made by :meth:`split` or
+        :meth:`reversed` frees its MPI communicator too."""
+
+    def world_rank(self, r: int | None = None) -> int:
+        """Rank in ``MPI.COMM_WORLD`` of rank ``r`` of this communicator (default: this rank)."""
+        return self.rank if r is None else int(r)
+
+
+class Session:
+    """The context manager of :meth:`Communicator.session`."""
+
+    __slots__ = ("comm", "signature", "depth")
+
+    def __init__(self, comm: Communicator, signature=None):
+        self.comm, self.signature, self.depth = comm, signature, None
+
+    def __enter__(self) -> Communicator:
+        self.depth = self.comm._depth()
+        self.comm.open(signature=self.signature)
+        return self.comm
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        c = self.comm
+        while c._depth() > self.depth + 1:  # a nested session left open: close it first
+            c.close(exc if exc is not None else RuntimeError("a nested session was left open"))
+        if c._depth() <= self.depth:
+            return False  # closed inside the block
+        if exc is None:
+            c.close()  # finish + release; on a failure in finish it cleans up and raises
+        else:
+            c.close(exc)
+        return False
 
 
 def _local_max(values) -> float:
@@ -202,7 +526,11 @@ def _local_max(values) -> float:
 
 
 class SerialComm(Communicator):
-    """The single-process communicator: there is never anyone to talk to."""
+    """The single-process communicator: there is never anyone to talk to.
+
+    Sessions are no-ops, :meth:`split` and :meth:`reversed` return a
+    SerialComm, :meth:`alarm` does nothing.
+    """
 
     rank = 0
     size = 1
@@ -237,14 +565,39 @@ def args_signature(*items) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+class _Channel:
+    """A private duplicate of the communicator and its bookkeeping: the
+    messages sent to / received from every peer (all tags but CLEANUP,
+    cumulative over the channel's life) and the outstanding sends."""
+
+    __slots__ = ("comm", "id", "sent", "recvd", "sends", "finished")
+
+    def __init__(self, comm, cid: int, size: int):
+        self.comm, self.id = comm, cid
+        self.sent = [0] * size
+        self.recvd = [0] * size
+        self.sends: list = []  # (request, buffer) pairs
+        self.finished = False  # finish() done and nothing sent or received since
+
+
+_POOL_SIZE = 4  # clean channels kept per communicator for later sessions
+_KEYVAL: list = []  # the MPI attribute key under which as_communicator caches its wrapper
+
+
+def _keyval(MPI) -> int:
+    if not _KEYVAL:
+        _KEYVAL.append(MPI.Comm.Create_keyval())  # not copied by Dup
+    return _KEYVAL[0]
+
+
 class MPIComm(Communicator):
-    """mpi4py communicator along the time axis.
+    """mpi4py communicator along the time axis (see the module docstring).
 
     States travel as raw bytes (numpy arrays and torch tensors alike, any
-    dtype), non-blocking, copied at send time. Each solve works on a private
-    duplicate of ``comm`` (all ranks of ``comm`` must call the solve); between
-    solves, :meth:`send`, :meth:`recv` and :meth:`bcast` use ``comm`` itself
-    (tags 0x7A00 and 0x7A01 are reserved there).
+    dtype), non-blocking, copied at send time. Sessions use private channels;
+    outside sessions, messages use the base channel (a private duplicate made
+    here: creating an MPIComm is collective). Nothing ever travels on
+    ``comm`` itself.
 
     Parameters
     ----------
@@ -255,7 +608,17 @@ class MPIComm(Communicator):
         Default: the environment variable ``MGRIT_CUDA_AWARE_MPI=1``.
         Otherwise CUDA tensors are copied to host memory to be sent and
         copied back to their device when received.
+
+    Attributes
+    ----------
+    cleanup_timeout : float
+        Seconds the cleanup after a failure may take before the channel is
+        abandoned (default 3).
+    tag_ub : int
+        Largest tag the MPI library accepts (user tags: ``Tag.USER .. tag_ub``).
     """
+
+    cleanup_timeout = 3.0
 
     def __init__(self, comm, cuda_aware: bool | None = None):
         from mpi4py import MPI
@@ -267,87 +630,278 @@ class MPIComm(Communicator):
         if cuda_aware is None:
             cuda_aware = os.environ.get("MGRIT_CUDA_AWARE_MPI", "0") == "1"
         self.cuda_aware = bool(cuda_aware)
-        # channel stack: ``comm`` itself at the bottom, one private duplicate per running solve;
-        # each with its list of outstanding sends (request, buffer)
-        self._channels: list = [comm]
-        self._sends: list = [[]]
+        self.tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        world, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
+        try:
+            w = group.Translate_ranks(list(range(self.size)), world)
+        finally:
+            group.Free()
+            world.Free()
+        self._world = [r if x == MPI.UNDEFINED else int(x) for r, x in enumerate(w)]
+        self._status = MPI.Status()
+        self._base = _Channel(comm.Dup(), -1, self.size)  # handshakes, alarms, traffic outside sessions
+        self._stack = [self._base]  # the base channel and one channel per open session
+        self._pool: dict = {}  # id -> clean _Channel, oldest first
+        self._next_id = 0
+        self._broken = None  # (rank, message) of an alarm received or raised here
+        self._owns = False  # free() frees ``comm`` too (made by split / reversed)
+        self._freed = False
+        kv = _keyval(MPI)
+        if comm.Get_attr(kv) is None:
+            comm.Set_attr(kv, self)
 
-    # -- phases of a solve ------------------------------------------------
-    def open(self, failure=None, signature=None):
-        note = None if failure is None else f"{type(failure).__name__}: {failure}"
-        notes = self.comm.allgather((note, signature))
-        if failure is not None:
-            return
-        failed = [(r, n) for r, (n, _) in enumerate(notes) if n is not None]
-        if failed:
-            r, n = failed[0]
-            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-            raise RemoteRankError(f"rank {r} failed{more}: {n}")
-        sigs = [s for _, s in notes]
-        if any(s != sigs[0] for s in sigs):
-            bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-            raise ValueError(
-                "the arguments of `solve` differ between ranks (time grid, hierarchy, state "
-                f"shape or stopping rule): rank 0 and rank(s) {bad}; every rank must pass the same"
-            )
-        self._channels.append(self.comm.Dup())
-        self._sends.append([])
+    # -- naming -----------------------------------------------------------------
+    def world_rank(self, r=None):
+        return self._world[self.rank if r is None else int(r)]
 
-    def close(self, error=None):
-        if len(self._channels) == 1:
-            return
-        if error is None:
-            self._sends.pop()
-            self._channels.pop().Free()
-            return
-        if not isinstance(error, RemoteRankError):
-            self.notify_failure(error)
-        _ABANDONED.extend(self._sends.pop())  # keep buffers alive; MPI may still use them
-        self._channels.pop()  # not freed: it may still have unmatched operations
+    def _who(self, r: int) -> str:
+        w = self._world[r]
+        return f"rank {w}" if w == r else f"rank {w} (rank {r} of this communicator)"
 
-    @property
-    def _c(self):
-        return self._channels[-1]
+    def _remote(self, r: int, note: str, more: str = "") -> RemoteRankError:
+        return RemoteRankError(f"{self._who(r)} failed{more}: {note}", rank=r, world_rank=self._world[r])
 
-    @property
-    def _pending(self) -> list:
-        return self._sends[-1]
+    # -- failure detection ------------------------------------------------------
+    def _usable(self) -> None:
+        if self._freed:
+            raise RuntimeError("this communicator was freed")
+        if self._broken is not None:
+            r, note = self._broken
+            if r == self.rank:
+                raise RuntimeError(f"this communicator is unusable after this rank's alarm ({note})")
+            raise self._remote(r, note, " (alarm)")
 
-    # -- failure protocol -------------------------------------------------
-    def _check_remote_failure(self) -> None:
-        MPI = self._MPI
-        status = MPI.Status()
-        if self._c.Iprobe(source=MPI.ANY_SOURCE, tag=_ERR_TAG, status=status):
-            src = status.Get_source()
-            msg = self._c.recv(source=src, tag=_ERR_TAG)
-            raise RemoteRankError(f"rank {src} failed: {msg}")
+    def _poll(self) -> None:
+        """Raise RemoteRankError if a failure notice (on any open channel) or an alarm arrived."""
+        MPI, st = self._MPI, self._status
+        for ch in reversed(self._stack[1:]):
+            if ch.comm.Iprobe(MPI.ANY_SOURCE, Tag.FAILURE, st):
+                src = st.Get_source()
+                note = ch.comm.recv(source=src, tag=Tag.FAILURE)
+                ch.recvd[src] += 1
+                raise self._remote(src, note)
+        if self._broken is None and self._base.comm.Iprobe(MPI.ANY_SOURCE, Tag.ALARM, st):
+            src = st.Get_source()
+            self._broken = (src, self._base.comm.recv(source=src, tag=Tag.ALARM))
+        self._usable()
 
-    def _wait(self, req, cancel: bool = False) -> None:
-        """Wait for ``req`` while listening for failure notices.
-
-        On a failure notice (or an interrupt) a receive is cancelled; any
-        other request is kept alive in ``_ABANDONED``.
-        """
+    def _wait(self, req, recv=None) -> None:
+        """Wait for ``req`` while polling for failures. ``recv = (channel, source)``
+        for a receive: it is counted when it completes; when the wait is
+        interrupted it is cancelled, and counted if it had matched already."""
         backoff = _Backoff()
         try:
             while not req.Test():
-                self._check_remote_failure()
+                self._poll()
                 backoff.pause()
         except BaseException:
-            if cancel:
+            if recv is not None:
+                st = self._MPI.Status()
                 req.Cancel()
-                req.Wait()  # returns at once for a cancelled receive
-            else:
-                _ABANDONED.append(req)
+                req.Wait(st)
+                if not st.Is_cancelled():
+                    recv[0].recvd[recv[1]] += 1
             raise
+        if recv is not None:
+            recv[0].recvd[recv[1]] += 1
 
-    def notify_failure(self, exc):
-        if len(self._channels) == 1:
-            return  # no solve is running
-        msg = f"{type(exc).__name__}: {exc}"
+    # -- sending and receiving on a channel --------------------------------------
+    def _isend(self, ch: _Channel, buf, dest: int, tag: int):
+        req = ch.comm.Isend([_byte_view(buf), self._MPI.BYTE], dest=dest, tag=tag)
+        self._sent(ch, req, buf, dest)
+        return req
+
+    def _isend_obj(self, ch: _Channel, obj, dest: int, tag: int):
+        req = ch.comm.isend(obj, dest=dest, tag=tag)  # the request keeps the pickle alive
+        self._sent(ch, req, None, dest)
+        return req
+
+    @staticmethod
+    def _sent(ch: _Channel, req, buf, dest: int) -> None:
+        ch.sent[dest] += 1
+        ch.finished = False
+        ch.sends.append((req, buf))
+        if len(ch.sends) > 64:
+            ch.sends[:] = [(r, b) for r, b in ch.sends if not r.Test()]
+
+    def _recv_into(self, ch: _Channel, buf, source: int, tag: int):
+        ch.finished = False
+        req = ch.comm.Irecv([_byte_view(buf), self._MPI.BYTE], source=source, tag=tag)
+        self._wait(req, (ch, source))
+        return buf
+
+    def _recv_obj(self, ch: _Channel, source: int, tag: int):
+        ch.finished = False
+        backoff = _Backoff()
+        while not ch.comm.Iprobe(source=source, tag=tag):
+            self._poll()
+            backoff.pause()
+        obj = ch.comm.recv(source=source, tag=tag)
+        ch.recvd[source] += 1
+        return obj
+
+    def _complete_sends(self, ch: _Channel) -> None:
+        while ch.sends:
+            self._wait(ch.sends[0][0])
+            ch.sends.pop(0)
+
+    def _drain_one(self, ch: _Channel, source: int) -> bool:
+        """Receive and discard one message from ``source`` if one has arrived."""
+        MPI, st = self._MPI, self._status
+        msg = ch.comm.Improbe(source=source, tag=MPI.ANY_TAG, status=st)
+        if msg is None:
+            return False
+        msg.Recv([bytearray(st.Get_count(MPI.BYTE)), MPI.BYTE])
+        ch.recvd[source] += 1
+        return True
+
+    # -- phases of a session -------------------------------------------------------
+    def _depth(self):
+        return len(self._stack) - 1
+
+    @property
+    def _top(self) -> _Channel:
+        return self._stack[-1]
+
+    def _gather_to_root(self, ch: _Channel, obj, tag: int):
+        """Pickled ``obj`` of every rank on rank 0 (list), None elsewhere."""
+        if self.rank != 0:
+            self._isend_obj(ch, obj, 0, tag)
+            return None
+        return [obj] + [self._recv_obj(ch, j, tag) for j in range(1, self.size)]
+
+    def _from_root(self, ch: _Channel, obj, tag: int):
+        """``obj`` of rank 0 on every rank."""
+        if self.rank == 0:
+            for j in range(1, self.size):
+                self._isend_obj(ch, obj, j, tag)
+            return obj
+        return self._recv_obj(ch, 0, tag)
+
+    def open(self, failure=None, signature=None):
+        if failure is not None and self._broken is not None:
+            return  # the caller re-raises its own exception
+        self._usable()
+        ch = self._top
+        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), self._next_id)
+        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
+        verdict = None if notes is None else self._verdict(notes)
+        failed, bad, reuse, new_id = self._from_root(ch, verdict, Tag.HANDSHAKE)
+        if failure is not None:
+            return
+        if failed:
+            r, n = failed[0]
+            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            raise self._remote(r, n, more)
+        if bad:
+            raise ValueError(
+                "the arguments of this collective call differ between ranks (for `solve`: time "
+                f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
+                "rank must pass the same"
+            )
+        if reuse is not None:
+            new = self._pool.pop(reuse)
+        else:
+            new = _Channel(self._base.comm.Dup(), new_id, self.size)
+            self._next_id = new_id + 1
+        self._stack.append(new)
+
+    @staticmethod
+    def _verdict(notes: list):
+        failed = [(r, n) for r, (n, _, _, _) in enumerate(notes) if n is not None]
+        sigs = [s for _, s, _, _ in notes]
+        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, _ in notes[1:]))
+        reuse = max(common) if common else None
+        return failed, bad, reuse, max(i for _, _, _, i in notes)
+
+    def close(self, error=None):
+        if len(self._stack) == 1:
+            return
+        ch = self._top
+        if error is None:
+            if not ch.finished:
+                try:
+                    self.finish()
+                except BaseException as exc:
+                    self.close(exc)
+                    raise
+            self._stack.pop()
+            self._release(ch)
+            return
+        self._stack.pop()
+        if self._broken is not None:
+            self._abandon(ch)  # an alarm: the failed rank takes no part in any cleanup
+            return
+        finished, remote = ch.finished, isinstance(error, RemoteRankError)
+        if finished and remote:
+            self._release(ch)  # finish left it empty here and nothing has moved since
+            return
+        if not remote:
+            self._notify(ch, error)
+        if finished:
+            # the others passed finish with us and may have released the channel: a
+            # cleanup would wait for them in vain; keep the notices' channel unfreed
+            self._abandon(ch)
+        elif self._cleanup(ch):
+            self._release(ch)
+        else:
+            self._abandon(ch)
+
+    def _release(self, ch: _Channel) -> None:
+        """Put a clean channel into the pool (freeing the oldest beyond its size)."""
+        ch.finished = False
+        self._pool[ch.id] = ch
+        while len(self._pool) > _POOL_SIZE:
+            self._pool.pop(next(iter(self._pool))).comm.Free()
+
+    def _abandon(self, ch: _Channel) -> None:
+        _ABANDONED.append((ch.comm, ch.sends))
+        _N_ABANDONED[0] += 1
+
+    def _notify(self, ch: _Channel, exc: BaseException) -> None:
+        note = _note(exc)
         for r in range(self.size):
             if r != self.rank:
-                self._pending.append((self._c.isend(msg, dest=r, tag=_ERR_TAG), None))
+                self._isend_obj(ch, note, r, Tag.FAILURE)
+
+    def notify_failure(self, exc):
+        if len(self._stack) > 1:
+            self._notify(self._top, exc)
+
+    def _cleanup(self, ch: _Channel) -> bool:
+        """After a failure: exchange the per-peer message counts, receive and discard
+        what was not received, complete the own sends. True when the channel is empty;
+        False when the time limit passed or an alarm arrived (abandon it)."""
+        MPI = self._MPI
+        deadline = time.monotonic() + self.cleanup_timeout
+        peers = [r for r in range(self.size) if r != self.rank]
+        ctrl = []  # the count messages: never counted themselves
+        for r in peers:
+            buf = np.array([ch.sent[r]], dtype=np.int64)
+            ctrl.append((ch.comm.Isend(buf, dest=r, tag=Tag.CLEANUP), buf))
+        bufs = {r: np.zeros(1, dtype=np.int64) for r in peers}
+        reqs = {r: ch.comm.Irecv(bufs[r], source=r, tag=Tag.CLEANUP) for r in peers}
+        expected: dict = {}
+        backoff = _Backoff()
+        while True:
+            for r in [r for r in reqs if reqs[r].Test()]:
+                expected[r] = int(bufs[r][0])
+                del reqs[r]
+            for r, n in expected.items():
+                while ch.recvd[r] < n and self._drain_one(ch, r):
+                    pass
+            ch.sends[:] = [(q, b) for q, b in ch.sends if not q.Test()]
+            ctrl[:] = [(q, b) for q, b in ctrl if not q.Test()]
+            if not reqs and not ch.sends and not ctrl and all(ch.recvd[r] == n for r, n in expected.items()):
+                return True
+            alarm = self._base.comm.Iprobe(MPI.ANY_SOURCE, Tag.ALARM)
+            if alarm or time.monotonic() > deadline:
+                for q in reqs.values():
+                    q.Cancel()
+                _ABANDONED.append((list(reqs.values()), bufs, ctrl))
+                return False
+            backoff.pause()
 
     # -- point to point ---------------------------------------------------
     def _send_buffer(self, x):
@@ -366,14 +920,14 @@ class MPIComm(Communicator):
         return np.array(x, copy=True, order="C")
 
     def send(self, x, dest, tag):
-        buf = self._send_buffer(x)
-        req = self._c.Isend([_byte_view(buf), self._MPI.BYTE], dest=dest, tag=tag)
-        pending = self._pending
-        pending.append((req, buf))
-        if len(pending) > 64:
-            pending[:] = [(r, b) for r, b in pending if not r.Test()]
+        self._usable()
+        if Tag.FAILURE <= tag < Tag.HALO:
+            raise ValueError(f"tag {tag} is reserved for the protocol of mgrit.comm; use Tag.HALO, "
+                             "Tag.GHOST, Tag.USER and above, or a level index")
+        self._isend(self._top, self._send_buffer(x), dest, tag)
 
     def recv(self, like, source, tag):
+        self._usable()
         if B.is_torch(like):
             import torch
 
@@ -381,63 +935,182 @@ class MPIComm(Communicator):
             buf = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device if on_device else "cpu")
         else:
             buf = np.empty(tuple(like.shape), dtype=like.dtype)
-        self._wait(self._c.Irecv([_byte_view(buf), self._MPI.BYTE], source=source, tag=tag), cancel=True)
+        self._recv_into(self._top, buf, source, tag)
         if B.is_torch(like) and buf.device != like.device:
             return buf.to(device=like.device)
         return buf
 
     # -- reductions -------------------------------------------------------
-    def _iallreduce(self, send: np.ndarray, op) -> np.ndarray:
-        recv = np.empty_like(send)
-        self._wait(self._c.Iallreduce(send, recv, op=op))
-        return recv
+    def _reduce(self, x: np.ndarray, op) -> np.ndarray:
+        """``op``-reduce ``x`` over all ranks up a binomial tree to rank 0 (a fixed
+        order of combination) and broadcast the result down the same tree."""
+        self._usable()
+        ch, r, P = self._top, self.rank, self.size
+        acc = np.ascontiguousarray(x)
+        if P == 1:
+            return acc.copy()
+        waits = []
+        mask = 1
+        while mask < P:  # up: receive from r + mask, or send to the parent and stop
+            if r & mask:
+                waits.append(self._isend(ch, acc, r - mask, Tag.REDUCE))
+                break
+            if r + mask < P:
+                acc = op(acc, self._recv_into(ch, np.empty_like(acc), r + mask, Tag.REDUCE))
+            mask <<= 1
+        if r:
+            acc = self._recv_into(ch, np.empty_like(acc), r - (r & -r), Tag.REDUCE)
+            mask = (r & -r) >> 1
+        else:
+            mask = (1 << (P - 1).bit_length()) >> 1
+        while mask:  # down: to r + mask for every mask below this rank's lowest bit
+            if r + mask < P:
+                waits.append(self._isend(ch, acc, r + mask, Tag.REDUCE))
+            mask >>= 1
+        for q in waits:  # the buffers are the caller's and the result: done before returning
+            self._wait(q)
+        return acc
 
     def allreduce(self, value, op="sum"):
-        MPI = self._MPI
-        out = self._iallreduce(np.array([value], dtype=np.float64), MPI.SUM if op == "sum" else MPI.MAX)
-        return float(out[0])
+        if op not in ("sum", "max"):
+            raise ValueError(f"`op` must be 'sum' or 'max', got {op!r}")
+        x = np.array([value], dtype=np.float64)
+        return float(self._reduce(x, np.add if op == "sum" else np.maximum)[0])
+
+    def allreduce_array(self, x):
+        if B.is_torch(x):
+            import torch
+
+            out = self._reduce(x.detach().cpu().contiguous().numpy(), np.add)
+            return torch.from_numpy(out).to(x.device)
+        a = np.asarray(x)
+        if a.dtype.kind not in "iufc":
+            raise TypeError(f"`allreduce_array` needs a numeric array, got dtype {a.dtype}")
+        return self._reduce(a, np.add).reshape(a.shape)
 
     def sum_exact(self, values):
-        return bins_value(self._iallreduce(exact_bins(values), self._MPI.SUM))
+        return bins_value(self._reduce(exact_bins(values), np.add))
+
+    def norm2_exact(self, values):
+        return square_bins_root(self._reduce(square_bins(values), np.add))
 
     def max(self, values):
         return self.allreduce(_local_max(values), "max")
 
-    # -- end of a solve ---------------------------------------------------
+    # -- end of a session ---------------------------------------------------
     def finish(self):
-        pending = self._pending
-        while pending:
-            self._wait(pending[0][0])
-            pending.pop(0)
-        self._wait(self._c.Ibarrier())  # nobody returns while another rank may still fail
+        self._usable()
+        ch, r, P = self._top, self.rank, self.size
+        if P > 1:
+            # barrier through rank 0 carrying the counts: col[j] = messages j sent to this
+            # rank before its barrier message
+            counts = self._gather_to_root(ch, list(ch.sent), Tag.BARRIER)
+            if r == 0:
+                cols = [[c[i] for c in counts] for i in range(P)]
+                for i in range(1, P):
+                    self._isend_obj(ch, cols[i], i, Tag.BARRIER)
+                col = cols[0]
+            else:
+                col = self._recv_obj(ch, 0, Tag.BARRIER)
+            for j in range(P):  # receive what was sent here but never received
+                if j == r:
+                    continue
+                target = col[j] + (1 if r == 0 or j == 0 else 0)  # + the barrier message itself
+                backoff = _Backoff()
+                while ch.recvd[j] < target:
+                    if not self._drain_one(ch, j):
+                        self._poll()
+                        backoff.pause()
+        self._complete_sends(ch)
+        ch.finished = True
 
     def bcast(self, obj, root=0):
-        c = self._c
+        self._usable()
+        ch = self._top
         if self.rank == root:
             for r in range(self.size):
                 if r != root:
-                    self._pending.append((c.isend(obj, dest=r, tag=_BCAST_TAG), None))
+                    self._isend_obj(ch, obj, r, Tag.BCAST)
             return obj
-        backoff = _Backoff()
-        while not c.Iprobe(source=root, tag=_BCAST_TAG):
-            self._check_remote_failure()
-            backoff.pause()
-        return c.recv(source=root, tag=_BCAST_TAG)
+        return self._recv_obj(ch, root, Tag.BCAST)
 
     def gather(self, obj, root=0):
+        self._usable()
+        ch = self._top
+        dest = 0 if root is None else root
+        if self.rank != dest:
+            self._isend_obj(ch, obj, dest, Tag.GATHER)
+            parts = None
+        else:
+            parts = [obj if r == dest else self._recv_obj(ch, r, Tag.GATHER) for r in range(self.size)]
         if root is None:
-            return self.comm.allgather(obj)
-        return self.comm.gather(obj, root=root)
+            return self.bcast(parts, root=0)
+        return parts
+
+    # -- alarms and communicators ---------------------------------------------
+    def alarm(self, exc):
+        if self.size == 1 or self._broken is not None or self._freed:
+            return
+        note = _note(exc)
+        reqs = [self._base.comm.isend(note, dest=r, tag=Tag.ALARM) for r in range(self.size) if r != self.rank]
+        _ABANDONED.append(reqs)  # never waited for; kept alive
+        self._broken = (self.rank, note)
+
+    def split(self, color, key=0):
+        self._usable()
+        ch = self._top
+        self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)  # all are here
+        raw = self._base.comm.Split(color, key)
+        if raw == self._MPI.COMM_NULL:
+            return None
+        new = MPIComm(raw, cuda_aware=self.cuda_aware)
+        new._owns = True
+        return new
+
+    def free(self):
+        if self._freed:
+            return
+        if len(self._stack) > 1:
+            raise RuntimeError("free() inside a session: close the session first")
+        MPI = self._MPI
+        for ch in self._pool.values():
+            ch.comm.Free()
+        self._pool.clear()
+        base = self._base
+        base.sends[:] = [(q, b) for q, b in base.sends if not q.Test()]
+        if self._broken is None and not base.sends:
+            base.comm.Free()
+        else:
+            self._abandon(base)
+        if not MPI.Is_finalized():
+            kv = _keyval(MPI)
+            if self.comm.Get_attr(kv) is self:
+                self.comm.Delete_attr(kv)
+            if self._owns:
+                self.comm.Free()
+        self._freed = True
 
 
 def as_communicator(comm) -> Communicator:
-    """Turn ``None``, a :class:`Communicator` or an mpi4py communicator into a Communicator."""
+    """Turn ``None``, a :class:`Communicator` or an mpi4py communicator into a Communicator.
+
+    An mpi4py communicator gets one :class:`MPIComm` wrapper, cached on it: the
+    same raw communicator always gives the same wrapper (the first call is
+    collective).
+    """
     if comm is None:
         return SerialComm()
     if isinstance(comm, Communicator):
         return comm
     if type(comm).__module__.startswith("mpi4py"):
-        return MPIComm(comm)
+        from mpi4py import MPI
+
+        wrapper = comm.Get_attr(_keyval(MPI))
+        if isinstance(wrapper, MPIComm) and not wrapper._freed:
+            return wrapper
+        wrapper = MPIComm(comm)
+        comm.Set_attr(_keyval(MPI), wrapper)
+        return wrapper
     raise TypeError(
         f"`comm` must be None, an mpi4py communicator or an mgrit.Communicator, got {type(comm).__name__}"
     )

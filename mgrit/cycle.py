@@ -7,7 +7,6 @@ ghost needs a message.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,10 +153,13 @@ def temporal_norm(norms: np.ndarray, p, comm) -> float:
     """Temporal ``p``-norm (2, 1 or inf) of the spatial norms of all ranks' C-point residuals.
 
     Sums are exact (correctly rounded) so that the value does not depend on
-    the number of ranks; a NaN or Inf anywhere gives ``inf`` or NaN.
+    the number of ranks; a NaN or Inf anywhere gives ``inf`` or NaN. The
+    2-norm is ``sqrt`` of the exact sum of the rounded squares, formed without
+    overflow or underflow (:meth:`Communicator.norm2_exact`: one reduction):
+    states near ``1e200`` give their true residual, not a false divergence.
     """
     if p == 2:
-        return math.sqrt(comm.sum_exact(norms * norms))
+        return comm.norm2_exact(norms)
     if p == 1:
         return comm.sum_exact(norms)
     return max(comm.max(norms), 0.0)

@@ -26,6 +26,29 @@ def per_level(value, n: int, name: str) -> list:
     return [value[min(i, len(value) - 1)] for i in range(n)]
 
 
+def is_integer(x) -> bool:
+    """True for Python and numpy integers; False for bools (``True`` is no level count).
+
+    >>> is_integer(3), is_integer(np.int64(3)), is_integer(True), is_integer(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_integer(value, name: str, minimum: int, hint: str = "") -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer ``>= minimum``.
+
+    >>> check_integer(True, "max_levels", 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: `max_levels` must be an integer >= 1, got True (a bool; pass an integer)
+    """
+    if is_integer(value) and value >= minimum:
+        return
+    note = " (a bool; pass an integer)" if isinstance(value, (bool, np.bool_)) else ""
+    raise ValueError(f"`{name}` must be an integer >= {minimum}{hint}, got {value!r}{note}")
+
+
 def parse_relax(relax: str) -> int:
     """Number of (C, F) sweeps after the first F sweep: "F" -> 0, "FCF" -> 1, ...
 
@@ -136,16 +159,15 @@ def build_hierarchy(
         Weight of C-relaxation, for all levels or per level.
     """
     t = check_time_grid(t)
-    if not isinstance(max_levels, (int, np.integer)) or max_levels < 1:
-        raise ValueError(f"`max_levels` must be an integer >= 1, got {max_levels!r}")
-    if not isinstance(min_coarse, (int, np.integer)) or min_coarse < 1:
-        raise ValueError(f"`min_coarse` must be an integer >= 1, got {min_coarse!r}")
+    check_integer(max_levels, "max_levels", 1)
+    check_integer(min_coarse, "min_coarse", 1)
     cfs = per_level(cf, max_levels, "cf")
     relaxes = per_level(relax, max_levels, "relax")
     weights = per_level(c_weight, max_levels, "c_weight")
     for c in cfs:
-        if not isinstance(c, (int, np.integer)) or c < 2:
-            raise ValueError(f"`cf` must be an integer >= 2 (or one per level), got {cf!r}")
+        if not (is_integer(c) and c >= 2):
+            note = " (a bool; pass an integer)" if isinstance(c, (bool, np.bool_)) else ""
+            raise ValueError(f"`cf` must be an integer >= 2 (or one per level), got {cf!r}{note}")
     for r in relaxes:
         parse_relax(r)
     for w in weights:

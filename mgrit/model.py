@@ -1,7 +1,8 @@
 """A critical-path cost model of a distributed MGRIT solve.
 
 The model replays the solver's schedule (:mod:`mgrit.cycle`, :mod:`mgrit.relax`)
-on ``P`` simulated ranks that own the same blocks as in :func:`mgrit.solve`.
+on ``P`` simulated ranks that own the same blocks as in :func:`mgrit.solve`
+(:mod:`mgrit.partition`).
 Every rank has a clock; propagator work advances it, and a message from a
 neighbour arrives ``latency`` seconds after it was sent: a receive sets the
 clock to ``max(own clock, send time + latency)``. Along the way the model
@@ -36,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from .hierarchy import Hierarchy, per_level
-from .solver import _level_ranges, _neighbours
+from .partition import level_ranges, neighbours
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,8 @@ class _Schedule:
         self.msgs = np.zeros(size, dtype=np.int64)
         self.work = np.zeros((size, L), dtype=np.int64)  # everything each rank did
         self.blocks = []  # per level: {rank: (lo, hi, left, right)}
-        for l, ranges in enumerate(_level_ranges(hierarchy, size, partition)):
-            self.blocks.append({r: (lo, hi) + _neighbours(ranges, r) for r, (lo, hi) in enumerate(ranges) if hi >= lo})
+        for ranges in level_ranges(hierarchy, size, partition):
+            self.blocks.append({r: (lo, hi) + neighbours(ranges, r) for r, (lo, hi) in enumerate(ranges) if hi >= lo})
 
     # -- primitives -------------------------------------------------------
     def snap(self, r):

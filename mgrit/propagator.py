@@ -61,7 +61,10 @@ class Propagator(ABC):
         if n == 0:
             return B.copy(U)
         step, a, b = self.step, t0.tolist(), t1.tolist()
-        first = B.as_state(step(U[0], a[0], b[0]))
+        first = step(U[0], a[0], b[0])
+        if first is None or B.is_torch(first) != B.is_torch(U):
+            return first  # wrong type: the solver reports it with the level
+        first = B.as_state(first)
         if tuple(first.shape) != tuple(U.shape[1:]):
             return first[None]  # wrong shape: the solver reports it with the level
         out = B.empty_stack(n, first)

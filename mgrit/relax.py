@@ -72,15 +72,76 @@ class LevelState:
         return (residue - self.g0 - 1) % m + 1
 
 
-def advance(w: LevelState, U, t0: np.ndarray, t1: np.ndarray):
-    """Batched propagator call on level ``w`` with shape check and cost count."""
-    out = w.prop.step_batch(U, t0, t1)
+def _wrong_type(out, U, level: int, call: str) -> TypeError:
+    kind = "torch tensor" if B.is_torch(U) else "numpy array"
+    got = "None" if out is None else B.type_name(out)
+    if isinstance(out, np.ndarray) and out.dtype.kind not in "biufc":
+        got += f" of dtype {out.dtype}"
+    return TypeError(
+        f"the propagator of level {level} returned {got} from `{call}` for {B.type_name(U)} "
+        f"states; `step` must return a state of the input's type (a {kind} shaped like its "
+        f"input) and `step_batch` a {kind} of shape (n, *state_shape)"
+    )
+
+
+def _complex_for_real(level: int) -> TypeError:
+    return TypeError(
+        f"the propagator of level {level} returned complex states for a real `u0`; pass a "
+        "complex `u0`, e.g. u0.astype(complex) (numpy) or u0.to(torch.complex128) (torch)"
+    )
+
+
+def check_batch(out, U, level: int, call: str = "step_batch") -> None:
+    """Raise unless ``out``, returned by ``step_batch(U, ...)``, is a stack like ``U``.
+
+    Checks the array type (torch tensor for torch states, numpy array for numpy
+    states), the shape, and that real states do not become complex. Reads only
+    metadata, never the entries. ``call`` names the method the user wrote.
+    """
+    torch_states = B.is_torch(U)
+    if torch_states != B.is_torch(out) or not (
+        torch_states or (isinstance(out, np.ndarray) and out.dtype.kind in "biufc")
+    ):
+        raise _wrong_type(out, U, level, call)
     if tuple(out.shape) != tuple(U.shape):
         raise ValueError(
-            f"the propagator of level {w.level.index} returned states of shape "
+            f"the propagator of level {level} returned states of shape "
             f"{tuple(out.shape)[1:]} for inputs of shape {tuple(U.shape)[1:]}; "
             "`step` must return a state shaped like its input"
         )
+    if B.is_complex(out) and not B.is_complex(U):
+        raise _complex_for_real(level)
+
+
+def checked_state(x, U, level: int):
+    """``x``, returned by ``step`` for a row of the stack ``U``, as a state.
+
+    Numpy states accept anything numpy turns into a numeric array (a Python
+    float is a 0-d state); torch states need a tensor. Raises like
+    :func:`check_batch`.
+    """
+    if x is None or B.is_torch(U) != B.is_torch(x):
+        raise _wrong_type(x, U, level, "step")
+    x = B.as_state(x)
+    if not B.is_torch(x) and x.dtype.kind not in "biufc":
+        raise _wrong_type(x, U, level, "step")
+    if tuple(x.shape) != tuple(U.shape[1:]):
+        raise ValueError(
+            f"the propagator of level {level} returned a state of shape "
+            f"{tuple(x.shape)} for an input of shape {tuple(U.shape[1:])}; "
+            "`step` must return a state shaped like its input"
+        )
+    if B.is_complex(x) and not B.is_complex(U):
+        raise _complex_for_real(level)
+    return x
+
+
+def advance(w: LevelState, U, t0: np.ndarray, t1: np.ndarray):
+    """Batched propagator call on level ``w`` with type, shape and dtype checks and cost count."""
+    out = w.prop.step_batch(U, t0, t1)
+    # name the method the user wrote: `step` when step_batch is the default loop
+    own_batch = type(w.prop).step_batch is not Propagator.step_batch
+    check_batch(out, U, w.level.index, "step_batch" if own_batch else "step")
     w.count += U.shape[0]
     return out
 
@@ -174,16 +235,9 @@ def sequential_solve(w: LevelState) -> None:
     """
     if w.left is not None:
         recv_ghost(w, w.u)
-    u, tl, step, g = w.u, w.tl, w.prop.step, w.g
-    shape = tuple(u.shape[1:])
+    u, tl, step, g, level = w.u, w.tl, w.prop.step, w.g, w.level.index
     for a in range(1, w.nloc):
-        x = B.as_state(step(u[a - 1], float(tl[a - 1]), float(tl[a])))  # a float is a 0-d state
-        if tuple(x.shape) != shape:
-            raise ValueError(
-                f"the propagator of level {w.level.index} returned a state of shape "
-                f"{tuple(x.shape)} for an input of shape {shape}; "
-                "`step` must return a state shaped like its input"
-            )
+        x = checked_state(step(u[a - 1], float(tl[a - 1]), float(tl[a])), u, level)
         u[a] = x if g is None else x + g[a]
     w.count += max(w.nloc - 1, 0)
     send_last(w, w.u)

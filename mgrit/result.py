@@ -11,10 +11,22 @@ from .hierarchy import Hierarchy
 
 
 class Status(enum.Enum):
-    """Why the iteration stopped; the value is the message for users."""
+    """Why the iteration stopped; the value is the message for users.
+
+    DIVERGED replaces MAX_ITER when the solve did not converge and its last
+    residual norm exceeds 1e3 times the first available (nonzero) one
+    (``mgrit.solver.DIVERGENCE_GROWTH``); :func:`mgrit.solve` then also warns
+    (RuntimeWarning). The residual norms, and so the status, are the same on
+    every rank. NaN or Inf raise :class:`mgrit.DivergenceError` instead.
+    """
 
     CONVERGED = "converged: residual norm below tolerance"
     MAX_ITER = "stopped after max_iter cycles without reaching the tolerance"
+    DIVERGED = (
+        "diverged: the residual norm grew more than 1e3-fold; try more relaxation "
+        "(relax='FCF'), a smaller `cf`, fewer levels (`max_levels`, a larger `min_coarse`) "
+        "or a smaller time step"
+    )
     SEQUENTIAL = "one level: solved by sequential stepping (exact)"
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -10,64 +10,16 @@ import numpy as np
 from . import _backend as B
 from .comm import Communicator, args_signature, as_communicator
 from .cycle import CycleContext, DivergenceError, cycle, nested_start, temporal_norm
-from .hierarchy import Hierarchy, build_hierarchy, per_level
+from .hierarchy import build_hierarchy, check_integer, per_level
+from .partition import level_ranges, neighbours
 from .propagator import Propagator
 from .relax import LevelState, c_residual, f_relax
 from .result import IterationInfo, Result, Status
 from .spatial import SpatialTransfer
 
-
-def block_range(n_points: int, size: int, rank: int) -> tuple[int, int]:
-    """Contiguous, balanced block of ``n_points`` indices owned by ``rank`` (hi inclusive).
-
-    >>> [block_range(10, 3, r) for r in range(3)]
-    [(0, 2), (3, 5), (6, 9)]
-    """
-    return (rank * n_points) // size, ((rank + 1) * n_points) // size - 1
-
-
-def fine_ranges(n_points: int, size: int, partition=None) -> list:
-    """(lo, hi) of every rank on the fine level: balanced blocks, or the blocks that
-    start at the indices ``partition`` (one per rank, starting at 0, non-decreasing)."""
-    if partition is None:
-        return [block_range(n_points, size, r) for r in range(size)]
-    starts = [int(s) for s in partition]
-    if len(starts) != size or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
-            or starts[-1] > n_points:
-        raise ValueError(
-            f"`partition` must list one start index per rank ({size}), beginning with 0 and "
-            f"non-decreasing up to {n_points}, got {partition!r}"
-        )
-    ends = starts[1:] + [n_points]
-    return [(a, b - 1) for a, b in zip(starts, ends)]
-
-
-def _level_ranges(hierarchy: Hierarchy, size: int, partition=None):
-    """For every level, the (lo, hi) owned by every rank: coarse point k belongs to
-    the owner of fine point ``k * stride``. Empty ranges have ``hi < lo``."""
-    n0 = hierarchy[0].n + 1
-    fine = fine_ranges(n0, size, partition)
-    out = []
-    for lv in hierarchy:
-        s = lv.stride
-        out.append([(-(-lo // s), hi // s) for lo, hi in fine])
-    return out
-
-
-def _neighbours(ranges, rank: int):
-    """Left / right neighbour ranks of ``rank`` on one level (owners of lo-1 and hi+1)."""
-    lo, hi = ranges[rank]
-    los = [r[0] if r[0] <= r[1] else None for r in ranges]
-    owners = [(l, p) for p, l in enumerate(los) if l is not None]
-    starts = [l for l, _ in owners]
-
-    def owner(i):
-        return owners[bisect_right(starts, i) - 1][1]
-
-    n = max(r[1] for r in ranges)
-    left = owner(lo - 1) if lo > 0 else None
-    right = owner(hi + 1) if hi < n else None
-    return left, right
+#: A solve that did not converge is reported as diverged when its last residual
+#: exceeds this multiple of its first available (nonzero) residual.
+DIVERGENCE_GROWTH = 1e3
 
 
 def _check_propagators(propagator, n_levels: int) -> list:
@@ -117,8 +69,7 @@ def _validate(tol, tol_type, norm, max_iter, cycle_kind):
         raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
     if isinstance(norm, bool) or norm not in (1, 2, math.inf, "inf"):
         raise ValueError(f"`norm` (temporal) must be 1, 2 or inf, got {norm!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
-        raise ValueError(f"`max_iter` must be an integer >= 1, got {max_iter!r}")
+    check_integer(max_iter, "max_iter", 1)
     if cycle_kind not in ("V", "F"):
         raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle_kind!r}")
 
@@ -157,6 +108,10 @@ def solve(
         ``t0, t1``: rediscretization) or one per level (last repeats).
     u0 : array
         Initial state at ``t[0]``; numpy array (any shape) or torch tensor.
+        The states are stored in its dtype: integer and boolean states become
+        float64 (numpy) or torch's default floating dtype. A real ``u0`` needs a
+        propagator that returns real states (pass a complex ``u0`` otherwise).
+        A tensor that requires grad is rejected: the solve is not differentiable.
     t : array_like, shape (N + 1,)
         Strictly increasing fine time points; non-uniform grids are fine.
     cf, max_levels, min_coarse, relax, c_weight
@@ -218,14 +173,27 @@ def solve(
     Returns
     -------
     Result
+        ``Result.status`` is CONVERGED, SEQUENTIAL (one level), MAX_ITER, or
+        DIVERGED: the solve did not converge and its last residual norm exceeds
+        1e3 times its first available (nonzero) one.
 
     Raises
     ------
     DivergenceError
         NaN or Inf appeared (the message names the level and iteration).
+    TypeError
+        The propagator returned something other than states of the type of
+        ``u0`` (a numpy array or a torch tensor), or complex states for a real ``u0``.
+    ValueError
+        Bad arguments (the message names the argument and what to pass).
     RemoteRankError
         Another rank of ``comm`` failed (bad input, an exception in its
         propagator, a divergence); the message names the rank and its error.
+
+    Warns
+    -----
+    RuntimeWarning
+        When the status is DIVERGED (on every rank: the residuals are).
 
     Examples
     --------
@@ -248,6 +216,8 @@ def solve(
         if residual not in ("xbraid", "cycle_end"):
             raise ValueError(f"`residual` must be 'xbraid' or 'cycle_end', got {residual!r}")
         p = math.inf if norm == "inf" else norm
+        _check_no_grad(u0, "u0")
+        _check_no_grad(initial_guess, "initial_guess")
         u0 = B.as_state(u0)
         if not B.is_torch(u0) and u0.dtype.kind not in "fc":
             raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")
@@ -269,7 +239,7 @@ def solve(
             max_iter, skip, nested, final_residual, residual,
             None if partition is None else [int(s) for s in partition],
         )
-    except Exception as exc:
+    except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
     comm.open(signature=sig)
@@ -280,24 +250,59 @@ def solve(
         comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
         raise
     comm.close()
+    if res.status is Status.DIVERGED:
+        first, last = _available(res.residuals)[0], res.residuals[-1]
+        warnings.warn(
+            f"MGRIT diverged: the residual norm grew from {first:.3e} to {last:.3e} in "
+            f"{res.iterations} cycles; {Status.DIVERGED.value}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return res
 
 
+def _check_no_grad(x, name: str) -> None:
+    """Reject a tensor that autograd tracks: the solve is not differentiable."""
+    if B.requires_grad(x):
+        hint = ("pass u0.detach(), or use propagators.torch.LayerParallel for gradients"
+                if name == "u0" else f"pass {name}.detach() (or detached tensors from a callable)")
+        raise ValueError(f"`{name}` requires grad: mgrit.solve does not differentiate through the solve; {hint}")
+
+
+def _available(residuals) -> list:
+    """The residuals that were computed (the skipped first cycle has none)."""
+    return [r for r in residuals if r is not None]
+
+
+def _diverged(residuals, growth: float = DIVERGENCE_GROWTH) -> bool:
+    """True when the last residual exceeds ``growth`` times the first available one.
+
+    Used for solves that did not converge (:attr:`Status.DIVERGED`). A zero
+    first residual (started from the exact solution) never counts as divergence.
+
+    >>> _diverged([None, 1.0, 10.0, 2e3]), _diverged([None, 1.0, 999.0]), _diverged([0.0, 1e-16])
+    (True, False, False)
+    """
+    r = _available(residuals)
+    return len(r) > 1 and r[0] > 0 and r[-1] > growth * r[0]
+
+
 def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, partition=None):
-    ranges = _level_ranges(hierarchy, comm.size, partition)
+    ranges = level_ranges(hierarchy, comm.size, partition)
     states = []
     for l, lv in enumerate(hierarchy):
         lo, hi = ranges[l][comm.rank]
         if hi < lo:
             states.append(None)
             continue
-        left, right = _neighbours(ranges[l], comm.rank)
+        left, right = neighbours(ranges[l], comm.rank)
         tr = transfers[l] if l < len(hierarchy) - 1 else None
         states.append(LevelState(lv, props[l], tr, comm, lo, hi, left, right))
     w = states[0]
     if w is not None:
         n_total = hierarchy[0].n + 1
         X = _initial_states(initial_guess, u0, w.tl, n_total, range(w.g0, w.hi + 1))
+        _check_no_grad(X, "initial_guess")  # a callable may return tracked tensors
         if not B.all_finite(X):
             raise ValueError("`initial_guess` contains NaN or Inf")
         if w.lo == 0:
@@ -350,6 +355,8 @@ def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, ca
                 if res_k <= target:
                     converged, status = True, Status.CONVERGED
                     break
+        if not converged and _diverged(residuals):
+            status = Status.DIVERGED
         if states[0] is not None:
             if not ctx.relaxed0:  # (a cycle-end residual has relaxed it already)
                 f_relax(states[0])  # ideal interpolation of the last correction

@@ -102,5 +102,15 @@ def exact_iterations(n_coarse: int, relax: str, skip: bool) -> int:
 
 
 @pytest.fixture
+def float64():
+    """torch's default dtype set to float64 for the test (restored afterwards)."""
+    torch = pytest.importorskip("torch")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(20240601)

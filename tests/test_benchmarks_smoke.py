@@ -23,3 +23,28 @@ def test_benchmark_quick_run_exits_cleanly(script):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{script} --quick failed:\n{proc.stdout}\n{proc.stderr}"
     assert "points" in proc.stdout
+
+
+def test_memory_per_rank_quick_run_splits_the_layers():
+    """N/P layers per rank (plus a few halo layers) on 1 and 2 ranks."""
+    pytest.importorskip("torch")
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    ranks = "1,2" if mpiexec.exists() else "1"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "memory_per_rank.py"), "--quick", "--ranks", ranks],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    for P, _, built, owned, halo, *_ in rows:
+        assert int(owned) + int(halo) == int(built)
+        assert int(owned) <= -(-64 // int(P)) + 1 and int(halo) <= 4
+
+
+def test_warm_start_quick_run_exits_cleanly():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "warm_start.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("%") == 4  # one accuracy per setting

@@ -1,6 +1,7 @@
 """MPI runs: the parallel solve equals the serial one bit for bit, layer x data grids,
-and a failure on one rank reaches every rank; plus the pieces of the communicator
-layer that need no MPI (the rank-count independent residual sum).
+a failure on one rank reaches every rank (in solves, in any session, outside sessions
+through alarms), failed solves release their channels, sessions are cheap; plus the
+pieces of the communicator layer that need no MPI (the rank-count independent residual sum).
 
 Every ``mpi``-marked test launches ``mpiexec -n P python tests/mpi_scripts/<script>.py`` (mpiexec
 is looked up next to ``sys.executable``, then on PATH) with a timeout; the
@@ -143,6 +144,91 @@ def test_failures_reach_every_rank_and_mpi_stays_usable():
             else:
                 assert kind == "RemoteRankError" and msg.startswith(f"rank {bad} failed"), (spec, r, kind, msg)
     assert {int(r) for r in re.findall(r"rank (\d+): recovered OK", out)} == {0, 1, 2}, out
+
+
+# --------------------------------------------------------------------------- releasing, sessions, alarms
+@pytest.mark.mpi
+@pytest.mark.parametrize("big", [False, True], ids=["2200-small", "40-rendezvous"])
+def test_failed_solves_release_their_channels(big):
+    """2,200 caught failing solves on 2 ranks (plus failing handshakes and failing
+    non-solve sessions): MPICH has about 2,045 communicators, so a failed solve must
+    clean its channel up (drain what was not received, complete its sends) instead of
+    abandoning it. Then a solve equals the serial one bit for bit and no channel was
+    abandoned. With states of 200 000 float64 the failures leave rendezvous sends behind."""
+    rc, out, _ = launch(2, "comm_leak.py", *(["--big"] if big else []), timeout=240)
+    assert rc == 0, out[-5000:]
+    assert {int(r) for r in re.findall(r"rank (\d+): leak OK", out)} == {0, 1}, out[-5000:]
+
+
+_SESSION = re.compile(r"case (\w+) rank (\d+): (?:(\w+): (.*?)|no error) \[after ([0-9.]+) s\] "
+                      r"rank=(\d+|-) world=(\d+|-) abandoned=(\d+)")
+
+
+@pytest.mark.mpi
+def test_failure_anywhere_in_a_session_reaches_every_rank_naming_its_world_rank():
+    """4 ranks, world rank 3 fails while the others wait in recv, bcast, a reduction,
+    finish; with a BaseException; in a solve nested in a session; after such a solve;
+    in a solve on the reversed communicator; in one half of a split. Every rank of
+    the session raises within seconds; the error names world rank 3 (and its rank in
+    the communicator when that differs) and carries both; no channel is abandoned.
+    Then the edge cases of the cleanup: a failure after an explicit finish (the others
+    have left: only the failed rank abandons the channel), and a rank busy for 1.5 s
+    with a cleanup limit of 0.5 s (the ranks that wait for it give up at the limit).
+    Sessions agree on channels and work afterwards."""
+    rc, out, _ = launch(4, "comm_session.py", timeout=120)
+    assert rc == 0, out[-5000:]
+    rep = {(c, int(r)): (kind, msg, float(s), lr, wr, int(a))
+           for c, r, kind, msg, s, lr, wr, a in _SESSION.findall(out)}
+    cases = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "after_solve", "reversed", "split"]
+    edge = ["after_finish", "slow"]
+    assert set(rep) == {(c, r) for c in cases + edge for r in range(4)}, out[-5000:]
+    for c in cases:
+        kind, msg, seconds, _, _, abandoned = rep[c, 3]
+        assert kind == ("Interrupt" if c == "interrupt" else "Injected") and abandoned == 0, (c, kind, msg)
+        for r in range(3):
+            kind, msg, seconds, lr, wr, abandoned = rep[c, r]
+            assert seconds < 5.0 and abandoned == 0, (c, r, seconds, abandoned)
+            if c == "split" and r % 2 == 0:  # the other half is not concerned
+                assert kind == "", (c, r, kind, msg)
+                continue
+            local = {"reversed": 0, "split": 1}.get(c, 3)
+            who = "rank 3" if local == 3 else f"rank 3 (rank {local} of this communicator)"
+            assert kind == "RemoteRankError" and msg.startswith(f"{who} failed: "), (c, r, kind, msg)
+            assert (lr, wr) == (str(local), "3"), (c, r, lr, wr)
+    assert [rep["after_finish", r][0] for r in range(4)] == ["", "", "", "Injected"], out[-5000:]
+    assert [rep["after_finish", r][5] for r in range(4)] == [0, 0, 0, 1], out[-5000:]
+    slow = [rep["slow", r] for r in range(4)]
+    assert [k for k, *_ in slow] == ["RemoteRankError"] * 3 + ["Injected"], out[-5000:]
+    assert slow[1][2] >= 1.4 and max(slow[r][2] for r in (0, 2, 3)) < 1.4, out[-5000:]  # the busy rank: 1
+    assert [slow[r][5] for r in (0, 2, 3)] == [1, 1, 1], out[-5000:]  # gave up waiting for rank 1
+    assert {int(r) for r in re.findall(r"rank (\d+): sessions OK", out)} == {0, 1, 2, 3}, out[-5000:]
+
+
+@pytest.mark.mpi
+def test_sessions_reuse_their_channel():
+    """4,000 sessions (empty ones and ones with a reduction) make one channel, not one
+    duplicate each. The per-session times the script prints (about 20-30 us on 2 ranks,
+    against 2-3 us for MPI_Barrier) are information, not asserted."""
+    rc, out, _ = launch(2, "comm_session.py", "--cost", timeout=120)
+    assert rc == 0, out[-3000:]
+    made = [int(x) for x in re.findall(r"channels made (\d+)", out)]
+    assert made == [1, 1], out
+
+
+@pytest.mark.mpi
+def test_alarm_reaches_a_rank_waiting_outside_a_session():
+    """Rank 1 calls alarm(RuntimeError("NaN in shard")) and leaves its step; rank 0, waiting
+    in allreduce_array outside any session (then in a session handshake, then in a recv
+    inside a session, each on a fresh communicator), raises a RemoteRankError naming world
+    rank 1 within seconds; the alarmed communicators refuse further work; MPI_Finalize returns."""
+    rc, out, seconds = launch(2, "comm_alarm.py", timeout=60)
+    assert rc == 0, out[-5000:]
+    assert {int(r) for r in re.findall(r"rank (\d+): alarm OK", out)} == {0, 1}, out
+    waits = re.findall(r"rank 0: ([\w ]+): RemoteRankError: rank 1 failed \(alarm\): RuntimeError: NaN in shard"
+                       r".*? \[after ([0-9.]+) s\]", out)
+    assert [w for w, _ in waits] == ["allreduce_array", "session handshake", "recv in a session"], out
+    assert all(float(s) < 5.0 for _, s in waits), out
+    assert seconds < 60
 
 
 # --------------------------------------------------------------------------- benchmark smoke run

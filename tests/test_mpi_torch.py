@@ -1,7 +1,11 @@
-"""LayerParallel over MPI: 2 and 4 ranks, and a 2 x 2 layer x data grid (launches mpiexec)."""
+"""LayerParallel over MPI (launches mpiexec): equality with serial autograd on 2, 3 and 4
+ranks and a 2 x 2 layer x data grid, any layers, split memory, checkpoints, and a failure
+in any phase of a step reaching every rank within seconds."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,36 +15,94 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("mpi4py")
 
-SCRIPT = Path(__file__).parent / "mpi_scripts" / "torch_layer_parallel.py"
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
+needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
 
 
-def launch(n, *args, timeout=240):
+def launch(n, script, *args, timeout=300):
+    """Run ``script`` on ``n`` ranks; return (return code, output). A hang fails the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPT), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` did not return within {timeout} s (a rank hangs?)\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def assert_all_ok(n, rc, out):
+    assert rc == 0, out[-6000:]
     for r in range(n):
-        assert f"rank {r} OK" in out, out
+        assert f"rank {r} OK" in out, out[-6000:]
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@needs_mpiexec
 @pytest.mark.parametrize("n", [2, 4])
 def test_layer_parallel_matches_serial_on_ranks(n):
-    launch(n)
+    assert_all_ok(n, *launch(n, "torch_layer_parallel.py"))
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@needs_mpiexec
 def test_layer_by_data_grid_matches_full_batch():
-    launch(4, "grid")
+    assert_all_ok(4, *launch(4, "torch_layer_parallel.py", "grid"))
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+@pytest.mark.parametrize("n", [2, 3])
+def test_any_layers_split_memory_and_checkpoints_on_ranks(n):
+    assert_all_ok(n, *launch(n, "torch_any_layers.py"))
+
+
+CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt"]
+
+
+def failure_lines(out, name):
+    return {int(r): (kind, msg, float(s)) for r, kind, msg, s in
+            re.findall(rf"case {name} rank (\d+): (\w+): (.*?) \[after ([\d.]+) s\]", out)}
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+@pytest.mark.parametrize("n, bad", [(2, 1), (3, 0)])
+def test_failure_in_any_phase_reaches_every_rank(n, bad):
+    rc, out = launch(n, "torch_failures.py", *[f"{c}:{bad}" for c in CASES], timeout=240)
+    for case in CASES:
+        lines = failure_lines(out, case)
+        assert set(lines) == set(range(n)), f"{case}: not every rank raised\n{out[-6000:]}"
+        for r, (kind, msg, seconds) in lines.items():
+            assert seconds < 10, f"{case}: rank {r} took {seconds} s\n{out[-4000:]}"
+            if r != bad:
+                assert kind == "RemoteRankError", f"{case}: rank {r} got {kind}: {msg}"
+                assert f"rank {bad}" in msg, f"{case}: rank {r}'s message does not name world rank {bad}: {msg}"
+    for r in range(n):
+        assert f"rank {r}: recovered OK" in out, out[-6000:]
+    assert rc == 0, out[-6000:]
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+def test_nan_in_one_data_shard_reaches_the_other_data_ranks():
+    rc, out = launch(4, "torch_failures.py", "--grid-nan", "1", timeout=120)
+    lines = failure_lines(out, "grid")
+    assert set(lines) == {0, 1, 2, 3}, out[-6000:]
+    # world ranks 2 and 3 hold data shard 1 (the NaN); 0 and 1 wait in allreduce_gradients
+    for r in (0, 1):
+        kind, msg, seconds = lines[r]
+        assert kind == "RemoteRankError" and seconds < 10, lines[r]
+        assert f"rank {r + 2}" in msg, msg
 
 
 @pytest.mark.mpi
 @pytest.mark.cuda
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@needs_mpiexec
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_layer_parallel_on_cuda_over_two_ranks():
-    launch(2, "cuda")
+    assert_all_ok(2, *launch(2, "torch_layer_parallel.py", "cuda"))

@@ -61,16 +61,15 @@ def layer_parallel_vs_serial(comm, n_layers, cf, levels, relax):
         loss_fn(y).backward()
         check(f"forward (step {step})", y.detach(), y_s.detach(), 1e-12)
         check(f"input gradient (step {step})", xp.grad, xs.grad, 1e-10)
-        flat_lp = [list(m.parameters()) for m in lp.layers]
-        flat_ref = [list(m.parameters()) for m in ref.layers]
         for j in range(n_layers):
-            for p, q in zip(flat_lp[j], flat_ref[j]):
-                if j in lp.owned_layers:
-                    if p.grad is None:
-                        fail(f"owned layer {j} has no gradient")
-                    check(f"gradient of layer {j} (step {step})", p.grad, q.grad, 1e-10)
-                elif p.grad is not None:
-                    fail(f"layer {j} is not owned but got a gradient")
+            if j not in lp.owned_layers:
+                if j in lp.layers:
+                    fail(f"layer {j} is not owned but registered on this rank")
+                continue
+            for p, q in zip(lp.layers[j].parameters(), ref.layers[j].parameters()):
+                if p.grad is None:
+                    fail(f"owned layer {j} has no gradient")
+                check(f"gradient of layer {j} (step {step})", p.grad, q.grad, 1e-10)
         opt.step()
         opt_ref.step()
     owned = comm.allgather(list(lp.owned_layers))
@@ -83,7 +82,8 @@ def grid_2x2():
     torch.manual_seed(5)
     layers = make(12, 4, seed=5)
     opening, closing = nn.Linear(3, 4), nn.Linear(4, 2)
-    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=layer_comm, **TIGHT)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=layer_comm, data_comm=data_comm,
+                       **TIGHT)
     model = nn.Sequential(copy.deepcopy(opening), lp, copy.deepcopy(closing))
     ref = nn.Sequential(copy.deepcopy(opening),
                         LayerParallel(copy.deepcopy(layers), T=1.0, max_levels=1), copy.deepcopy(closing))
@@ -106,6 +106,17 @@ def grid_2x2():
         serial_total = sum(float(ref(X[k : k + 4]).sum()) for k in (0, 4))
     if abs(total - serial_total) > 1e-10 * max(1.0, abs(serial_total)):
         fail(f"data all-reduce {total} != serial {serial_total}")
+    # uneven shards (5 and 3 samples), weighted by their sizes: the full-batch mean gradient
+    model.zero_grad()
+    ref.zero_grad()
+    shard = slice(0, 5) if data_comm.Get_rank() == 0 else slice(5, 8)
+    ((model(X[shard]) - Y[shard]) ** 2).mean().backward()
+    allreduce_gradients(model, data_comm, shard_size=shard.stop - shard.start)
+    ((ref(X) - Y) ** 2).mean().backward()
+    check("uneven shards: opening layer gradient", model[0].weight.grad, ref[0].weight.grad, 1e-10)
+    for j in lp.owned_layers:
+        for p, q in zip(lp.layers[j].parameters(), ref[1].layers[j].parameters()):
+            check(f"uneven shards: gradient of layer {j}", p.grad, q.grad, 1e-10)
 
 
 def cuda_ranks():

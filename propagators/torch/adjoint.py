@@ -1,0 +1,61 @@
+"""The adjoint of an ODE-net in reverse layer-time, and the parameter gradients.
+
+For ``u_{j+1} = Phi_j(u_j)`` and a loss ``L(u_N)`` the adjoint
+``w_j = dL/du_j`` satisfies ``w_j = (dPhi_j/du_j)^T w_{j+1}``, ``w_N = dL/du_N``:
+a linear recursion backward in layer-time, solved with MGRIT in reverse time
+``tau = T - t`` (reverse point ``s`` is forward point ``N - s``). Each step is
+one vector-Jacobian product through the layer at its stored forward state.
+The parameter gradient of layer ``j`` is ``(dPhi_j/dtheta_j)^T w_{j+1}``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+import mgrit
+
+from .propagator import ODEPropagator
+
+
+class AdjointPropagator(mgrit.Propagator):
+    """The adjoint of an :class:`ODEPropagator` in reverse layer-time.
+
+    A step from ``tau0`` to ``tau1`` covers the forward interval
+    ``[T - tau1, T - tau0]`` (fine indices ``ia < ib``) and returns ``J^T v``
+    with ``J`` the Jacobian of that forward step at the stored forward state
+    ``u_ia``.
+
+    Parameters
+    ----------
+    forward : ODEPropagator
+    states : callable
+        ``states(ia)`` returns the stacked forward states at fine indices ``ia``.
+    n_layers : int
+    """
+
+    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int):
+        self.fwd, self.states, self.N = forward, states, int(n_layers)
+
+    def intervals(self, tau0, tau1):
+        """Forward fine indices ``(ia, ib)`` of reverse intervals."""
+        return self.N - self.fwd.ints(tau1), self.N - self.fwd.ints(tau0)
+
+    def step(self, v, tau0, tau1):
+        return self.step_batch(v[None], np.atleast_1d(tau0), np.atleast_1d(tau1))[0]
+
+    def step_batch(self, V, tau0, tau1):
+        ia, ib = self.intervals(tau0, tau1)
+        return self.fwd.kernel.vjp_state(self.states(ia), V, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, V))
+
+
+def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W) -> dict:
+    """``(d Phi_j / d theta_j)^T w_{j+1}`` for the fine steps of the given layers.
+
+    ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
+    at the state it produces. Returns ``{layer: {parameter name: gradient or None}}``.
+    """
+    layers = np.asarray(layers, dtype=np.int64)
+    dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)
+    return fwd.kernel.vjp_params(U, W, layers, dt)

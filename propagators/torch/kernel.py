@@ -1,0 +1,516 @@
+"""Layer kernels: how a set of intervals is stepped, chosen once per layer class.
+
+An MGRIT sweep advances many independent intervals at once, each with its own
+layer (its own parameters). How fast that is depends on the layers:
+
+* **dense**: ``nn.Linear`` or ``nn.Sequential(nn.Linear, <element-wise activation>)``;
+  all intervals of a class in one batched matrix product;
+* **vmap**: any other layers that are *interchangeable*: ``torch.func.vmap``
+  over their stacked parameters, with one layer as the template;
+* **loop**: everything else, one call per interval (on CUDA, spread over streams).
+
+Layers are interchangeable only when evaluating one with the parameters and
+buffers of the other is the same computation: the same class, the same
+non-tensor state (every attribute of every submodule: hyper-parameters,
+flags, functions), the same training mode, no hooks, and the same parameter
+and buffer names, shapes, dtypes, devices and ``requires_grad``.
+:func:`layer_signature` computes that identity; layers whose signatures differ
+are never batched together, so a batched sweep can never run one layer's code
+with another's settings.
+
+The forward steps, the adjoint's state vector-Jacobian products and the
+parameter vector-Jacobian products all go through the same
+:class:`LayerKernel`, so they always agree on which computation a layer is.
+A :class:`KernelPass` binds the kernel to the parameter values of one forward
+pass (looked up live, so replaced parameters, ``.to()`` and
+``load_state_dict(assign=True)`` just work) and is kept for the backward pass.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+
+# attributes of nn.Module that are registries, not configuration
+_REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+_ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.SiLU, nn.GELU, nn.ELU, nn.LeakyReLU, nn.Softplus,
+                nn.Identity)
+
+
+class LayerError(RuntimeError):
+    """A layer cannot be used as it is; the message names the layer and what to do."""
+
+
+def _value_key(v):
+    """A hashable description of a plain attribute; objects it cannot describe by value
+    (functions, tensors, arbitrary objects) are described by identity."""
+    if v is None or isinstance(v, (bool, int, str, bytes, enum.Enum)):
+        return (type(v).__name__, v)
+    if isinstance(v, (float, complex)):
+        return (type(v).__name__, repr(v))  # nan == nan here
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((repr(k), _value_key(x)) for k, x in v.items())))
+    if isinstance(v, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_value_key(x)) for x in v)))
+    if isinstance(v, (torch.dtype, torch.device, torch.Size)):
+        return (type(v).__name__, str(v))
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    return ("id", id(v))
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """True when ``module`` or a submodule has forward / backward hooks."""
+    return any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+
+
+def layer_signature(module: nn.Module) -> tuple:
+    """The identity of a layer's computation, parameters aside.
+
+    Two layers with equal signatures compute the same function of (state,
+    parameters, buffers); they may be evaluated batched with one as template.
+    Modules with hooks get a unique signature (never batched).
+    """
+    if has_hooks(module):
+        return ("hooks", id(module))
+    subs = []
+    for name, m in module.named_modules():
+        attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(m).items()
+                             if k not in _REGISTRIES and not k.startswith("_forward")
+                             and not k.startswith("_backward") and not k.startswith("_state_dict")
+                             and not k.startswith("_load_state_dict")))
+        subs.append((name, type(m), m.training, attrs))
+    params = tuple((n, tuple(p.shape), p.dtype, str(p.device), p.requires_grad)
+                   for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype, str(b.device)) for n, b in module.named_buffers())
+    return (tuple(subs), params, buffers)
+
+
+class DenseRHS:
+    """Batched right-hand side of dense layers ``act(W u + b)`` without vmap.
+
+    Recognises ``nn.Linear`` and ``nn.Sequential(nn.Linear, activation)`` with a
+    stateless element-wise activation (:meth:`of` returns None otherwise).
+    Given the parameters of ``n`` layers stacked along axis 0 it evaluates all
+    ``n`` layers on their own states with one batched matrix product, so a
+    whole sweep (and, through autograd on that one graph, its vector-Jacobian
+    products) costs a few kernel launches.
+    """
+
+    def __init__(self, weight: str, bias: str | None, activation):
+        self.weight, self.bias, self.activation = weight, bias, activation
+
+    @classmethod
+    def of(cls, module: nn.Module):
+        if type(module) is nn.Linear:
+            return cls("weight", "bias" if module.bias is not None else None, None)
+        if (type(module) is nn.Sequential and len(module) == 2 and type(module[0]) is nn.Linear
+                and type(module[1]) in _ELEMENTWISE):
+            return cls("0.weight", "0.bias" if module[0].bias is not None else None, module[1])
+        return None
+
+    def __call__(self, params, U):
+        W = params[self.weight]  # (n, out, in)
+        n = U.shape[0]
+        X = U.reshape(n, -1, U.shape[-1])
+        if self.bias is None:
+            Z = torch.bmm(X, W.transpose(1, 2))
+        else:
+            Z = torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
+        Z = Z.reshape(tuple(U.shape[:-1]) + (W.shape[1],))
+        return Z if self.activation is None else self.activation(Z)
+
+
+@dataclass(eq=False)
+class LayerClass:
+    """Interchangeable layers (equal :func:`layer_signature`) and how they are stepped."""
+
+    members: np.ndarray  # global layer indices, ascending
+    template: nn.Module
+    param_names: tuple
+    buffer_names: tuple
+    mode: str  # "dense", "vmap" or "loop"
+    dense: DenseRHS | None = None
+
+
+def _slots(module: nn.Module):
+    """(owner submodule, attribute) of every parameter and buffer, in named order."""
+    owners = dict(module.named_modules())
+
+    def split(name):
+        path, _, attr = name.rpartition(".")
+        return owners[path], attr
+
+    return ([(n,) + split(n) for n, _ in module.named_parameters()],
+            [(n,) + split(n) for n, _ in module.named_buffers()])
+
+
+class LayerKernel:
+    """Steps, state VJPs and parameter VJPs of any set of layers.
+
+    Parameters
+    ----------
+    modules : mapping of int to nn.Module
+        The layers this process holds, by global layer index.
+    scheme : callable
+        ``scheme(f, u, dt)``.
+    batched : bool
+        Batch interchangeable layers (dense or vmap); False loops over every layer.
+    streams : int
+        On CUDA, run looped layers concurrently on this many streams.
+    """
+
+    def __init__(self, modules: Mapping[int, nn.Module], scheme, batched: bool = True, streams: int = 0):
+        self.modules = dict(modules)
+        self.scheme = scheme
+        self.n_streams = int(streams)
+        self._streams = None
+        n = max(self.modules, default=-1) + 1
+        self.class_of = np.full(n, -1, dtype=np.int64)
+        self.position = np.full(n, -1, dtype=np.int64)
+        self.slots = {j: _slots(m) for j, m in self.modules.items()}
+        # flat (registry dict, key) of every parameter / buffer, so that a pass captures the
+        # current tensors of all layers with one list comprehension
+        self._pflat, self._bflat, self._span, self._flat_index = [], [], {}, {}
+        for j in sorted(self.modules):
+            ps, bs = self.slots[j]
+            self._span[j] = (len(self._pflat), tuple(n for n, _, _ in ps), len(self._bflat),
+                             tuple(n for n, _, _ in bs))
+            self._pflat += [(owner._parameters, a) for _, owner, a in ps]
+            self._bflat += [(owner._buffers, a) for _, owner, a in bs]
+        groups: dict = {}
+        for j in sorted(self.modules):
+            key = layer_signature(self.modules[j]) if batched else ("loop", j)
+            groups.setdefault(key, []).append(j)
+        self.classes = []
+        for members in groups.values():
+            tpl = self.modules[members[0]]
+            pn = tuple(s[0] for s in self.slots[members[0]][0])
+            bn = tuple(s[0] for s in self.slots[members[0]][1])
+            if not batched or has_hooks(tpl):
+                mode, dense = "loop", None
+            else:
+                dense = DenseRHS.of(tpl) if not bn else None
+                mode = "dense" if dense is not None else "vmap"
+            cid = len(self.classes)
+            self.classes.append(LayerClass(np.array(members), tpl, pn, bn, mode, dense))
+            self.class_of[members] = cid
+            self.position[members] = np.arange(len(members))
+
+    def bind(self) -> "KernelPass":
+        """Bind to the current parameter values (one forward pass and its backward)."""
+        return KernelPass(self)
+
+    def describe(self) -> list:
+        """One line per layer class: members, mode, template type (for diagnostics)."""
+        out = []
+        for c in self.classes:
+            js = c.members
+            span = f"{js[0]}" if len(js) == 1 else f"{len(js)} layers from {js[0]} to {js[-1]}"
+            out.append(f"{type(c.template).__name__}: {span}, {c.mode}")
+        return out
+
+
+class KernelPass:
+    """A :class:`LayerKernel` bound to the parameter values of one forward pass.
+
+    Every operation takes global layer indices ``idx`` (one per interval), the
+    stacked states ``U`` of shape ``(n, *state)`` and the steps ``dt`` (shape
+    ``(n,)``), groups the intervals by layer class and runs each group with its
+    class's mode.
+    """
+
+    def __init__(self, kernel: LayerKernel):
+        self.k = kernel
+        #: the parameter and buffer tensors of every layer at bind time (flat, layer by layer)
+        self.params = [d[a] for d, a in kernel._pflat]
+        self.buffers = [d[a] for d, a in kernel._bflat]
+        self._values: dict = {}
+        self._stacked: dict = {}
+        self._gathered: dict = {}
+
+    def value(self, j: int):
+        """``(params, buffers)`` of layer ``j`` as dicts by name (the tensors at bind time)."""
+        hit = self._values.get(j)
+        if hit is None:
+            p0, pn, b0, bn = self.k._span[j]
+            hit = self._values[j] = (dict(zip(pn, self.params[p0: p0 + len(pn)])),
+                                     dict(zip(bn, self.buffers[b0: b0 + len(bn)])))
+        return hit
+
+    # -- parameters ----------------------------------------------------------
+    def flat_params(self, layers) -> list:
+        """The parameter tensors of the given layers, in order, each once (shared ones too)."""
+        key = tuple(layers)
+        idx = self.k._flat_index.get(key)
+        if idx is None:
+            idx = self.k._flat_index[key] = [self.k._span[j][0] + q for j in key
+                                             for q in range(len(self.k._span[j][1]))]
+        P = self.params
+        return list({id(P[i]): P[i] for i in idx}.values())
+
+    def _detached(self, j):
+        p, b = self.value(j)
+        return {n: v.detach() for n, v in p.items()}, b
+
+    def _stack(self, cid: int):
+        hit = self._stacked.get(cid)
+        if hit is None:
+            c = self.k.classes[cid]
+            spans = [self.k._span[int(j)] for j in c.members]
+            P, B = self.params, self.buffers
+            try:
+                hit = ({n: torch.stack([P[sp[0] + q].detach() for sp in spans]) for q, n in enumerate(c.param_names)},
+                       {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
+            except RuntimeError as exc:
+                raise LayerError(
+                    f"the parameters of layers {c.members.tolist()} no longer have equal shapes, dtypes "
+                    f"or devices ({exc}); rebuild the LayerParallel module after changing layer structure"
+                ) from exc
+            self._stacked[cid] = hit
+        return hit
+
+    def _gather(self, cid: int, idx: np.ndarray, device):
+        key = (cid, idx.tobytes())
+        hit = self._gathered.get(key)
+        if hit is None:
+            p, b = self._stack(cid)
+            pos = torch.as_tensor(self.k.position[idx], device=device)
+            hit = self._gathered[key] = ({n: v.index_select(0, pos) for n, v in p.items()},
+                                         {n: v.index_select(0, pos) for n, v in b.items()})
+        return hit
+
+    # -- grouping --------------------------------------------------------------
+    def _groups(self, idx: np.ndarray):
+        """[(class id, positions in idx or None for all)] for the classes present in ``idx``."""
+        if idx.size and (idx.min() < 0 or idx.max() >= self.k.class_of.size
+                         or (self.k.class_of[idx] < 0).any()):
+            missing = sorted(set(idx.tolist()) - set(self.k.modules))
+            raise LayerError(f"layers {missing} are not held by this process (distribution plan bug)")
+        cls = self.k.class_of[idx]
+        first = cls[0] if cls.size else 0
+        if (cls == first).all():
+            return [(int(first), None)]
+        return [(int(c), np.flatnonzero(cls == c)) for c in np.unique(cls)]
+
+    def _run(self, idx, fn, *arrays):
+        """Apply ``fn(cid, idx_part, *array_parts)`` per class and reassemble along axis 0."""
+        groups = self._groups(idx)
+        if len(groups) == 1:
+            return fn(groups[0][0], idx, *arrays)
+        out = None
+        for cid, pos in groups:
+            t = torch.as_tensor(pos, device=arrays[0].device)
+            part = fn(cid, idx[pos], *(a.index_select(0, t) for a in arrays))
+            if out is None:
+                out = part.new_empty((idx.size,) + tuple(part.shape[1:]))
+            out.index_copy_(0, t, part)
+        return out
+
+    # -- one layer, functionally ----------------------------------------------
+    def _single(self, module, params, buffers, u, dt):
+        scheme = self.k.scheme
+
+        def f(*args):
+            return functional_call(module, {**params, **buffers}, args)
+
+        return scheme(f, u, dt)
+
+    def _call_layer(self, j: int, u, dt, params=None):
+        p, b = self._detached(j) if params is None else (params, self.value(j)[1])
+        try:
+            return self._single(self.k.modules[j], p, b, u, dt)
+        except LayerError:
+            raise
+        except Exception as exc:
+            m = self.k.modules[j]
+            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- forward steps ----------------------------------------------------------
+    def step(self, U, idx: np.ndarray, dt):
+        """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
+        return self._run(np.asarray(idx), self._step_class, U, dt)
+
+    def _step_class(self, cid, idx, U, dt):
+        c = self.k.classes[cid]
+        if c.mode == "loop":
+            return self._loop(idx, lambda k, j: self._call_layer(j, U[k], dt[k]))
+        p, b = self._gather(cid, idx, U.device)
+        if c.mode == "dense":
+            return self._batched(cid, lambda: self.dense_step(c, p, U, dt),
+                                 lambda: self._step_class(cid, idx, U, dt))
+        return self._batched(cid, lambda: vmap(self._vmapped(c))(p, b, U, dt),
+                             lambda: self._step_class(cid, idx, U, dt))
+
+    def dense_step(self, c: LayerClass, params, U, dt):
+        dtb = dt.reshape((-1,) + (1,) * (U.dim() - 1))
+        return self.k.scheme(lambda V: c.dense(params, V), U, dtb)
+
+    def _vmapped(self, c: LayerClass):
+        def one(p, b, u, dt_):
+            return self._single(c.template, p, b, u, dt_)
+
+        return one
+
+    def _batched(self, cid, run, fallback):
+        """Run a batched evaluation; layers that cannot be batched (vmap cannot trace
+        data-dependent control flow, ...) are looped from then on, which also names the
+        layer in a genuine error. Random operations are an error."""
+        try:
+            return run()
+        except Exception as exc:
+            if "random" in str(exc).lower():
+                raise _random_error(self.k.classes[cid]) from exc
+            self.k.classes[cid].mode = "loop"
+            return fallback()
+
+    def _loop(self, idx, one):
+        n = idx.size
+        if n == 0:
+            raise LayerError("empty sweep")  # never called with no interval
+        devs = next(iter(self.value(int(idx[0]))[0].values()), None)
+        on_cuda = devs is not None and devs.is_cuda
+        if not (on_cuda and self.k.n_streams > 0):
+            return torch.stack([one(k, int(j)) for k, j in enumerate(idx)])
+        return _on_streams(self.k, lambda k: one(k, int(idx[k])), n)
+
+    # -- adjoint: state VJPs -----------------------------------------------------
+    def vjp_state(self, U, V, idx: np.ndarray, dt):
+        """``J_k^T V[k]`` with ``J_k`` the Jacobian of step ``k`` at state ``U[k]``."""
+        return self._run(np.asarray(idx), self._vjp_state_class, U, V, dt)
+
+    def _vjp_state_class(self, cid, idx, U, V, dt):
+        c = self.k.classes[cid]
+        if c.mode == "loop":
+            def one(k, j):
+                with torch.enable_grad():
+                    u = U[k].detach().requires_grad_(True)
+                    out = self._call_layer(j, u, dt[k])
+                    g = torch.autograd.grad(out, u, V[k], allow_unused=True)[0]
+                return torch.zeros_like(u) if g is None else g
+
+            return self._loop(idx, one)
+        p, b = self._gather(cid, idx, U.device)
+        if c.mode == "dense":
+            def run():
+                with torch.enable_grad():
+                    Ua = U.detach().requires_grad_(True)
+                    return torch.autograd.grad(self.dense_step(c, p, Ua, dt), Ua, V)[0]
+
+            return self._batched(cid, run, lambda: self._vjp_state_class(cid, idx, U, V, dt))
+        single = self._vmapped(c)
+
+        def vjp_one(p_, b_, u, v, dt_):
+            _, pull = vjp(lambda x: single(p_, b_, x, dt_), u)
+            return pull(v)[0]
+
+        return self._batched(cid, lambda: vmap(vjp_one)(p, b, U, V, dt),
+                             lambda: self._vjp_state_class(cid, idx, U, V, dt))
+
+    # -- parameter VJPs ----------------------------------------------------------
+    def vjp_params(self, U, W, idx: np.ndarray, dt) -> dict:
+        """``(d step_k / d theta)^T W[k]`` for every interval ``k``.
+
+        Returns ``{layer: {name: gradient or None}}``; ``None`` for parameters
+        that do not require grad or that the step does not use (as autograd).
+        Intervals of the same layer are summed.
+        """
+        idx = np.asarray(idx)
+        out: dict = {}
+        for cid, pos in self._groups(idx):
+            part = idx if pos is None else idx[pos]
+            if pos is None:
+                Up, Wp, dtp = U, W, dt
+            else:
+                t = torch.as_tensor(pos, device=U.device)
+                Up, Wp, dtp = U.index_select(0, t), W.index_select(0, t), dt.index_select(0, t)
+            for j, grads in self._vjp_params_class(cid, part, Up, Wp, dtp):
+                acc = out.setdefault(j, {})
+                for n, g in grads.items():
+                    if g is not None:
+                        acc[n] = g if acc.get(n) is None else acc[n] + g
+                    else:
+                        acc.setdefault(n, None)
+        return out
+
+    def _vjp_params_class(self, cid, idx, U, W, dt):
+        c = self.k.classes[cid]
+        need = [n for n in c.param_names if self.value(int(idx[0]))[0][n].requires_grad]
+        if c.mode == "loop" or not need:
+            return [(int(j), self._vjp_params_one(int(j), U[k], W[k], dt[k])) for k, j in enumerate(idx)]
+        p, b = self._gather(cid, idx, U.device)
+        if c.mode == "dense":
+            req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}
+            with torch.enable_grad():
+                out = self.dense_step(c, req, U.detach(), dt)
+                gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
+            G = dict(zip(need, gs))
+        else:
+            single = self._vmapped(c)
+
+            def g(p_, b_, u, w, dt_):
+                fixed = {n: v for n, v in p_.items() if n not in need}
+                _, pull = vjp(lambda q: single({**fixed, **q}, b_, u, dt_), {n: p_[n] for n in need})
+                return pull(w)[0]
+
+            try:
+                G = vmap(g)(p, b, U, W, dt)
+            except Exception as exc:
+                if "random" in str(exc).lower():
+                    raise _random_error(c) from exc
+                c.mode = "loop"
+                return self._vjp_params_class(cid, idx, U, W, dt)
+        return [(int(j), {n: (G[n][k] if n in need and G[n] is not None else None) for n in c.param_names})
+                for k, j in enumerate(idx)]
+
+    def _vjp_params_one(self, j, u, w, dt):
+        p, _ = self.value(j)
+        need = [n for n, v in p.items() if v.requires_grad]
+        grads = dict.fromkeys(p)
+        if not need:
+            return grads
+        with torch.enable_grad():
+            req = {n: (v.detach().requires_grad_(True) if n in need else v.detach()) for n, v in p.items()}
+            out = self._call_layer(j, u.detach(), dt, params=req)
+            if not out.requires_grad:
+                return grads
+            gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
+        grads.update(zip(need, gs))
+        return grads
+
+
+def _random_error(c: LayerClass) -> LayerError:
+    return LayerError(
+        f"layer {int(c.members[0])} ({type(c.template).__name__}) draws random numbers (for example "
+        "dropout in training mode). MGRIT evaluates every layer many times per pass, and each call would "
+        "draw a different mask; put the layer in eval mode (`.eval()`) or remove the randomness"
+    )
+
+
+def _on_streams(kernel: LayerKernel, one, n: int):
+    """Run ``one(k)`` for ``k < n`` round-robin on CUDA streams, then join."""
+    if kernel._streams is None:
+        kernel._streams = [torch.cuda.Stream() for _ in range(kernel.n_streams)]
+    cur = torch.cuda.current_stream()
+    outs = [None] * n
+    for s in kernel._streams:
+        s.wait_stream(cur)
+    for k in range(n):
+        s = kernel._streams[k % len(kernel._streams)]
+        with torch.cuda.stream(s):
+            outs[k] = one(k)
+    for s in kernel._streams:
+        cur.wait_stream(s)
+    for o in outs:
+        o.record_stream(cur)
+    return torch.stack(outs)

@@ -1,0 +1,551 @@
+"""``LayerParallel``: an ``nn.Module`` whose forward pass is an MGRIT solve over layers.
+
+The forward pass solves ``u_{i+1} = scheme(f_i, u_i, h)``, ``u_0 = x`` with
+MGRIT; ``loss.backward()`` solves the adjoint with MGRIT in reverse
+layer-time (:mod:`propagators.torch.adjoint`) and fills ``.grad`` of the
+parameters of the layers this rank owns. On ``P`` ranks every rank builds and
+stores only the layers it owns plus a small halo (:mod:`propagators.torch.plan`).
+
+Every phase that involves several ranks (halo exchange, the solves, the
+broadcasts, the parameter vector-Jacobian products) runs inside a
+communicator session, so an exception on one rank makes every rank raise
+(:class:`mgrit.RemoteRankError` on the others) instead of hanging.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+import mgrit
+from mgrit.comm import Tag, as_communicator
+from mgrit.hierarchy import build_hierarchy
+
+from .adjoint import AdjointPropagator, parameter_vjp
+from .kernel import LayerError, LayerKernel, _random_error
+from .plan import DistributionPlan
+from .propagator import ODEPropagator
+from .schemes import forward_euler, inject_layer
+
+
+class LayerDict(nn.Module):
+    """The layers a rank holds, keyed by their global index.
+
+    Indexing takes the global layer index (``lp.layers[j]``), iteration yields
+    the modules in layer order, and parameter names keep the global index
+    (``layers.17.0.weight``), so state dicts match the serial network's.
+    """
+
+    def __init__(self, modules: dict):
+        super().__init__()
+        for j in sorted(modules):
+            self.add_module(str(j), modules[j])
+
+    def __getitem__(self, j) -> nn.Module:
+        try:
+            return self._modules[str(int(j))]
+        except KeyError:
+            raise KeyError(f"layer {j} is not held by this rank; it holds layers {self.indices}") from None
+
+    def __contains__(self, j) -> bool:
+        return str(int(j)) in self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    @property
+    def indices(self) -> list:
+        return [int(k) for k in self._modules]
+
+    def items(self):
+        return [(int(k), m) for k, m in self._modules.items()]
+
+
+_STATEFUL = (nn.modules.batchnorm._BatchNorm,)
+_RANDOM = (nn.modules.dropout._DropoutNd,)
+
+
+class _LayerParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lp, kp, anchor, x, *params):
+        y, saved = lp._forward_solve(kp, x)
+        ctx.lp, ctx.saved = lp, saved
+        ctx.save_for_backward(*params)  # autograd's own check: no in-place change before backward
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        lp = ctx.lp
+        try:
+            with lp._session():  # a failure of these checks on one rank reaches every rank
+                if torch.is_grad_enabled():
+                    raise RuntimeError(
+                        "LayerParallel does not support double backward (backward with create_graph=True, "
+                        "e.g. gradient penalties or Hessian-vector products): its backward pass is an MGRIT "
+                        "solve that is not itself differentiated. Compute such terms on the serial network "
+                        "(`lp.to_serial()` or `lp.serial(x)`)"
+                    )
+                params = ctx.saved_tensors  # raises if a parameter was modified in place since forward
+            gx, grads = lp._adjoint(ctx.saved, gy, params)
+        except BaseException as exc:
+            lp._alarm(exc)
+            raise
+        return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+class LayerParallel(nn.Module):
+    """A stack of residual layers evaluated by MGRIT, forward and backward.
+
+    ``y = model(x)`` solves ``u_i = scheme(f_i, u_{i-1}, h)``, ``u_0 = x`` over
+    the layers with MGRIT and returns ``u_N``; ``loss.backward()`` solves the
+    adjoint with MGRIT in reverse layer-time and fills ``.grad`` of the layer
+    parameters this rank owns. At convergence (``fwd_tol``/``bwd_tol`` small)
+    output and gradients equal the serial network's.
+
+    Any layers work: layers proven interchangeable (same class, same
+    non-tensor state, same parameter names and shapes, no hooks) are
+    evaluated batched; all others one by one. Layers must be deterministic and
+    must not change their buffers during the forward pass (dropout and
+    BatchNorm in training mode raise a :class:`LayerError` that says what to do).
+
+    Parameters
+    ----------
+    layers : sequence of nn.Module, or callable
+        The layer modules ``f_i`` (the right-hand side of the ODE, not the
+        residual step), or a factory ``layers(i) -> nn.Module`` with
+        ``n_layers``. With ``comm`` of several ranks a factory is called only
+        for the layers this rank needs; from a full list the rank keeps only those.
+    n_layers : int, optional
+        Needed with a factory.
+    T : float
+        Final time; the layer step is ``h = T / n_layers``.
+    cf, max_levels, min_coarse, relax, cycle
+        MGRIT settings (see :func:`mgrit.solve`); default ``relax=("F", "FCF")``:
+        F-relaxation on the layers, FCF on coarse levels (TorchBraid's).
+    fwd_iters, bwd_iters : int
+        Cycles of the forward and the adjoint solve (defaults 2 and 1).
+    fwd_tol, bwd_tol : float or None
+        Absolute residual tolerances (None: run the given number of cycles).
+    skip : bool
+        XBraid's and TorchBraid's skip (default on): the first cycle of each
+        solve does no fine relaxation on the way down.
+    warm_start : bool
+        Start each forward solve from the previous forward trajectory (for
+        inputs of the same shape), as TorchBraid does; such solves do not skip.
+    scheme : callable
+        ``scheme(f, u, dt)``: :func:`forward_euler` (ResNet), :func:`heun`,
+        :func:`rk4`, :func:`dt_aware`, or your own.
+    layer_index : callable, optional
+        Which layer's parameters a coarse step uses (default: injection).
+    batched : bool
+        Batch interchangeable layers (dense fast path or vmap).
+    streams : int
+        CUDA streams for layers that are looped on a GPU.
+    comm : None, mpi4py communicator or mgrit.Communicator
+        The layer communicator: distributes the layers over its ranks.
+    data_comm : None, mpi4py communicator or mgrit.Communicator
+        The data communicator of layer x data parallelism: a failure of this
+        module is announced on it, so that the data peers waiting in
+        :func:`allreduce_gradients` raise instead of hanging.
+    callback : callable, optional
+        Passed to the forward solve (called after every cycle).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)],
+    ...                    T=1.0, cf=4, max_levels=2, fwd_iters=20, fwd_tol=1e-12).double()
+    >>> x = torch.randn(3, 4, dtype=torch.float64)
+    >>> u = x
+    >>> for f in lp.layers:
+    ...     u = u + lp.h * f(u)
+    >>> bool(torch.allclose(lp(x), u, atol=1e-11))
+    True
+    """
+
+    def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
+                 max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
+                 fwd_iters: int = 2, bwd_iters: int = 1, fwd_tol: float | None = None,
+                 bwd_tol: float | None = None, skip: bool = True, warm_start: bool = False,
+                 scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
+                 comm=None, data_comm=None, callback=None):
+        super().__init__()
+        factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
+        if factory:
+            if n_layers is None:
+                raise ValueError("`n_layers` is required when `layers` is a factory")
+            N = int(n_layers)
+        else:
+            if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+                raise TypeError("`layers` must be a sequence of nn.Module or a factory `layers(i)`, "
+                                f"got a single {type(layers).__name__}")
+            layers = list(layers)
+            N = len(layers)
+            if n_layers is not None and n_layers != N:
+                raise ValueError(f"`n_layers`={n_layers} but {N} layers were given")
+        if N < 1:
+            raise ValueError("`layers` is empty")
+        for name, v in (("fwd_iters", fwd_iters), ("bwd_iters", bwd_iters)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {v!r}")
+        self.n_layers = N
+        self.T = float(T)
+        self.h = self.T / N
+        self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
+        self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
+        self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
+        self.skip, self.warm_start = bool(skip), bool(warm_start)
+        self.scheme, self.layer_index = scheme, layer_index or inject_layer
+        self.batched, self.streams = bool(batched), int(streams)
+        self.callback = callback
+        self.t = np.arange(N + 1, dtype=np.float64) * self.h
+        self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
+        self._comm = as_communicator(comm)
+        self._data_comm = None if data_comm is None else as_communicator(data_comm)
+        P, r = self._comm.size, self._comm.rank
+        self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
+        held = sorted(self.plan.needed[r])
+        modules = {}
+        for j in held:
+            m = layers(j) if factory else layers[j]
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"layer {j} is a {type(m).__name__}, not an nn.Module")
+            modules[j] = m
+        self.owned_layers = self.plan.owned[r]
+        self.lo, self.hi = self.plan.fine[r]
+        self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
+        self._halo = {j: modules[j] for j in held if j not in self.owned_layers}
+        self._check_sharing(modules)
+        self._adj_comm = self._comm.reversed() if P > 1 else self._comm
+        self._build_kernel()
+        self._warm: tuple | None = None
+        #: mgrit.Result of the last forward and adjoint solve
+        self.last_forward: mgrit.Result | None = None
+        self.last_backward: mgrit.Result | None = None
+
+    # -- construction helpers -------------------------------------------------
+    def _held(self) -> dict:
+        return {**{j: m for j, m in self.layers.items()}, **self._halo}
+
+    def _build_kernel(self):
+        modules = self._held()
+        self.kernel = LayerKernel(modules, self.scheme, self.batched, self.streams)
+        self._subs = [s for j in sorted(modules) for s in modules[j].modules()]
+        self._modes = [s.training for s in self._subs]
+        self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
+                         if isinstance(s, _STATEFUL + _RANDOM)]
+
+    def refresh(self):
+        """Re-inspect the layers (call after changing their structure or attributes)."""
+        self._build_kernel()
+
+    def _check_sharing(self, modules):
+        if self._comm.size == 1:
+            return
+        seen = {}
+        for j, m in modules.items():
+            for p in m.parameters():
+                k = seen.setdefault(id(p), j)
+                if k != j:
+                    raise ValueError(
+                        f"layers {k} and {j} share a parameter; shared (tied) parameters across layers are "
+                        "supported on one rank only, since each rank would update its own copy. Give every "
+                        "layer its own parameters, or run on one rank")
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        for m in self._halo.values():  # halo layers are not submodules (no stale copies in state_dict)
+            m._apply(fn, *args, **kwargs)
+        self._warm = None
+        return out
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self._halo.values():
+            m.train(mode)
+        return self
+
+    # -- checks ----------------------------------------------------------------
+    def _check_layers(self):
+        for j, s in self._special:
+            if not s.training:
+                continue
+            if isinstance(s, _STATEFUL) and s.track_running_stats:
+                raise LayerError(
+                    f"layer {j} contains {type(s).__name__} in training mode: it would update its running "
+                    "statistics on every one of the many evaluations MGRIT makes per pass. Put it in eval "
+                    "mode (`.eval()`), use track_running_stats=False, or a normalisation without running "
+                    "statistics (LayerNorm, GroupNorm)")
+            if isinstance(s, _RANDOM) and s.p > 0:
+                raise _random_error(self.kernel.classes[int(self.kernel.class_of[j])])
+
+    @staticmethod
+    def _check_input(x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"LayerParallel expects a torch.Tensor, got {type(x).__name__}")
+        if not (x.is_floating_point() or x.is_complex()):
+            raise TypeError(f"LayerParallel expects a floating-point input, got dtype {x.dtype}; "
+                            "convert it, e.g. x.float()")
+
+    # -- forward --------------------------------------------------------------
+    def forward(self, x):
+        try:
+            if [s.training for s in self._subs] != self._modes:
+                self._build_kernel()  # train/eval changed for some layers only: regroup them
+            kp = self.kernel.bind()
+            params = [p for p in kp.flat_params(self.owned_layers) if p.requires_grad]
+            if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or params):
+                # every rank takes the autograd path (and so joins the adjoint solve in backward)
+                anchor = torch.zeros((), requires_grad=self._comm.size > 1)
+                return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
+            return self._forward_solve(kp, x)[0]
+        except BaseException as exc:
+            self._alarm(exc)
+            raise
+
+    def _session(self):
+        """A failure-aware communicator session on several ranks; nothing on one."""
+        return self._comm.session() if self._comm.size > 1 else contextlib.nullcontext()
+
+    def _alarm(self, exc):
+        if self._data_comm is not None and self._data_comm.size > 1:
+            self._data_comm.alarm(exc)
+
+    def _initial_guess(self, x):
+        """Warm start: the previous trajectory, shifted by the change of the input.
+
+        ``u_i ~ x + (u_i_prev - x_prev)``: for a new minibatch the previous
+        increments are a better guess than the previous states themselves.
+        """
+        key = (tuple(x.shape), x.dtype, x.device)
+        if not self.warm_start or self._warm is None or self._warm[0] != key:
+            return None
+        U, g0, x_prev = self._warm[1:]
+        shift = x.detach() - x_prev
+        h = self.h
+
+        def guess(t):
+            return U[int(round(t / h)) - g0] + shift
+
+        return guess
+
+    def _forward_solve(self, kp, x):
+        P, r = self._comm.size, self._comm.rank
+        with self._session():  # every check that may fail on one rank only happens inside a session
+            self._check_input(x)
+            self._check_layers()
+            if P > 1:
+                self._exchange_halo(kp)
+        prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
+        guess = self._initial_guess(x)
+        versions = self._buffer_versions(kp)
+        rng = torch.random.get_rng_state()
+        with torch.no_grad():
+            res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                              max_iter=self.fwd_iters, skip=self.skip and guess is None,
+                              initial_guess=guess, comm=self._comm, callback=self.callback,
+                              final_residual=True)
+        self.last_forward = res
+        U, g0 = res.u, self.lo
+        if P == 1:
+            self._check_side_effects(kp, versions, rng)
+            y = U[-1].clone()
+        else:
+            with self._comm.session():
+                self._check_side_effects(kp, versions, rng)
+                U, g0 = self._with_ghost(U)
+                root = self.plan.owner_of_point(self.n_layers)
+                y = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
+        if self.warm_start:
+            self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
+        return y, (prop, U, g0, x.shape)
+
+    @staticmethod
+    def _buffer_versions(kp) -> list:
+        return [b._version for b in kp.buffers]
+
+    def _check_side_effects(self, kp, versions, rng):
+        now = self._buffer_versions(kp)
+        if now != versions:
+            k = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
+            j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
+            raise LayerError(
+                f"layer {j} changed its buffers during the forward pass "
+                "(for example a running statistic). MGRIT evaluates every layer many times per pass; put "
+                "such layers in eval mode or make them pure functions of their input")
+        if not torch.equal(rng, torch.random.get_rng_state()):
+            raise LayerError(
+                "a layer drew random numbers during the forward pass (for example dropout in training "
+                "mode). MGRIT evaluates every layer many times per pass, each time with a different draw; "
+                "put such layers in eval mode or remove the randomness")
+
+    def _exchange_halo(self, kp):
+        """Owners send the current parameters and buffers of halo layers to their users."""
+        c, r = self._comm, self._comm.rank
+        for owner, user, j in self.plan.halo:
+            if owner == r:
+                p, b = kp.value(j)
+                for v in list(p.values()) + list(b.values()):
+                    c.send(v.detach(), user, Tag.HALO)
+        with torch.no_grad():
+            for owner, user, j in self.plan.halo:
+                if user == r:
+                    p, b = kp.value(j)
+                    for v in list(p.values()) + list(b.values()):
+                        v.copy_(c.recv(v.detach(), owner, Tag.HALO))
+
+    def _with_ghost(self, U):
+        """Prepend the left neighbour's last state ``u_{lo-1}`` to this rank's states."""
+        c, r = self._comm, self._comm.rank
+        left, right = self.plan.left[r], self.plan.right[r]
+        if len(U) and right is not None:
+            c.send(U[-1], right, Tag.GHOST)
+        if len(U) and left is not None:
+            return torch.cat([c.recv(U[-1], left, Tag.GHOST)[None], U]), self.lo - 1
+        return U, self.lo
+
+    # -- backward -------------------------------------------------------------
+    def _adjoint(self, saved, gy, params):
+        prop, U, g0, xshape = saved
+        N, P, r = self.n_layers, self._comm.size, self._comm.rank
+
+        def states(ia):
+            return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
+
+        adj = AdjointPropagator(prop, states, N)
+        with torch.no_grad():
+            res = mgrit.solve(adj, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
+                              max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
+                              partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
+                              final_residual=True)
+        self.last_backward = res
+        W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
+        if P == 1:
+            return W[0].reshape(xshape), self._parameter_gradients(prop, U, g0, W, params)
+        with self._comm.session():
+            grads = self._parameter_gradients(prop, U, g0, W, params)
+            root = self.plan.owner_of_point(0)
+            gx = self._comm.bcast(W[0].cpu() if r == root else None, root=root).to(gy.device)
+        return gx.reshape(xshape), grads
+
+    def _parameter_gradients(self, prop, U, g0, W, params):
+        layers = np.asarray(list(self.owned_layers), dtype=np.int64)
+        if not len(layers) or not params:
+            return [None] * len(params)
+        with torch.no_grad():
+            G = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo])
+        total: dict = {}
+        for j in layers.tolist():
+            for name, p in prop.kernel.value(j)[0].items():
+                g = G.get(j, {}).get(name)
+                if g is not None:
+                    total[id(p)] = g if id(p) not in total else total[id(p)] + g
+        return [total.get(id(p)) for p in params]
+
+    # -- checkpoints ----------------------------------------------------------
+    def to_serial(self, root: int = 0):
+        """The serial network (:class:`ODENet`) with the current weights of every layer.
+
+        Collective over the layer communicator. Returns the network on rank
+        ``root`` (every layer, as a deep copy) and None on the other ranks.
+        """
+        mine = {j: copy.deepcopy(m) for j, m in self.layers.items()}
+        if self._comm.size == 1:
+            parts = [mine]
+        else:
+            with self._comm.session():
+                parts = self._comm.gather(mine, root=root)
+        if parts is None:
+            return None
+        every = {j: m for part in parts for j, m in part.items()}
+        return ODENet([every[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
+
+    def load_serial(self, state_dict: dict, strict: bool = True):
+        """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
+
+        Every rank takes the entries of the layers it holds (owned and halo);
+        keys are ``layers.<global index>.<name>``.
+        """
+        own = self.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        if strict and missing:
+            raise KeyError(f"the state dict lacks {len(missing)} entries of this rank's layers, e.g. {missing[:3]}")
+        self.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
+        with torch.no_grad():
+            for j, m in self._halo.items():
+                prefix = f"layers.{j}."
+                sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+                if sub:
+                    m.load_state_dict(sub, strict=strict)
+        self._warm = None
+
+    # -- diagnostics ----------------------------------------------------------
+    @property
+    def forward_residuals(self) -> list:
+        """Residual history of the last forward solve."""
+        return [] if self.last_forward is None else list(self.last_forward.residuals)
+
+    @property
+    def backward_residuals(self) -> list:
+        """Residual history of the last adjoint solve."""
+        return [] if self.last_backward is None else list(self.last_backward.residuals)
+
+    @property
+    def forward_residual(self) -> float | None:
+        """Residual norm of the output trajectory of the last forward solve (0: exact).
+
+        The histories above follow XBraid: entry k is measured before the
+        coarse correction of cycle k, so it lags the returned solution by one
+        cycle; this is the residual of what was actually returned.
+        """
+        return None if self.last_forward is None else self.last_forward.final_residual
+
+    @property
+    def backward_residual(self) -> float | None:
+        """Residual norm of the adjoint of the last backward solve: the size of the
+        gradient's error source (0 when the adjoint was solved exactly)."""
+        return None if self.last_backward is None else self.last_backward.final_residual
+
+    def serial(self, x):
+        """The same network applied layer by layer with plain autograd (reference; one rank)."""
+        if self._comm.size > 1:
+            raise RuntimeError("`serial` needs every layer on this rank; on several ranks use "
+                               "`to_serial(root)` and apply the returned network on the root")
+        return serial_forward(list(self.layers), x, self.h, self.scheme)
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"n_layers={self.n_layers}, T={self.T}, cf={o['cf']}, max_levels={o['max_levels']}, "
+                f"relax={o['relax']}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}, "
+                f"skip={self.skip}, ranks={self._comm.size}")
+
+
+def serial_forward(layers, x, h: float, scheme=forward_euler):
+    """Apply ``u <- scheme(f_i, u, h)`` for every layer in order (plain autograd)."""
+    u = x
+    dt = torch.as_tensor(h, dtype=x.dtype, device=x.device)
+    for m in layers:
+        u = scheme(m, u, dt)
+    return u
+
+
+class ODENet(nn.Module):
+    """The serial counterpart of :class:`LayerParallel`: the same layers applied in sequence."""
+
+    def __init__(self, layers, T: float = 1.0, scheme=forward_euler):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.T = float(T)
+        self.h, self.scheme = self.T / len(self.layers), scheme
+
+    def forward(self, x):
+        return serial_forward(self.layers, x, self.h, self.scheme)

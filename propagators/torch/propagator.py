@@ -1,0 +1,94 @@
+"""The forward propagator of an ODE-net: layers are time steps.
+
+Time points are multiples of the layer step ``h``: an interval from
+``t0 = i0 h`` to ``t1 = i1 h`` steps with ``dt = (i1 - i0) h`` and the layer
+``layer_index(i0, i1)`` (default :func:`~propagators.torch.schemes.inject_layer`:
+the layer at ``i0``, parameter injection on coarse levels).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+import mgrit
+
+from .kernel import KernelPass, LayerKernel
+from .schemes import forward_euler, inject_layer
+
+
+def as_kernel_pass(layers, scheme=forward_euler, batched: bool = True, streams: int = 0) -> KernelPass:
+    """A :class:`KernelPass` from a pass, a kernel, or a sequence / mapping of layer modules."""
+    if isinstance(layers, KernelPass):
+        return layers
+    if isinstance(layers, LayerKernel):
+        return layers.bind()
+    if hasattr(layers, "layers") and not isinstance(layers, nn.Module):  # a LayerStack
+        layers = layers.layers
+    if isinstance(layers, Mapping):
+        modules = {int(j): m for j, m in layers.items()}
+    elif isinstance(layers, (Sequence, nn.ModuleList)):
+        modules = dict(enumerate(layers))
+    else:
+        raise TypeError(f"`layers` must be a sequence or a mapping of nn.Module, got {type(layers).__name__}")
+    return LayerKernel(modules, scheme, batched, streams).bind()
+
+
+class LayerStack:
+    """Layers for :class:`ODEPropagator` (kept for compatibility: pass the layers directly)."""
+
+    def __init__(self, layers, uniform=None, flat=None):
+        self.layers = layers
+
+
+class ODEPropagator(mgrit.Propagator):
+    """Steps a state through a stack of layers: ``u_{i+1} = scheme(f_i, u_i, dt)``.
+
+    Parameters
+    ----------
+    layers : sequence or mapping of nn.Module, LayerKernel or KernelPass
+        The layers by global index.
+    h : float
+        Layer step (final time / number of layers).
+    scheme : callable
+        ``scheme(f, u, dt)`` returns the next state (ignored when ``layers``
+        is already a kernel, which carries its scheme).
+    layer_index : callable, optional
+        ``layer_index(i0, i1)`` on integer arrays: which layer steps from fine
+        index ``i0`` to ``i1``.
+    batched, streams
+        See :class:`~propagators.torch.kernel.LayerKernel`.
+    """
+
+    def __init__(self, layers, h: float, scheme=forward_euler, layer_index=None, batched: bool = True,
+                 streams: int = 0):
+        self.kernel = as_kernel_pass(layers, scheme, batched, streams)
+        self.h = float(h)
+        self.layer_index = layer_index or inject_layer
+        self._dts: dict = {}
+
+    def ints(self, t) -> np.ndarray:
+        """Fine indices of time points (``t / h`` rounded)."""
+        return np.rint(np.asarray(t, dtype=np.float64) / self.h).astype(np.int64)
+
+    def dt(self, i0, i1, like):
+        """Steps ``(i1 - i0) h`` as a tensor like ``like`` (cached per pattern)."""
+        steps = np.atleast_1d(np.asarray(i1 - i0))
+        key = (steps.tobytes(), like.dtype, str(like.device))
+        dt = self._dts.get(key)
+        if dt is None:
+            dt = self._dts[key] = torch.as_tensor(steps * self.h, dtype=like.dtype, device=like.device)
+        return dt
+
+    def layers_of(self, i0, i1) -> np.ndarray:
+        idx = np.asarray(self.layer_index(np.atleast_1d(i0), np.atleast_1d(i1)), dtype=np.int64)
+        return idx
+
+    def step(self, u, t0, t1):
+        return self.step_batch(u[None], np.atleast_1d(t0), np.atleast_1d(t1))[0]
+
+    def step_batch(self, U, t0, t1):
+        i0, i1 = self.ints(t0), self.ints(t1)
+        return self.kernel.step(U, self.layers_of(i0, i1), self.dt(i0, i1, U))

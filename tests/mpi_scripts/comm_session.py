@@ -1,0 +1,242 @@
+"""Sessions: a failure anywhere in a ``with comm.session():`` block reaches every rank.
+
+Run as ``mpiexec -n P python comm_session.py`` (P >= 2; P >= 4 adds the split
+case) or ``mpiexec -n 2 python comm_session.py --cost``.
+
+Without ``--cost``, for every case the rank ``BAD = P - 1`` fails at one place
+while the others wait somewhere else in their own block; every rank prints
+``case NAME rank r: <TypeName>: <message> [after <seconds> s] rank=<l> world=<w> abandoned=<a>``
+(``l`` / ``w``: the failed rank's attributes, ``-`` for other errors; ``a``: the
+channels this rank abandoned in the case). Cases:
+
+* ``recv``: rank 0 waits in ``recv`` from BAD, the others in ``finish``;
+* ``bcast``: the others wait for BAD's broadcast;
+* ``reduce``: the others wait in ``allreduce_array`` (and ``sum_exact``);
+* ``finish``: BAD raises at the end of its block, the others are in ``finish``;
+* ``interrupt``: BAD raises a ``BaseException`` (not an ``Exception``);
+* ``nested``: BAD's propagator raises in a solve inside the session;
+* ``after_solve``: the solve succeeds, BAD raises afterwards in the same session;
+* ``reversed``: a solve on ``comm.reversed()`` where BAD fails (rank 0 there);
+* ``split`` (P >= 4): the ranks split by parity; BAD fails in its half, whose
+  members must name it by its world rank (and its rank in the half);
+* ``after_finish``: BAD raises after an explicit ``finish`` of its block: the
+  others have left theirs (no error there); BAD abandons the channel, which the
+  others keep in their pools, so the next sessions must agree on another one;
+* ``slow``: a rank is busy (not listening) for 1.5 s while BAD fails, and the
+  cleanup limit is 0.5 s: BAD and the ranks waiting for the busy one give up
+  their cleanup after 0.5 s and abandon the channel; the busy rank raises when
+  it next waits.
+
+Afterwards: sessions still work (ring exchange, reductions equal on every
+rank) and a solve equals the serial one bit for bit: ``rank r: sessions OK``. With ``--cost`` it times empty sessions,
+sessions with one reduction and, for comparison, ``MPI_Comm_dup`` + free and
+``MPI_Barrier``: ``rank r: cost session <us> us, session+allreduce <us> us,
+dup+free <us> us, barrier <us> us``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+import mgrit
+from mgrit.comm import MPIComm, Tag, abandoned_channels, as_communicator
+from propagators import Dahlquist
+
+
+class Injected(RuntimeError):
+    """The error raised on purpose by the failing rank."""
+
+
+class Interrupt(BaseException):
+    """A failure that is not an Exception (like KeyboardInterrupt)."""
+
+
+class Faulty(mgrit.Propagator):
+    def __init__(self, fail: bool):
+        self.inner, self.fail = Dahlquist(-1.0), fail
+
+    def step(self, u, t0, t1):
+        return self.step_batch(u[None], np.array([t0]), np.array([t1]))[0]
+
+    def step_batch(self, U, t0, t1):
+        if self.fail:
+            raise Injected("injected failure in the propagator")
+        return self.inner.step_batch(U, t0, t1)
+
+
+def solve_kw():
+    return dict(cf=2, max_levels=3, relax="FCF", tol=None, max_iter=3)
+
+
+def run_case(c, name: str, bad: int):
+    """Run case ``name`` on communicator wrapper ``c``; return this rank's exception."""
+    r, P = c.rank, c.size
+    busy = 1 if bad != 1 else 0
+    t = np.linspace(0.0, 2.0, 17)
+    try:
+        if name == "reversed":
+            rev = c.reversed()
+            try:
+                mgrit.solve(Faulty(r == bad), np.array([1.0]), t, comm=rev, **solve_kw())
+            finally:
+                rev.free()
+            return None
+        if name == "split":
+            half = c.split(r % 2, r)
+            try:
+                with half.session():
+                    if r == bad:
+                        raise Injected("injected failure in one half")
+                    half.allreduce_array(np.ones(3))
+            finally:
+                half.free()
+            return None
+        with c.session():
+            if name == "recv":
+                if r == bad:
+                    raise Injected("injected failure before sending")
+                if r == 0:
+                    c.recv(np.zeros(4), bad, Tag.USER)
+            elif name == "bcast":
+                if r == bad:
+                    raise Injected("injected failure before broadcasting")
+                c.bcast(None, root=bad)
+            elif name == "reduce":
+                c.sum_exact(np.ones(3))  # a reduction that succeeds first
+                if r == bad:
+                    time.sleep(0.1)
+                    raise Injected("injected failure before reducing")
+                c.allreduce_array(np.ones(1000))
+            elif name == "finish":
+                if r == 0:
+                    c.send(np.ones(3), bad, Tag.USER)  # never received: the failure leaves it behind
+                if r == bad:
+                    time.sleep(0.1)
+                    raise Injected("injected failure at the end of the block")
+            elif name == "interrupt":
+                if r == bad:
+                    raise Interrupt("interrupted")
+                c.bcast(None, root=bad)
+            elif name == "nested":
+                c.bcast("hello", root=0)
+                mgrit.solve(Faulty(r == bad), np.array([1.0]), t, comm=c, **solve_kw())
+            elif name == "after_solve":
+                mgrit.solve(Faulty(False), np.array([1.0]), t, comm=c, **solve_kw())
+                if r == bad:
+                    raise Injected("injected failure after the solve")
+                c.bcast(None, root=bad)
+            elif name == "after_finish":
+                c.bcast(np.ones(3), root=0)
+                c.finish()
+                if r == bad:
+                    raise Injected("injected failure after finish")
+            elif name == "slow":
+                if r == busy:
+                    time.sleep(1.5)
+                if r == bad:
+                    raise Injected("injected failure while a rank is busy")
+                c.bcast(None, root=bad)
+    except BaseException as exc:  # noqa: BLE001 - the point is to report whatever arrived
+        return exc
+    return None
+
+
+def check_clean(c, bad_lines: list) -> None:
+    """Sessions, reductions and a solve work after the failures."""
+    r, P = c.rank, c.size
+    for _ in range(3):
+        with c.session():
+            c.send(np.full(3, float(r)), (r + 1) % P, Tag.HALO)
+            got = c.recv(np.zeros(3), (r - 1) % P, Tag.HALO)
+            if not np.array_equal(got, np.full(3, float((r - 1) % P))):
+                bad_lines.append("ring exchange after the failures")
+            s = c.allreduce_array(np.array([0.1 * (r + 1), 1.0]))
+            every = c.gather(s.tolist(), root=None)
+            if any(e != every[0] for e in every) or s[1] != P:
+                bad_lines.append("allreduce_array differs between ranks")
+            if c.sum_exact(np.full(10, 0.1)) != __import__("math").fsum([0.1] * 10 * P):
+                bad_lines.append("sum_exact")
+            if c.max([float(r)]) != P - 1 or c.allreduce(1.0) != P or c.allreduce(float(r), "max") != P - 1:
+                bad_lines.append("max / allreduce")
+            c.finish()  # an explicit finish inside the block (the exit does not repeat it)
+    prop, t = Dahlquist(-1.0), np.linspace(0.0, 4.0, 65)
+    kw = dict(cf=2, max_levels=4, relax="FCF", tol=1e-12, max_iter=30)
+    ref = mgrit.solve(prop, np.array([1.0, 0.5]), t, **kw)
+    with c.session():
+        res = mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=c, **kw)
+        whole = mgrit.gather(res, root=None)
+    if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals):
+        bad_lines.append("the solve after the failures differs from the serial solve")
+
+
+def cost(world) -> int:
+    """Per-call microseconds (the best of 5 batches of 400, against noise from other load)."""
+    c = as_communicator(world)
+    for _ in range(50):  # warm up (the first session duplicates its channel)
+        with c.session():
+            pass
+
+    def empty():
+        with c.session():
+            pass
+
+    def reduce():
+        with c.session():
+            c.allreduce(1.0)
+
+    def best(fn, n=400):
+        times = []
+        for _ in range(5):
+            world.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append(1e6 * (time.perf_counter() - t0) / n)
+        return min(times)
+
+    us = [best(f) for f in (empty, reduce, lambda: world.Dup().Free(), world.Barrier)]
+    print(f"rank {world.Get_rank()}: cost session {us[0]:.1f} us, session+allreduce {us[1]:.1f} us, "
+          f"dup+free {us[2]:.1f} us, barrier {us[3]:.1f} us; channels made {c._next_id}", flush=True)
+    return 0
+
+
+def main() -> int:
+    from mpi4py import MPI  # here, so that importing this file (pytest collection) starts no MPI
+
+    world = MPI.COMM_WORLD
+    if "--cost" in sys.argv:
+        return cost(world)
+    c = as_communicator(world)
+    r, P = c.rank, c.size
+    bad = P - 1
+    names = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "after_solve", "reversed"]
+    names += ["split"] if P >= 4 else []
+    names += ["after_finish", "slow"]
+    for name in names:
+        before = abandoned_channels()
+        c.cleanup_timeout = 0.5 if name == "slow" else MPIComm.cleanup_timeout
+        start = time.perf_counter()
+        exc = run_case(c, name, bad)
+        elapsed = time.perf_counter() - start
+        tail = f"[after {elapsed:.2f} s]"
+        if exc is None:
+            tail += " rank=- world=-"
+            print(f"case {name} rank {r}: no error {tail} abandoned={abandoned_channels() - before}", flush=True)
+        else:
+            tail += f" rank={getattr(exc, 'rank', '-')} world={getattr(exc, 'world_rank', '-')}"
+            print(f"case {name} rank {r}: {type(exc).__name__}: {exc} {tail} "
+                  f"abandoned={abandoned_channels() - before}", flush=True)
+    c.cleanup_timeout = MPIComm.cleanup_timeout
+    bad_lines: list = []
+    check_clean(c, bad_lines)
+    for line in bad_lines:
+        print(f"rank {r}: MISMATCH {line}", flush=True)
+    if not bad_lines:
+        print(f"rank {r}: sessions OK", flush=True)
+    return 1 if bad_lines else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

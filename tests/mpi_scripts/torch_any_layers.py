@@ -1,0 +1,197 @@
+"""LayerParallel on several ranks with any layers, split memory and checkpoints (run under mpiexec).
+
+Usage: mpiexec -n P python torch_any_layers.py
+Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
+
+* output, input gradient and the gradient of every owned parameter, for mixed
+  parameter-free / parametrised layers, two architectures, conv layers of two
+  kernel sizes, layers that differ only in a plain attribute, and replaced
+  parameters (``load_state_dict(assign=True)``), also after optimizer steps;
+* memory split: a factory is called only for the layers this rank needs, and
+  the module registers only the layers it owns (parameter names keep global indices);
+* checkpoints: ``to_serial(root)`` returns the serial network with the current
+  weights on the root (None elsewhere); ``load_serial`` of a full state dict
+  saved with ``torch.save`` and read with ``torch.load(weights_only=True)``
+  reproduces the output;
+* more ranks than layer points (idle ranks) work.
+
+Prints "rank r OK" on success and exits 1 with a message otherwise.
+"""
+import copy
+import io
+import sys
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from layer_zoo import Conv, Scaled, loss_fn, rel
+from propagators.torch import LayerParallel, ODENet
+
+torch.set_default_dtype(torch.float64)
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)
+REL = 1e-9
+
+
+def fail(msg):
+    print(f"rank {rank} FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(name, a, b):
+    err = rel(a, b)
+    if not err < REL:
+        fail(f"{name}: relative difference {err:.3e} >= {REL:.0e}")
+
+
+NETWORKS = {
+    "mixed_free": (lambda i: nn.Tanh() if i % 2 == 0 else nn.Linear(4, 4), 14, (3, 4)),
+    "two_architectures": (lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()) if i % 3
+                          else nn.Sequential(nn.Tanh(), nn.Linear(4, 4)), 13, (3, 4)),
+    "conv_kernels": (lambda i: Conv(2, 3 if i % 2 else 1), 10, (2, 2, 4, 4)),
+    "attribute_only": (lambda i: Scaled(4, 0.5 + 0.25 * (i % 4)), 12, (3, 4)),
+}
+
+
+def full_layers(make, n, seed):
+    torch.manual_seed(seed)
+    return [make(i) for i in range(n)]
+
+
+def compare_training(name, make, n, shape, steps=2):
+    layers = full_layers(make, n, seed=n)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, relax="FCF", comm=world, **TIGHT)
+    ref = ODENet(copy.deepcopy(layers), T=1.0)
+    if set(lp.layers.indices) != set(lp.owned_layers):
+        fail(f"{name}: registered layers {lp.layers.indices} != owned {list(lp.owned_layers)}")
+    opt = torch.optim.SGD(lp.parameters(), lr=0.05, momentum=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.5)
+    torch.manual_seed(123)
+    x = torch.randn(*shape)
+    for step in range(steps):
+        xs = x.clone().requires_grad_(True)
+        y_s = ref(xs)
+        opt_ref.zero_grad()
+        loss_fn(y_s).backward()
+        xp = x.clone().requires_grad_(True)
+        y = lp(xp)
+        opt.zero_grad()
+        loss_fn(y).backward()
+        check(f"{name} forward (step {step})", y.detach(), y_s.detach())
+        check(f"{name} input gradient (step {step})", xp.grad, xs.grad)
+        for j in lp.owned_layers:
+            for (pn, p), q in zip(lp.layers[j].named_parameters(), ref.layers[j].parameters()):
+                if q.grad is None:
+                    if p.grad is not None:
+                        fail(f"{name}: layer {j} {pn} got a gradient, serial has none")
+                    continue
+                if p.grad is None:
+                    fail(f"{name}: owned layer {j} {pn} has no gradient")
+                check(f"{name} gradient of layer {j} {pn} (step {step})", p.grad, q.grad)
+        opt.step()
+        opt_ref.step()
+    return lp, ref
+
+
+def replaced_parameters():
+    make, n, shape = NETWORKS["two_architectures"]
+    layers = full_layers(make, n, seed=3)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, relax="FCF", comm=world, **TIGHT)
+    new = full_layers(make, n, seed=4)
+    ref = ODENet(copy.deepcopy(new), T=1.0)
+    lp.load_serial(ref.state_dict())  # full serial state dict; each rank takes its layers
+    lp.load_state_dict({k: v.clone() for k, v in lp.state_dict().items()}, assign=True)
+    torch.manual_seed(5)
+    x = torch.randn(*shape)
+    xs = x.clone().requires_grad_(True)
+    loss_fn(ref(xs)).backward()
+    xp = x.clone().requires_grad_(True)
+    loss_fn(lp(xp)).backward()
+    check("replaced: input gradient", xp.grad, xs.grad)
+    for j in lp.owned_layers:
+        for p, q in zip(lp.layers[j].parameters(), ref.layers[j].parameters()):
+            if p.grad is None:
+                fail(f"replaced: owned layer {j} has no gradient")
+            check(f"replaced: gradient of layer {j}", p.grad, q.grad)
+
+
+def memory_split():
+    calls = []
+
+    def factory(i):
+        calls.append(i)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    n = 64
+    lp = LayerParallel(factory, n_layers=n, cf=4, max_levels=3, comm=world)
+    needed = sorted(lp.plan.needed[rank])
+    if sorted(calls) != needed:
+        fail(f"factory called for {sorted(calls)}, needed {needed}")
+    if size > 1 and len(calls) > n // size + 8:
+        fail(f"rank {rank} built {len(calls)} of {n} layers")
+    names = {k.split(".")[1] for k in lp.state_dict()}
+    if names != {str(j) for j in lp.owned_layers}:
+        fail(f"state_dict holds layers {sorted(names)}, owns {list(lp.owned_layers)}")
+    owned = world.allgather(list(lp.owned_layers))
+    if sorted(j for part in owned for j in part) != list(range(n)):
+        fail(f"layers are not owned exactly once: {owned}")
+
+
+def checkpoints():
+    make, n, shape = NETWORKS["mixed_free"]
+    lp, ref = compare_training("checkpoint training", make, n, shape, steps=2)  # after optimizer steps
+    net = lp.to_serial(root=size - 1)
+    if rank != size - 1:
+        if net is not None:
+            fail("to_serial returned a network on a non-root rank")
+        data = None
+    else:
+        torch.manual_seed(9)
+        x = torch.randn(*shape)
+        check("to_serial equals the trained serial network", net(x).detach(), ref(x).detach())
+        buf = io.BytesIO()
+        torch.save(net.state_dict(), buf)
+        data = buf.getvalue()
+    data = world.bcast(data, root=size - 1)
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    fresh = LayerParallel(full_layers(make, n, seed=77), T=1.0, cf=2, max_levels=3, relax="FCF", comm=world,
+                          **TIGHT)
+    fresh.load_serial(state)
+    torch.manual_seed(9)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        check("load_serial reproduces the output", fresh(x), ref(x))
+
+
+def idle_ranks():
+    """More ranks than layer points: ranks without points take part and get the same output."""
+    n = max(size - 2, 1)  # n + 1 points < size
+    layers = full_layers(lambda i: nn.Sequential(nn.Linear(3, 3), nn.Tanh()), n, seed=11)
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, comm=world, **TIGHT)
+    ref = ODENet(copy.deepcopy(layers))
+    torch.manual_seed(12)
+    x = torch.randn(2, 3)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    loss_fn(lp(xp)).backward()
+    loss_fn(ref(xs)).backward()
+    check("idle ranks: input gradient", xp.grad, xs.grad)
+
+
+try:
+    for name, (make, n, shape) in NETWORKS.items():
+        compare_training(name, make, n, shape)
+    replaced_parameters()
+    memory_split()
+    checkpoints()
+    if size >= 3:
+        idle_ranks()
+except SystemExit:
+    raise
+except BaseException as exc:  # report, then fail this rank
+    import traceback
+
+    traceback.print_exc()
+    fail(f"{type(exc).__name__}: {exc}")
+print(f"rank {rank} OK", flush=True)

@@ -1,0 +1,160 @@
+"""A failure on one rank in any phase of a layer-parallel step raises on every rank (run under mpiexec).
+
+Usage: mpiexec -n P python torch_failures.py CASE:BAD_RANK [CASE:BAD_RANK ...]
+       mpiexec -n 4 python torch_failures.py --grid-nan BAD_DATA_RANK
+
+CASE is the phase in which rank BAD_RANK fails:
+
+* ``check``: a bad input on that rank only (an integer tensor);
+* ``halo``: while sending / receiving neighbours' parameters;
+* ``forward``: in a layer, inside the forward MGRIT solve;
+* ``ghost``: while exchanging the boundary states and broadcasting the output;
+* ``adjoint``: in a vector-Jacobian product, inside the adjoint MGRIT solve;
+* ``params``: while computing the parameter gradients;
+* ``inplace``: a parameter modified in place between forward and backward on that rank only;
+* ``interrupt``: ``KeyboardInterrupt`` in ``mgrit.solve``'s input checks (before its handshake).
+
+For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
+(or ``case NAME rank r: no error``). After the cases the ranks run one clean
+layer-parallel step and compare it with serial autograd (``rank r: recovered OK``).
+
+``--grid-nan``: 4 ranks as a 2 x 2 layer x data grid; the data shard of data rank
+BAD_DATA_RANK holds a NaN, so its layer ranks raise a DivergenceError in the
+forward solve; the other data rank's ranks, waiting in ``allreduce_gradients``,
+must raise RemoteRankError (``case grid rank r: ...``).
+"""
+import copy
+import sys
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mgrit
+from propagators import Dahlquist
+from propagators.torch import LayerParallel, ODENet, allreduce_gradients
+
+torch.set_default_dtype(torch.float64)
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+
+
+class Injected(RuntimeError):
+    """The error raised on purpose by the failing rank."""
+
+
+def raiser(what):
+    def f(*args, **kwargs):
+        raise Injected(f"injected failure in {what}")
+
+    return f
+
+
+def layers(n=16, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(n)]
+
+
+def inject(lp, case):
+    if case == "halo":
+        lp._exchange_halo = raiser("halo exchange")
+    elif case == "ghost":
+        lp._with_ghost = raiser("ghost exchange")
+    elif case == "params":
+        lp._parameter_gradients = raiser("parameter gradients")
+    elif case in ("forward", "adjoint"):
+        bind = lp.kernel.bind
+
+        def patched():
+            kp = bind()
+            if case == "forward":
+                kp.step = raiser("a layer of the forward solve")
+            else:
+                kp.vjp_state = raiser("a vector-Jacobian product of the adjoint solve")
+            return kp
+
+        lp.kernel.bind = patched
+
+
+def run_case(case, bad):
+    lp = LayerParallel(layers(), cf=2, max_levels=3, comm=world)
+    x = torch.randn(3, 4)
+    if rank == bad:
+        if case == "check":
+            x = torch.ones(3, 4, dtype=torch.int64)
+        inject(lp, case)
+    if case == "interrupt":
+        guess = None
+        if rank == bad:
+            def guess(t):
+                raise KeyboardInterrupt("interrupted while checking the input")
+        mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 1, 17), comm=world, initial_guess=guess)
+        return
+    y = lp(x)
+    if case == "inplace" and rank == bad:
+        with torch.no_grad():
+            next(iter(lp.parameters())).add_(1.0)
+    y.square().sum().backward()
+
+
+def clean_step():
+    ls = layers(12, seed=3)
+    tight = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+    lp = LayerParallel(copy.deepcopy(ls), cf=2, max_levels=3, comm=world, **tight)
+    ref = ODENet(copy.deepcopy(ls))
+    torch.manual_seed(4)
+    x = torch.randn(3, 4)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    lp(xp).square().sum().backward()
+    ref(xs).square().sum().backward()
+    err = float((xp.grad - xs.grad).abs().max())
+    return err < 1e-10
+
+
+def grid_nan(bad_data):
+    layer_comm, data_comm = mgrit.split_comm(world, 2)
+    lp = LayerParallel(layers(12), cf=2, max_levels=3, comm=layer_comm, data_comm=data_comm)
+    model = nn.Sequential(nn.Linear(3, 4), lp, nn.Linear(4, 1))
+    torch.manual_seed(5)
+    X = torch.randn(8, 3)
+    d = data_comm.Get_rank()
+    shard = X[4 * d: 4 * d + 4]
+    if d == bad_data:
+        shard = shard.clone()
+        shard[0, 0] = float("nan")
+    start = time.perf_counter()
+    try:
+        model(shard).square().mean().backward()
+        allreduce_gradients(model, data_comm)
+    except BaseException as exc:  # noqa: BLE001
+        print(f"case grid rank {rank}: {type(exc).__name__}: {exc} [after {time.perf_counter() - start:.2f} s]",
+              flush=True)
+        return 1
+    print(f"case grid rank {rank}: no error", flush=True)
+    return 0
+
+
+def main():
+    if sys.argv[1] == "--grid-nan":
+        return grid_nan(int(sys.argv[2]))
+    got = False
+    for spec in sys.argv[1:]:
+        case, bad = spec.split(":")
+        start = time.perf_counter()
+        try:
+            run_case(case, int(bad))
+        except BaseException as exc:  # noqa: BLE001 - report whatever arrived
+            got = True
+            print(f"case {case} rank {rank}: {type(exc).__name__}: {exc} [after {time.perf_counter() - start:.2f} s]",
+                  flush=True)
+        else:
+            print(f"case {case} rank {rank}: no error", flush=True)
+    ok = clean_step()
+    print(f"rank {rank}: recovered {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if (ok and got) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

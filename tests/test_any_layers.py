@@ -1,0 +1,334 @@
+"""LayerParallel with any stack of layers: the serial network's output and gradients at
+convergence (float64, 1e-9 relative), or a clear error. One rank here; the same
+networks on 2 and 3 ranks are in mpi_scripts/torch_any_layers.py."""
+from __future__ import annotations
+
+import copy
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from propagators.torch import LayerError, LayerParallel, ODENet  # noqa: E402
+from propagators.torch.kernel import layer_signature  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
+from layer_zoo import Conv, Scaled, loss_fn, rel  # noqa: E402
+
+TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)
+REL = 1e-9
+
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow (vmap cannot trace it)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        z = self.lin(u)
+        if float(z.detach().sum()) > 0:
+            return torch.tanh(z)
+        return torch.sin(z)
+
+
+class Noisy(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return self.lin(u) + 0.1 * torch.randn_like(u)
+
+
+def networks(width=4):
+    """name -> (factory of the layer list, input shape)."""
+    def mixed_free():  # parameter-free layers between parametrised ones
+        return [nn.Tanh() if i % 2 == 0 else nn.Linear(width, width) for i in range(12)]
+
+    def alternating_bias():
+        return [nn.Linear(width, width, bias=i % 2 == 0) for i in range(12)]
+
+    def two_architectures():  # different parameter names
+        return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) if i % 3 else
+                nn.Sequential(nn.Tanh(), nn.Linear(width, width)) for i in range(12)]
+
+    def attribute_only():
+        return [Scaled(width, 0.5 + 0.25 * (i % 4)) for i in range(12)]
+
+    def branchy():
+        return [Branchy(width) for _ in range(8)]
+
+    def frozen_some():
+        layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(12)]
+        for i in (1, 4, 7):
+            layers[i][0].bias.requires_grad_(False)
+        layers[9][0].weight.requires_grad_(False)
+        return layers
+
+    def conv_kernels():
+        return [Conv(2, 3 if i % 2 else 1) for i in range(8)]
+
+    def hooked():
+        layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(8)]
+        layers[3].register_forward_hook(lambda m, inp, out: 2.0 * out)
+        return layers
+
+    return {
+        "mixed_free": (mixed_free, (3, width)),
+        "alternating_bias": (alternating_bias, (3, width)),
+        "two_architectures": (two_architectures, (3, width)),
+        "attribute_only": (attribute_only, (3, width)),
+        "branchy": (branchy, (3, width)),
+        "frozen_some": (frozen_some, (3, width)),
+        "conv_kernels": (conv_kernels, (2, 2, 5, 5)),
+        "hooked": (hooked, (3, width)),
+    }
+
+
+def serial_reference(layers, x, T):
+    net = ODENet(copy.deepcopy(layers), T=T)
+    xs = x.clone().requires_grad_(True)
+    y = net(xs)
+    loss_fn(y).backward()
+    return y.detach(), xs.grad, [p.grad for p in net.parameters()]
+
+
+def check_equals_serial(lp, layers, x, T):
+    y_s, gx_s, gp_s = serial_reference(layers, x, T)
+    xp = x.clone().requires_grad_(True)
+    y = lp(xp)
+    loss_fn(y).backward()
+    assert rel(y.detach(), y_s) < REL
+    assert rel(xp.grad, gx_s) < REL
+    ps = list(lp.parameters())
+    assert len(ps) == len(gp_s)
+    for p, g in zip(ps, gp_s):
+        if g is None:
+            assert p.grad is None
+        else:
+            assert p.grad is not None, "a parameter got no gradient"
+            assert rel(p.grad, g) < REL
+
+
+@pytest.mark.parametrize("name", list(networks()))
+@pytest.mark.parametrize("batched", [True, False])
+def test_any_layers_give_serial_output_and_gradients(name, batched):
+    make, shape = networks()[name]
+    torch.manual_seed(1)
+    layers = make()
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, relax="FCF", batched=batched, **TIGHT)
+    x = torch.randn(*shape)
+    check_equals_serial(lp, layers, x, 1.0)
+
+
+def test_interchangeable_layers_are_batched_and_different_ones_are_not():
+    w = 4
+    assert layer_signature(Scaled(w, 0.5)) != layer_signature(Scaled(w, 0.75))
+    assert layer_signature(Scaled(w, 0.5)) == layer_signature(Scaled(w, 0.5))
+    assert layer_signature(nn.Linear(w, w)) != layer_signature(nn.Linear(w, w, bias=False))
+    lp = LayerParallel([Scaled(w, 0.5 + 0.25 * (i % 2)) for i in range(8)], cf=2, max_levels=2)
+    assert sorted(len(c.members) for c in lp.kernel.classes) == [4, 4]
+    assert {c.mode for c in lp.kernel.classes} == {"vmap"}
+    lp = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(8)], cf=2)
+    assert [c.mode for c in lp.kernel.classes] == ["dense"]
+
+
+def test_shared_parameters_on_one_rank_sum_their_gradients():
+    torch.manual_seed(2)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    layers = [block] * 8
+    lp = LayerParallel(layers, T=1.0, cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    xs = x.clone().requires_grad_(True)
+    ref = copy.deepcopy(block)
+    u = xs
+    for _ in range(8):
+        u = u + 0.125 * ref(u)
+    loss_fn(u).backward()
+    loss_fn(lp(x)).backward()
+    for p, q in zip(block.parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) < REL
+
+
+def test_replaced_parameters_are_used_live():
+    torch.manual_seed(3)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    lp(x)  # a first pass (caches must not survive it)
+    new = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    state = ODENet(new).state_dict()
+    lp.load_state_dict(state, assign=True)
+    check_equals_serial(lp, new, x, 1.0)
+    # assigning a new nn.Parameter to one layer
+    lp.zero_grad()
+    w = nn.Parameter(torch.randn(4, 4))
+    lp.layers[5][0].weight = w
+    new[5][0].weight = nn.Parameter(w.detach().clone())
+    check_equals_serial(lp, new, x, 1.0)
+    assert w.grad is not None
+
+
+def test_to_and_dtype_conversion_keep_working():
+    torch.manual_seed(4)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2).float()
+    x = torch.randn(3, 4, dtype=torch.float32)
+    y = lp(x)
+    assert y.dtype == torch.float32
+    loss_fn(y).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lp.parameters())
+
+
+def test_double_backward_is_a_clear_error():
+    lp = LayerParallel([nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)], cf=2)
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(loss_fn(lp(x)), x, create_graph=False)
+    assert g.shape == x.shape
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss_fn(lp(x)), x, create_graph=True)
+
+
+def test_in_place_change_between_forward_and_backward_is_an_error():
+    lp = LayerParallel([nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)], cf=2)
+    y = lp(torch.randn(2, 3))
+    with torch.no_grad():
+        lp.layers[2][0].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_fn(y).backward()
+
+
+def test_random_and_stateful_layers_are_clear_errors_in_training_and_fine_in_eval():
+    torch.manual_seed(5)
+    drop = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.2)) for _ in range(8)], cf=2)
+    x = torch.randn(3, 4)
+    with pytest.raises(LayerError, match="random"):
+        drop(x)
+    drop.eval()
+    assert rel(drop(x), drop.serial(x)) < 0.5  # runs (inexact 2-cycle solve)
+    bn = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(bn), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    with pytest.raises(LayerError, match="BatchNorm1d in training mode"):
+        lp(x)
+    lp.eval()
+    ref = copy.deepcopy(bn)
+    for m in ref:
+        m.eval()
+    check_equals_serial(lp, ref, x, 1.0)
+    noisy = LayerParallel([Noisy(4) for _ in range(8)], cf=2)
+    with pytest.raises(LayerError, match="random"):
+        noisy(x)
+    with pytest.raises(LayerError, match="random"):
+        LayerParallel([Noisy(4) for _ in range(8)], cf=2, batched=False)(x)
+
+
+class ModeDependent(nn.Module):
+    """Computes something else in eval mode (deterministically)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u)) if self.training else torch.sin(self.lin(u))
+
+
+def test_train_eval_of_some_layers_only_regroups_them():
+    torch.manual_seed(6)
+    layers = [ModeDependent(4) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    check_equals_serial(lp, layers, x, 1.0)
+    for j in (1, 2, 5):  # after construction, on some layers only
+        lp.layers[j].eval()
+        layers[j].eval()
+    lp.zero_grad()
+    check_equals_serial(lp, layers, x, 1.0)
+    assert len(lp.kernel.classes) == 2
+    bn = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(8)]
+    for m in bn:
+        with torch.no_grad():
+            m[1].running_mean.uniform_(-1, 1)
+            m[1].running_var.uniform_(0.5, 2)
+        m.eval()
+    check_equals_serial(LayerParallel(copy.deepcopy(bn), cf=2, max_levels=3, relax="FCF", **TIGHT), bn, x, 1.0)
+
+
+def test_layer_failure_names_the_layer():
+    layers = [nn.Linear(3, 3) for _ in range(6)] + [nn.Linear(4, 4)] + [nn.Linear(3, 3)]
+    lp = LayerParallel(layers, cf=2)
+    with pytest.raises(LayerError, match="layer 6 .*Linear"):
+        lp(torch.randn(2, 3))
+
+
+def test_bad_inputs_are_clear_errors():
+    lp = LayerParallel([nn.Linear(3, 3) for _ in range(4)], cf=2)
+    with pytest.raises(TypeError, match="floating-point"):
+        lp(torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        lp(np.ones((2, 3)))
+    with pytest.raises(TypeError, match="layer 1 is a"):
+        LayerParallel([nn.Linear(3, 3), "tanh"], cf=2)
+    with pytest.raises(ValueError, match="fwd_iters"):
+        LayerParallel([nn.Linear(3, 3)] * 4, fwd_iters=0)
+
+
+def test_skip_is_on_by_default_and_saves_fine_steps():
+    torch.manual_seed(7)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(64)]
+    x = torch.randn(3, 4)
+    on = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3)
+    off = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3, skip=False)
+    assert on.skip and not off.skip
+    on(x)
+    off(x)
+    assert on.last_forward.counts[0] < off.last_forward.counts[0]
+    assert on.forward_residuals[0] is None and off.forward_residuals[0] is not None
+
+
+def test_warm_start_reuses_the_previous_trajectory():
+    torch.manual_seed(8)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(64)]
+    x = torch.randn(3, 4)
+    cold = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3, fwd_iters=1)
+    warm = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3, fwd_iters=1, warm_start=True)
+    ref = cold.serial(x).detach()
+    errs_cold, errs_warm = [], []
+    for _ in range(4):  # same input and weights: a warm start converges over the passes
+        errs_cold.append(rel(cold(x).detach(), ref))
+        errs_warm.append(rel(warm(x).detach(), ref))
+    assert errs_warm[0] == errs_cold[0]
+    assert errs_warm[-1] < 1e-3 * errs_cold[-1]
+    # a different input shape starts cold again
+    assert warm(torch.randn(5, 4)).shape == (5, 4)
+
+
+def test_checkpoint_round_trip_on_one_rank():
+    torch.manual_seed(9)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, **TIGHT)
+    opt = torch.optim.SGD(lp.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    loss_fn(lp(x)).backward()
+    opt.step()
+    net = lp.to_serial()
+    assert isinstance(net, ODENet)
+    buf = io.BytesIO()
+    torch.save(net.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    fresh = LayerParallel(copy.deepcopy(layers), cf=2, **TIGHT)
+    fresh.load_serial(state)
+    assert rel(fresh(x), net(x).detach()) < 1e-12
+    with pytest.raises(KeyError, match="lacks"):
+        fresh.load_serial({k: v for k, v in state.items() if not k.startswith("layers.3.")})

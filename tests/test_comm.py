@@ -1,0 +1,158 @@
+"""The communicator interface without MPI: the overflow-free exact 2-norm (and the
+solves that need it), the serial communicator's sessions and the tag table.
+
+The MPI side (sessions, cleanup after failures, alarms, world-rank naming) is
+tested in tests/test_mpi.py through the scripts tests/mpi_scripts/comm_*.py.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mgrit
+from mgrit.comm import (
+    RemoteRankError,
+    SerialComm,
+    Tag,
+    as_communicator,
+    square_bins,
+    square_bins_root,
+)
+from mgrit.cycle import temporal_norm
+
+# --------------------------------------------------------------------------- the exact 2-norm
+ordinary = st.floats(min_value=-1e100, max_value=1e100, allow_nan=False).filter(lambda v: v == 0 or abs(v) > 1e-100)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ordinary, max_size=50), st.lists(st.integers(0, 50), max_size=5))
+def test_norm2_exact_is_todays_value_for_ordinary_magnitudes_whatever_the_split(values, cuts):
+    """Without over- or underflowing squares, the value is sqrt(fsum(x * x)) bit for bit,
+    also through the bins of any split of the values added in any order (ranks)."""
+    x = np.array(values, dtype=np.float64)
+    expected = math.sqrt(math.fsum((x * x).tolist()))
+    assert SerialComm().norm2_exact(x) == expected
+    parts = np.split(x, sorted(set(min(c, len(x)) for c in cuts)))
+    total = sum((square_bins(p) for p in reversed(parts)), np.zeros_like(square_bins(x)))
+    assert square_bins_root(total) == expected
+    assert temporal_norm(x, 2, SerialComm()) == expected
+
+
+@pytest.mark.parametrize("k", [700, -700, 1000, -1000])
+def test_norm2_exact_neither_overflows_nor_underflows(k):
+    """Scaling by a power of two scales the norm exactly, even where every square
+    overflows (k = 700, 1000) or underflows (k = -700, -1000)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(40)
+    ref = SerialComm().norm2_exact(x)
+    big = np.ldexp(x, k)
+    assert np.all(np.isfinite(big)) and not np.any(big == 0)
+    assert SerialComm().norm2_exact(big) == math.ldexp(ref, k)
+    assert square_bins_root(square_bins(big)) == math.ldexp(ref, k)
+
+
+def test_norm2_exact_special_values():
+    c = SerialComm()
+    assert c.norm2_exact([]) == 0.0 and c.norm2_exact([0.0, -0.0]) == 0.0
+    assert c.norm2_exact([3e200, -4e200]) == pytest.approx(5e200, rel=1e-15)
+    assert c.norm2_exact([3e-200, 4e-200]) == pytest.approx(5e-200, rel=1e-15)
+    assert c.norm2_exact([5e-324] * 4) == 1e-323  # subnormals: sqrt(4 * 2**-2148) exactly
+    assert c.norm2_exact([1.7e308, 1.7e308]) == math.inf  # the norm itself is too large
+    assert c.norm2_exact([1.0, math.inf]) == math.inf and math.isnan(c.norm2_exact([1.0, math.nan]))
+    assert math.isnan(c.norm2_exact([math.inf, math.nan]))
+
+
+# --------------------------------------------------------------------------- solves at extreme scales
+class Decay(mgrit.Propagator):
+    """Backward Euler for u' = -u; spatial norm |u| (it does not overflow at 1e200)."""
+
+    def step(self, u, t0, t1):
+        return u / (1.0 + (t1 - t0))
+
+    def norms(self, U):
+        return np.abs(np.asarray(U).reshape(len(U), -1)).max(axis=1)
+
+
+KW = dict(cf=2, max_levels=3, relax="F", initial_guess=0.0, tol=None, max_iter=4)
+
+
+@pytest.mark.parametrize("k", [664, -664])
+def test_residuals_scale_exactly_with_the_states(k):
+    """u0 = 2**664 (~1e200) or 2**-664: the whole solve scales by the power of two, so the
+    residual history is the one of u0 = 1 times 2**k, bit for bit (today's squares
+    overflow to a false divergence, or underflow to a false zero residual)."""
+    t = np.linspace(0.0, 5.0, 33)
+    one = mgrit.solve(Decay(), np.array(1.0), t, **KW)
+    scaled = mgrit.solve(Decay(), np.array(math.ldexp(1.0, k)), t, **KW)
+    assert scaled.residuals[0] is None
+    assert scaled.residuals[1:] == [math.ldexp(r, k) for r in one.residuals[1:]]
+    assert all(r > 0 for r in scaled.residuals[1:])
+
+
+def test_solve_with_states_near_1e200_converges_like_the_unit_solve():
+    t = np.linspace(0.0, 5.0, 33)
+    one = mgrit.solve(Decay(), np.array(1.0), t, **KW)
+    big = mgrit.solve(Decay(), np.array(1e200), t, **KW)
+    np.testing.assert_allclose(big.residuals[1:], 1e200 * np.array(one.residuals[1:]), rtol=1e-12)
+    conv = mgrit.solve(Decay(), np.array(1e200), t, cf=2, max_levels=3, relax="F", initial_guess=0.0,
+                       tol=1e-10, tol_type="rel", max_iter=30)
+    assert conv.converged
+    np.testing.assert_allclose(conv.u, 1e200 * mgrit.solve(Decay(), np.array(1.0), t, cf=2, max_levels=1).u,
+                               rtol=1e-9)  # converged to a relative residual of 1e-10
+
+
+# --------------------------------------------------------------------------- the serial communicator
+def test_serial_sessions_are_no_ops_that_let_exceptions_through():
+    c = SerialComm()
+    with c.session(signature=123) as s:
+        assert s is c
+        assert c.allreduce(2.5) == 2.5 and c.bcast("x") == "x" and c.gather(1) == [1]
+    with pytest.raises(KeyError):
+        with c.session():
+            raise KeyError("inside")
+
+    class Interrupt(BaseException):
+        pass
+
+    with pytest.raises(Interrupt):
+        with c.session():
+            raise Interrupt()
+    with c.session():  # still usable, and sessions nest
+        with c.session():
+            pass
+
+
+def test_serial_communicator_interface_additions():
+    c = as_communicator(None)
+    assert isinstance(c, SerialComm)
+    assert isinstance(c.split(3, 0), SerialComm) and isinstance(c.reversed(), SerialComm)
+    assert c.world_rank() == 0 and c.world_rank(0) == 0
+    c.alarm(RuntimeError("nobody to tell"))
+    c.free()
+    x = np.arange(6.0).reshape(2, 3)
+    y = c.allreduce_array(x)
+    assert np.array_equal(y, x) and y is not x and y.dtype == x.dtype
+    assert c.sum_exact([1e16, 1.0, -1e16]) == 1.0
+    assert c.max([1.0, 3.0]) == 3.0
+
+
+def test_tags_are_distinct_and_within_the_mpi_minimum():
+    values = [int(t) for t in Tag]
+    assert len(values) == len(set(values))  # no aliases
+    assert max(values) <= 32767  # the MPI standard guarantees TAG_UB >= 32767
+    reserved = [t for t in Tag if t < Tag.USER]
+    assert Tag.USER == max(values) and Tag.HALO in reserved and Tag.GHOST in reserved
+    assert min(values) >= 1024  # far above any level index (the solver's data tags)
+
+
+def test_remote_rank_error_carries_the_ranks():
+    e = RemoteRankError("rank 3 (rank 0 of this communicator) failed: boom", rank=0, world_rank=3)
+    assert (e.rank, e.world_rank) == (0, 3) and isinstance(e, RuntimeError)
+    f = pickle.loads(pickle.dumps(e))
+    assert (str(f), f.rank, f.world_rank) == (str(e), 0, 3)
+    assert RemoteRankError("plain").world_rank is None

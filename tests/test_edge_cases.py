@@ -1,0 +1,247 @@
+"""Core edge cases: odd dtypes, wrong return types, autograd inputs, divergence
+without NaN, interrupts during validation and bools passed as integers."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import mgrit
+from propagators import Dahlquist
+
+from conftest import max_err, sequential, uniform_grid
+
+torch = pytest.importorskip("torch")
+
+T = uniform_grid(16, 2.0)
+
+
+class Decay(mgrit.Propagator):
+    """Backward Euler for ``u' = -u``; works on numpy arrays and tensors alike."""
+
+    def step(self, u, t0, t1):
+        return u / (1.0 + (t1 - t0))
+
+
+class BadBatch(Decay):
+    """A correct ``step`` and a ``step_batch`` that returns ``make(U)``."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def step_batch(self, U, t0, t1):
+        return self.make(U)
+
+
+class BadStep(mgrit.Propagator):
+    """A ``step`` that returns ``make(u)``."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def step(self, u, t0, t1):
+        return self.make(u)
+
+
+class Rotate(mgrit.Propagator):
+    """Decay with a rotation: complex states even for a real input."""
+
+    def step(self, u, t0, t1):
+        return u * (1.0 + 0.1j) / (1.0 + (t1 - t0))
+
+
+# --------------------------------------------------------------------------- a. integer torch u0
+@pytest.mark.parametrize("u0", [torch.tensor([2, 4]), torch.tensor([True, False])])
+def test_integer_torch_u0_is_converted_to_the_default_float_dtype(u0):
+    res = mgrit.solve(Decay(), u0, T, cf=2, tol=1e-6)
+    as_float = u0.to(torch.get_default_dtype())
+    ref = sequential(Decay(), as_float, T)
+    assert res.u.dtype == torch.get_default_dtype()
+    assert res.converged and max_err(res.u, ref) < 1e-5
+    assert float(res.u[-1, 0]) > 0.0  # decayed, not truncated to an integer
+
+
+# --------------------------------------------------------------------------- b. complex for real
+@pytest.mark.parametrize("kw", [dict(max_levels=1), dict(skip=False, relax="F"), dict()])
+def test_complex_states_for_a_real_u0_are_rejected(kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning either
+        with pytest.raises(TypeError, match=r"level \d.*complex states for a real `u0`.*astype\(complex\)"):
+            mgrit.solve(Rotate(), np.array([1.0, 2.0]), T, cf=2, **kw)
+
+
+def test_complex_states_for_a_real_torch_u0_are_rejected():
+    with pytest.raises(TypeError, match=r"level 0.*complex states for a real `u0`"):
+        mgrit.solve(Rotate(), torch.tensor([1.0, 2.0]), T, cf=2, skip=False)
+
+
+def test_complex_u0_with_a_complex_propagator_still_works():
+    u0 = np.array([1.0, 2.0]).astype(complex)
+    res = mgrit.solve(Rotate(), u0, T, cf=2, tol=1e-12)
+    assert res.converged and max_err(res.u, sequential(Rotate(), u0, T)) < 1e-12
+
+
+# --------------------------------------------------------------------------- c. wrong return types
+@pytest.mark.parametrize("make", [
+    lambda U: None,
+    lambda U: [row for row in U],
+    lambda U: U.numpy().copy(),
+], ids=["None", "list", "numpy"])
+def test_step_batch_returning_no_tensor_for_torch_states(make):
+    with pytest.raises(TypeError, match=r"level 0.*step_batch.*torch"):
+        mgrit.solve(BadBatch(make), torch.tensor([1.0, 2.0]), T, cf=2, skip=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda U: None,
+    lambda U: [row for row in U],
+    lambda U: torch.from_numpy(U.copy()),
+], ids=["None", "list", "tensor"])
+def test_step_batch_returning_no_numpy_array_for_numpy_states(make):
+    with pytest.raises(TypeError, match=r"level 0.*step_batch.*numpy"):
+        mgrit.solve(BadBatch(make), np.array([1.0, 2.0]), T, cf=2, skip=False)
+
+
+@pytest.mark.parametrize("u0,make,kind", [
+    (torch.tensor([1.0, 2.0]), lambda u: u.numpy() / 2, "torch"),
+    (torch.tensor([1.0, 2.0]), lambda u: None, "torch"),
+    (np.array([1.0, 2.0]), lambda u: None, "numpy"),
+    (np.array([1.0, 2.0]), lambda u: torch.from_numpy(u / 2), "numpy"),
+], ids=["numpy-for-torch", "None-for-torch", "None-for-numpy", "torch-for-numpy"])
+def test_step_returning_the_wrong_type_in_sequential_stepping(u0, make, kind):
+    with pytest.raises(TypeError, match=rf"level 0.*`step`.*{kind}"):
+        mgrit.solve(BadStep(make), u0, T, max_levels=1)
+
+
+def test_default_step_batch_reports_a_step_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"level 0.*torch"):
+        mgrit.solve(BadStep(lambda u: u.numpy() / 2), torch.tensor([1.0, 2.0]), T, cf=2, skip=False)
+
+
+# --------------------------------------------------------------------------- d. autograd inputs
+def test_u0_that_requires_grad_is_rejected():
+    u0 = torch.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(ValueError, match=r"`u0` requires grad.*u0\.detach\(\).*LayerParallel"):
+        mgrit.solve(Decay(), u0, T, cf=2)
+    res = mgrit.solve(Decay(), u0.detach(), T, cf=2)  # what the message suggests works
+    assert res.converged
+
+
+@pytest.mark.parametrize("guess", [
+    lambda: torch.full((17, 2), 0.5, requires_grad=True),
+    lambda: torch.full((2,), 0.5, requires_grad=True),
+], ids=["trajectory", "state"])
+def test_initial_guess_that_requires_grad_is_rejected(guess):
+    with pytest.raises(ValueError, match=r"`initial_guess` requires grad.*detach\(\)"):
+        mgrit.solve(Decay(), torch.tensor([1.0, 2.0]), T, cf=2, initial_guess=guess())
+
+
+def test_callable_initial_guess_returning_grad_tensors_is_rejected():
+    w = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(ValueError, match=r"`initial_guess` requires grad"):
+        mgrit.solve(Decay(), torch.tensor([1.0, 2.0]), T, cf=2, initial_guess=lambda t: w * torch.ones(2))
+
+
+# --------------------------------------------------------------------------- e. divergence
+def unstable_solve(**kw):
+    """Forward Euler ``u' = -u`` with ``h = 0.25`` (stable, lambda = 0.75) and
+    ``cf = 16``: the coarse step multiplies by ``mu = 1 - 16 * 0.25 = -3``."""
+    t = uniform_grid(512, 128.0)
+    args = dict(cf=16, max_levels=2, relax="F", tol=1e-10, max_iter=6)
+    args.update(kw)
+    return mgrit.solve(Dahlquist(-1.0, "fe"), np.array(1.0), t, **args)
+
+
+def test_growing_residual_is_reported_as_divergence():
+    assert abs(1 + 16 * -0.25) > 1  # the coarse propagator is unstable
+    with pytest.warns(RuntimeWarning, match="diverged"):
+        res = unstable_solve()
+    r = [x for x in res.residuals if x is not None]
+    assert all(np.isfinite(r)) and r[-1] > 1e3 * r[0]
+    assert res.status is mgrit.Status.DIVERGED and not res.converged
+    for hint in ("FCF", "`cf`", "`max_levels`", "`min_coarse`", "time step"):
+        assert hint in mgrit.Status.DIVERGED.value
+    assert "diverged" in str(res)
+
+
+def test_divergence_is_also_reported_without_a_tolerance():
+    with pytest.warns(RuntimeWarning, match="diverged"):
+        res = unstable_solve(tol=None)
+    assert res.status is mgrit.Status.DIVERGED
+
+
+def test_slow_convergence_is_not_divergence():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = mgrit.solve(Dahlquist(-1.0), np.array(1.0), uniform_grid(64, 3.2), relax="F",
+                          tol=1e-300, max_iter=3, skip=False)
+    assert res.status is mgrit.Status.MAX_ITER
+
+
+def test_zero_first_residual_is_not_divergence():
+    """Started from the exact solution the residuals are rounding noise around 0."""
+    prop, t = Dahlquist(-1.0), uniform_grid(64, 3.2)
+    exact = sequential(prop, np.array(1.0), t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = mgrit.solve(prop, np.array(1.0), t, tol=None, max_iter=3, initial_guess=exact)
+    assert res.status is mgrit.Status.MAX_ITER
+
+
+# --------------------------------------------------------------------------- f. interrupts
+class Recording(mgrit.SerialComm):
+    """A one-rank communicator that records what ``open`` was told."""
+
+    def __init__(self):
+        self.opened = []
+
+    def open(self, failure=None, signature=None):
+        self.opened.append(failure)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_during_validation_still_reaches_the_handshake(exc):
+    def guess(t):
+        raise exc()
+
+    comm = Recording()
+    with pytest.raises(exc):
+        mgrit.solve(Decay(), np.array([1.0]), T, initial_guess=guess, comm=comm)
+    assert len(comm.opened) == 1 and isinstance(comm.opened[0], exc)
+
+
+# --------------------------------------------------------------------------- g. bools as integers
+@pytest.mark.parametrize("name,value", [
+    ("max_levels", True), ("min_coarse", True), ("cf", True), ("cf", [2, True]),
+    ("max_iter", True), ("max_levels", np.True_),
+])
+def test_bool_is_not_an_integer_option(name, value):
+    with pytest.raises(ValueError, match=rf"`{name}`.*bool"):
+        mgrit.solve(Decay(), np.array([1.0]), T, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["max_levels", "min_coarse", "cf"])
+def test_build_hierarchy_rejects_bools(name):
+    with pytest.raises(ValueError, match=rf"`{name}`"):
+        mgrit.build_hierarchy(T, **{name: True})
+
+
+@pytest.mark.parametrize("scale", [2.0**664, 2.0**-664])
+def test_huge_and_tiny_states_with_default_norms(scale):
+    """The default spatial norm does not over- or underflow: a solve at states ~1e200
+    (or ~1e-200) reports the residuals of the unit-scale solve times the scale (a power
+    of two, so that every operation scales exactly)."""
+    import warnings
+
+    from propagators import Dahlquist
+
+    t = np.linspace(0.0, 1.0, 65)
+    kw = dict(cf=2, max_levels=3, tol=None, max_iter=4, skip=False)
+    unit = mgrit.solve(Dahlquist(-1.0), np.array([1.0, 2.0]), t, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        big = mgrit.solve(Dahlquist(-1.0), np.array([1.0, 2.0]) * scale, t, **kw)
+    assert big.status is mgrit.Status.MAX_ITER
+    for r_big, r_unit in zip(big.residuals, unit.residuals):
+        assert r_big == pytest.approx(r_unit * scale, rel=1e-14)
