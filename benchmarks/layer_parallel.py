@@ -154,19 +154,23 @@ def main():
     for name, t in rows:
         print(f"{name:<34}{1e3 * t:>10.2f}{t_serial / t:>15.2f}")
     print(f"\nbatched vs looped relaxation: {t_loop / t_lp:.1f}x faster")
-    print(f"forward residuals of the last solve: {['%.2e' % r for r in lp.forward_residuals]}")
-    print(f"backward residuals of the last solve: {['%.2e' % r for r in lp.backward_residuals]}")
+    print(f"forward residuals of the last solve: {_fmt(lp.forward_residuals)}")
+    print(f"backward residuals of the last solve: {_fmt(lp.backward_residuals)}")
     print()
     print(model_table(a, lp, t_serial, t_lp, t_lp2, [1, 2, 8, 64, 512]))
     return 0
 
 
+def _fmt(residuals):
+    return ["-" if r is None else "%.2e" % r for r in residuals]
+
+
 def measure_costs(lp, x, repeat=20):
     """StepCost of the forward and the adjoint propagator, fitted from batches of 1 and n."""
     from mgrit.model import StepCost
-    from propagators.torch import AdjointPropagator
+    from propagators.torch import AdjointPropagator, ODEPropagator
 
-    prop = lp._propagator()
+    prop = ODEPropagator(lp.kernel.bind(), lp.h, layer_index=lp.layer_index)
     n = lp.n_layers // lp.options["cf"]
     U = x.detach()[None].repeat(n, *([1] * x.dim()))
     states = U  # forward states for the adjoint (values do not change the cost)
@@ -207,8 +211,8 @@ def model_table(a, lp, t_serial, t_lp, t_lp2, ranks):
     fwd_cost, adj_cost = measure_costs(lp, x)
     h = lp.hierarchy
     def model(P):
-        return (predict(h, P, a.fwd_iters, skip=False, cost=fwd_cost).time
-                + predict(h, P, a.bwd_iters, skip=False, cost=adj_cost).time
+        return (predict(h, P, a.fwd_iters, skip=lp.skip, cost=fwd_cost).time
+                + predict(h, P, a.bwd_iters, skip=lp.skip, cost=adj_cost).time
                 + adj_cost.batch(-(-a.layers // P)))
 
     # The model counts propagator work only; what the measured 1-rank time has on
