@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         rest = [x for i, x in enumerate(argv)
                 if not x.startswith("--ranks") and not (i > 0 and argv[i - 1] == "--ranks")]
         cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
-               "-m", "propagators.demo"] + rest
+               "-m", "mpi4py", "-m", "propagators.demo"] + rest
         return subprocess.call(cmd)
     comm, rank, size = world()
     torch.set_num_threads(1)

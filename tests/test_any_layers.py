@@ -332,3 +332,150 @@ def test_checkpoint_round_trip_on_one_rank():
     assert rel(fresh(x), net(x).detach()) < 1e-12
     with pytest.raises(KeyError, match="lacks"):
         fresh.load_serial({k: v for k, v in state.items() if not k.startswith("layers.3.")})
+
+
+# --------------------------------------------------------------------------- found by a hostile pass
+class Prefixed(nn.Module):
+    """Differs from its siblings only in an attribute whose name looks like a hook registry."""
+
+    def __init__(self, width, s):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self._forward_scale = s
+
+    def forward(self, u):
+        return torch.tanh(self._forward_scale * self.lin(u))
+
+
+class Borrower(nn.Module):
+    """Uses a tensor that requires grad but is not its own parameter."""
+
+    def __init__(self, width, shared):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.shared = [shared]  # hidden from the module's registry
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u) * self.shared[0])
+
+
+class NumpyNoise(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return self.lin(u) + float(np.random.standard_normal())
+
+
+class TupleOut(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return self.lin(u), u
+
+
+class FailsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u):
+        return u.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
+class BadBackward(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return FailsBackward.apply(torch.tanh(self.lin(u)))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), lambda: Scaled(4, 0.5)])
+def test_freezing_some_parameters_after_construction(make):
+    torch.manual_seed(10)
+    layers = [make() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    for ls in (layers, list(lp.layers)):
+        first = next(ls[0].parameters())
+        first.requires_grad_(False)
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+
+
+def test_attributes_named_like_registries_still_tell_layers_apart():
+    torch.manual_seed(11)
+    layers = [Prefixed(4, 0.5 + 0.5 * (i % 2)) for i in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    assert len(lp.kernel.classes) == 2
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+
+
+@pytest.mark.parametrize("j", [0, 3])
+def test_hooks_added_after_construction_are_honoured(j):
+    torch.manual_seed(12)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    lp(x)
+    for m in (layers[j], lp.layers[j]):
+        m.register_forward_hook(lambda mod, inp, out: 2.0 * out)
+    lp.zero_grad()
+    check_equals_serial(lp, layers, x, 1.0)
+
+
+def test_attribute_changes_take_effect_after_refresh():
+    torch.manual_seed(13)
+    layers = [Scaled(4, 0.5) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    for m in (layers[3], lp.layers[3]):
+        m.s = 2.0
+    lp.refresh()
+    check_equals_serial(lp, layers, x, 1.0)
+
+
+def test_borrowed_tensors_that_require_grad_are_a_clear_error():
+    shared = nn.Parameter(torch.ones(4))
+    lp = LayerParallel([Borrower(4, shared) for _ in range(8)], cf=2)
+    with pytest.raises(LayerError, match="not one of its parameters"):
+        lp(torch.randn(3, 4))
+    with torch.no_grad():  # a detached borrowed tensor is fine
+        LayerParallel([Borrower(4, shared.detach()) for _ in range(8)], cf=2)(torch.randn(3, 4))
+
+
+def test_layer_index_must_be_the_identity_on_the_layers():
+    with pytest.raises(ValueError, match="layer_index"):
+        LayerParallel([nn.Linear(3, 3) for _ in range(8)], layer_index=lambda i0, i1: np.minimum(i0 + 1, 7))
+
+
+@pytest.mark.parametrize("make, match", [(NumpyNoise, "random"),
+                                         (TupleOut, "one tensor"), (BadBackward, "layer .* boom in backward")])
+def test_side_effects_and_bad_layers_are_clear_errors(make, match):
+    lp = LayerParallel([make(4) for _ in range(8)], cf=2)
+    with pytest.raises(LayerError, match=match):
+        lp(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_in_place_input_and_torchscript_are_clear_errors():
+    lp = LayerParallel([nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)) for _ in range(8)], cf=2)
+    with pytest.raises(LayerError, match="in place"):
+        lp(torch.randn(3, 4))
+    with pytest.raises(TypeError, match="TorchScript"):
+        LayerParallel([torch.jit.script(nn.Linear(4, 4)) for _ in range(4)], cf=2)
+
+
+def test_frozen_parameter_changed_between_forward_and_backward_is_an_error():
+    layers = [nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)]
+    layers[2][0].weight.requires_grad_(False)
+    lp = LayerParallel(layers, cf=2)
+    y = lp(torch.randn(2, 3))
+    with torch.no_grad():
+        lp.layers[2][0].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.square().sum().backward()

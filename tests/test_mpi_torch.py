@@ -61,7 +61,8 @@ def test_any_layers_split_memory_and_checkpoints_on_ranks(n):
     assert_all_ok(n, *launch(n, "torch_any_layers.py"))
 
 
-CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt"]
+CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
+         "tied", "to_serial", "load_serial"]
 
 
 def failure_lines(out, name):
@@ -79,7 +80,16 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
         assert set(lines) == set(range(n)), f"{case}: not every rank raised\n{out[-6000:]}"
         for r, (kind, msg, seconds) in lines.items():
             assert seconds < 10, f"{case}: rank {r} took {seconds} s\n{out[-4000:]}"
-            if r != bad:
+            if case == "tied":  # every rank sees the tie in the list it was given
+                assert kind == "ValueError" and "share a parameter" in msg, (r, kind, msg)
+            elif case == "layout":  # ranks whose halo layer differs from its owner's raise ValueError
+                assert kind in ("ValueError", "RemoteRankError"), (r, kind, msg)
+                assert any("differs between ranks" in m for _, m, _ in lines.values())
+            elif case == "load_serial":  # the owner of the last layer lacks entries
+                owner = n - 1
+                assert (kind == "KeyError") == (r == owner), (r, kind, msg)
+                assert r == owner or f"rank {owner}" in msg, msg
+            elif r != bad:
                 assert kind == "RemoteRankError", f"{case}: rank {r} got {kind}: {msg}"
                 assert f"rank {bad}" in msg, f"{case}: rank {r}'s message does not name world rank {bad}: {msg}"
     for r in range(n):

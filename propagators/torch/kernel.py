@@ -27,6 +27,7 @@ pass (looked up live, so replaced parameters, ``.to()`` and
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Mapping
@@ -37,7 +38,11 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 # attributes of nn.Module that are registries, not configuration
-_REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+_REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
+               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_is_full_backward_hook", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -85,10 +90,7 @@ def layer_signature(module: nn.Module) -> tuple:
         return ("hooks", id(module))
     subs = []
     for name, m in module.named_modules():
-        attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(m).items()
-                             if k not in _REGISTRIES and not k.startswith("_forward")
-                             and not k.startswith("_backward") and not k.startswith("_state_dict")
-                             and not k.startswith("_load_state_dict")))
+        attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _REGISTRIES))
         subs.append((name, type(m), m.training, attrs))
     params = tuple((n, tuple(p.shape), p.dtype, str(p.device), p.requires_grad)
                    for n, p in module.named_parameters())
@@ -322,24 +324,49 @@ class KernelPass:
         scheme = self.k.scheme
 
         def f(*args):
-            return functional_call(module, {**params, **buffers}, args)
+            out = functional_call(module, {**params, **buffers}, args)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"the layer returned a {type(out).__name__}; a layer must return one tensor")
+            return out
 
         return scheme(f, u, dt)
 
     def _call_layer(self, j: int, u, dt, params=None):
         p, b = self._detached(j) if params is None else (params, self.value(j)[1])
+        with self._named(j):
+            out = self._single(self.k.modules[j], p, b, u, dt)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"the step returned a {type(out).__name__}; a layer must return one tensor")
+            if out.shape != u.shape:
+                raise ValueError(f"the step maps a state of shape {tuple(u.shape)} to shape {tuple(out.shape)}; "
+                                 "a layer must keep the shape of the state")
+            return out
+
+    @contextlib.contextmanager
+    def _named(self, j: int):
+        """Re-raise any error of layer ``j`` as a :class:`LayerError` that names the layer."""
         try:
-            return self._single(self.k.modules[j], p, b, u, dt)
+            yield
         except LayerError:
             raise
         except Exception as exc:
             m = self.k.modules[j]
-            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}") from exc
+            hint = ""
+            if "in-place" in str(exc) or "inplace" in str(exc):
+                hint = (" (a layer must not modify its input in place, e.g. with nn.ReLU(inplace=True) "
+                        "as its first operation)")
+            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}{hint}") from exc
 
     # -- forward steps ----------------------------------------------------------
     def step(self, U, idx: np.ndarray, dt):
         """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
-        return self._run(np.asarray(idx), self._step_class, U, dt)
+        version = U._version
+        out = self._run(np.asarray(idx), self._step_class, U, dt)
+        if U._version != version:
+            raise LayerError(
+                "a layer modified its input state in place (for example nn.ReLU(inplace=True) as its first "
+                "operation); MGRIT keeps every state it passes to a layer, so layers must not change their input")
+        return out
 
     def _step_class(self, cid, idx, U, dt):
         c = self.k.classes[cid]
@@ -393,7 +420,7 @@ class KernelPass:
         c = self.k.classes[cid]
         if c.mode == "loop":
             def one(k, j):
-                with torch.enable_grad():
+                with torch.enable_grad(), self._named(j):
                     u = U[k].detach().requires_grad_(True)
                     out = self._call_layer(j, u, dt[k])
                     g = torch.autograd.grad(out, u, V[k], allow_unused=True)[0]
@@ -445,8 +472,9 @@ class KernelPass:
 
     def _vjp_params_class(self, cid, idx, U, W, dt):
         c = self.k.classes[cid]
+        patterns = {tuple(v.requires_grad for v in self.value(int(j))[0].values()) for j in np.unique(idx)}
         need = [n for n in c.param_names if self.value(int(idx[0]))[0][n].requires_grad]
-        if c.mode == "loop" or not need:
+        if c.mode == "loop" or not need or len(patterns) > 1:  # (frozen after construction: per layer)
             return [(int(j), self._vjp_params_one(int(j), U[k], W[k], dt[k])) for k, j in enumerate(idx)]
         p, b = self._gather(cid, idx, U.device)
         if c.mode == "dense":
@@ -479,7 +507,7 @@ class KernelPass:
         grads = dict.fromkeys(p)
         if not need:
             return grads
-        with torch.enable_grad():
+        with torch.enable_grad(), self._named(j):
             req = {n: (v.detach().requires_grad_(True) if n in need else v.detach()) for n, v in p.items()}
             out = self._call_layer(j, u.detach(), dt, params=req)
             if not out.requires_grad:

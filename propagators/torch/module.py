@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -98,6 +99,27 @@ class _LayerParallelFunction(torch.autograd.Function):
             lp._alarm(exc)
             raise
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+def _checked_layer(j: int, m):
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"layer {j} is a {type(m).__name__}, not an nn.Module")
+    if isinstance(m, torch.jit.ScriptModule):
+        raise TypeError(f"layer {j} is a TorchScript module; LayerParallel evaluates layers with their "
+                        "parameters swapped in (torch.func), which TorchScript does not allow: pass the plain "
+                        "nn.Module (before torch.jit.script / trace)")
+    return m
+
+
+def _layout(m: nn.Module) -> tuple:
+    """What must agree between the copies of one layer on different ranks."""
+    return (type(m).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
+            [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
+
+
+def _modes(subs) -> list:
+    """Training flags and hook counts of the submodules (cheap; read at every forward pass)."""
+    return [s.training + 2 * (len(s._forward_hooks) + len(s._forward_pre_hooks)) for s in subs]
 
 
 class LayerParallel(nn.Module):
@@ -213,19 +235,20 @@ class LayerParallel(nn.Module):
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         P, r = self._comm.size, self._comm.rank
         self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
-        held = sorted(self.plan.needed[r])
-        modules = {}
-        for j in held:
-            m = layers(j) if factory else layers[j]
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"layer {j} is a {type(m).__name__}, not an nn.Module")
-            modules[j] = m
+        with self._session():  # a failure while building the layers on one rank reaches every rank
+            held = sorted(self.plan.needed[r])
+            modules = {j: _checked_layer(j, layers(j) if factory else layers[j]) for j in held}
+            if P > 1:
+                # tied parameters: over the whole list when given one (every rank sees the same ties)
+                self._check_sharing(modules if factory else dict(enumerate(layers)))
+                self._check_structure(modules)
         self.owned_layers = self.plan.owned[r]
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
         self._halo = {j: modules[j] for j in held if j not in self.owned_layers}
-        self._check_sharing(modules)
         self._adj_comm = self._comm.reversed() if P > 1 else self._comm
+        if P > 1:  # free the reversed communicator with the module (MPI has a few thousand)
+            weakref.finalize(self, _free_quietly, self._adj_comm)
         self._build_kernel()
         self._warm: tuple | None = None
         #: mgrit.Result of the last forward and adjoint solve
@@ -240,17 +263,33 @@ class LayerParallel(nn.Module):
         modules = self._held()
         self.kernel = LayerKernel(modules, self.scheme, self.batched, self.streams)
         self._subs = [s for j in sorted(modules) for s in modules[j].modules()]
-        self._modes = [s.training for s in self._subs]
+        self._modes = _modes(self._subs)
         self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
                          if isinstance(s, _STATEFUL + _RANDOM)]
+        self._probed = False  # the layers' autograd graphs are checked at the next forward pass
 
     def refresh(self):
-        """Re-inspect the layers (call after changing their structure or attributes)."""
+        """Re-inspect the layers: call after changing attributes or submodules of layers.
+
+        (Training modes and hooks are re-inspected at every forward pass.)
+        """
         self._build_kernel()
 
+    def _check_structure(self, modules):
+        """Every halo layer has the parameter and buffer layout of its owner's layer (collective)."""
+        r = self._comm.rank
+        mine = {j: _layout(m) for j, m in modules.items() if j in self.plan.owned[r]}
+        every = {}
+        for part in self._comm.gather(mine, root=None):
+            every.update(part)
+        for j in modules:
+            if j not in self.plan.owned[r] and _layout(modules[j]) != every.get(j):
+                raise ValueError(
+                    f"layer {j} differs between ranks: rank {self.plan.owner(j)} (its owner) builds "
+                    f"{every.get(j)}, rank {r} builds {_layout(modules[j])}; every rank must build the same "
+                    "layers (the same factory, or the same list)")
+
     def _check_sharing(self, modules):
-        if self._comm.size == 1:
-            return
         seen = {}
         for j, m in modules.items():
             for p in m.parameters():
@@ -299,11 +338,12 @@ class LayerParallel(nn.Module):
     # -- forward --------------------------------------------------------------
     def forward(self, x):
         try:
-            if [s.training for s in self._subs] != self._modes:
-                self._build_kernel()  # train/eval changed for some layers only: regroup them
+            if _modes(self._subs) != self._modes:
+                self._build_kernel()  # train/eval or hooks changed for some layers: regroup them
             kp = self.kernel.bind()
-            params = [p for p in kp.flat_params(self.owned_layers) if p.requires_grad]
-            if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or params):
+            params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
+            needs = any(p.requires_grad for p in params)
+            if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
                 # every rank takes the autograd path (and so joins the adjoint solve in backward)
                 anchor = torch.zeros((), requires_grad=self._comm.size > 1)
                 return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
@@ -345,10 +385,12 @@ class LayerParallel(nn.Module):
             self._check_layers()
             if P > 1:
                 self._exchange_halo(kp)
+            if not self._probed:
+                self._probe(kp, x)
         prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
         guess = self._initial_guess(x)
         versions = self._buffer_versions(kp)
-        rng = torch.random.get_rng_state()
+        rng = (torch.random.get_rng_state(), np.random.get_state())
         with torch.no_grad():
             res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
                               max_iter=self.fwd_iters, skip=self.skip and guess is None,
@@ -375,18 +417,40 @@ class LayerParallel(nn.Module):
 
     def _check_side_effects(self, kp, versions, rng):
         now = self._buffer_versions(kp)
-        if now != versions:
-            k = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
+        current = [d[a] for d, a in kp.k._bflat]
+        if now != versions or any(b is not c for b, c in zip(kp.buffers, current)):
+            k = next(i for i, (a, b, c, d) in enumerate(zip(now, versions, kp.buffers, current))
+                     if a != b or c is not d)
             j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
             raise LayerError(
                 f"layer {j} changed its buffers during the forward pass "
                 "(for example a running statistic). MGRIT evaluates every layer many times per pass; put "
                 "such layers in eval mode or make them pure functions of their input")
-        if not torch.equal(rng, torch.random.get_rng_state()):
+        state = np.random.get_state()
+        if not torch.equal(rng[0], torch.random.get_rng_state()) or state[2] != rng[1][2] \
+                or not np.array_equal(state[1], rng[1][1]):
             raise LayerError(
                 "a layer drew random numbers during the forward pass (for example dropout in training "
                 "mode). MGRIT evaluates every layer many times per pass, each time with a different draw; "
                 "put such layers in eval mode or remove the randomness")
+
+    def _probe(self, kp, x):
+        """Evaluate one layer of every class with autograd once, and reject layers that use
+        tensors requiring grad that are not their own parameters (they would get no gradient)."""
+        dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
+        for c in self.kernel.classes:
+            j = int(c.members[0])
+            leaves = {n: v.detach().requires_grad_(True) for n, v in kp.value(j)[0].items()}
+            with torch.enable_grad():
+                out = kp._call_layer(j, x.detach(), dt, params=leaves)
+            foreign = _foreign_leaves(out, {id(v) for v in leaves.values()})
+            if foreign:
+                raise LayerError(
+                    f"layer {j} ({type(c.template).__name__}) uses a tensor that requires grad but is not one of "
+                    f"its parameters (shape {tuple(foreign[0].shape)}; e.g. a parameter of another module read "
+                    "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
+                    "detach it")
+        self._probed = True
 
     def _exchange_halo(self, kp):
         """Owners send the current parameters and buffers of halo layers to their users."""
@@ -458,12 +522,9 @@ class LayerParallel(nn.Module):
         Collective over the layer communicator. Returns the network on rank
         ``root`` (every layer, as a deep copy) and None on the other ranks.
         """
-        mine = {j: copy.deepcopy(m) for j, m in self.layers.items()}
-        if self._comm.size == 1:
-            parts = [mine]
-        else:
-            with self._comm.session():
-                parts = self._comm.gather(mine, root=root)
+        with self._session():
+            mine = {j: copy.deepcopy(m) for j, m in self.layers.items()}
+            parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
         if parts is None:
             return None
         every = {j: m for part in parts for j, m in part.items()}
@@ -475,17 +536,19 @@ class LayerParallel(nn.Module):
         Every rank takes the entries of the layers it holds (owned and halo);
         keys are ``layers.<global index>.<name>``.
         """
-        own = self.state_dict()
-        missing = [k for k in own if k not in state_dict]
-        if strict and missing:
-            raise KeyError(f"the state dict lacks {len(missing)} entries of this rank's layers, e.g. {missing[:3]}")
-        self.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
-        with torch.no_grad():
-            for j, m in self._halo.items():
-                prefix = f"layers.{j}."
-                sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-                if sub:
-                    m.load_state_dict(sub, strict=strict)
+        with self._session():  # collective: a missing entry on one rank raises on every rank
+            own = self.state_dict()
+            missing = [k for k in own if k not in state_dict]
+            if strict and missing:
+                raise KeyError(f"the state dict lacks {len(missing)} entries of this rank's layers, "
+                               f"e.g. {missing[:3]}")
+            self.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
+            with torch.no_grad():
+                for j, m in self._halo.items():
+                    prefix = f"layers.{j}."
+                    sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+                    if sub:
+                        m.load_state_dict(sub, strict=strict)
         self._warm = None
 
     # -- diagnostics ----------------------------------------------------------
@@ -527,6 +590,33 @@ class LayerParallel(nn.Module):
         return (f"n_layers={self.n_layers}, T={self.T}, cf={o['cf']}, max_levels={o['max_levels']}, "
                 f"relax={o['relax']}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}, "
                 f"skip={self.skip}, ranks={self._comm.size}")
+
+
+def _foreign_leaves(out, allowed: set) -> list:
+    """Leaf tensors requiring grad that ``out`` depends on, other than those in ``allowed`` (ids)."""
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+        return []
+    found, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None and id(var) not in allowed:
+            found.append(var)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def _free_quietly(comm) -> None:
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        try:
+            comm.free()
+        except Exception:  # noqa: BLE001 - at interpreter exit, or in the middle of a failed session
+            pass
 
 
 def serial_forward(layers, x, h: float, scheme=forward_euler):

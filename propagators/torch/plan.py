@@ -58,6 +58,15 @@ class DistributionPlan:
     @classmethod
     def build(cls, n_layers: int, hierarchy: Hierarchy, layer_index, size: int) -> "DistributionPlan":
         N, P = int(n_layers), int(size)
+        k = np.arange(N)
+        fine_layers = np.asarray(layer_index(k, k + 1))
+        if fine_layers.shape != k.shape or not np.array_equal(fine_layers, k):
+            bad = int(np.flatnonzero(np.asarray(fine_layers).reshape(-1)[:N] != k[: fine_layers.size])[0]) \
+                if fine_layers.size else 0
+            raise ValueError(
+                f"`layer_index(i, i + 1)` must be layer i on the layers themselves (the network being trained); "
+                f"it gives {fine_layers.reshape(-1)[bad] if fine_layers.size else None} for i = {bad}. "
+                "Only coarse steps (i1 - i0 > 1) may choose another layer")
         fine = tuple(fine_ranges(N + 1, P))
         adj = [N - fine[P - 1 - q][1] for q in range(P)]
         adj[0] = 0

@@ -12,7 +12,12 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``adjoint``: in a vector-Jacobian product, inside the adjoint MGRIT solve;
 * ``params``: while computing the parameter gradients;
 * ``inplace``: a parameter modified in place between forward and backward on that rank only;
-* ``interrupt``: ``KeyboardInterrupt`` in ``mgrit.solve``'s input checks (before its handshake).
+* ``interrupt``: ``KeyboardInterrupt`` in ``mgrit.solve``'s input checks (before its handshake);
+* ``factory``: the layer factory raises (while the module is built);
+* ``layout``: the factory builds layers of another layout (no bias) on that rank only;
+* ``tied``: the list ties the first and the last layer (every rank raises its own ValueError);
+* ``to_serial``: a layer that cannot be copied (it holds a lock) on that rank;
+* ``load_serial``: a state dict without the last layer's entries (only its owner lacks them).
 
 For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
 (or ``case NAME rank r: no error``). After the cases the ranks run one clean
@@ -25,6 +30,7 @@ must raise RemoteRankError (``case grid rank r: ...``).
 """
 import copy
 import sys
+import threading
 import time
 
 import numpy as np
@@ -78,8 +84,35 @@ def inject(lp, case):
         lp.kernel.bind = patched
 
 
+def factory(case, bad):
+    def make(i):
+        if case == "factory" and rank == bad:
+            raise Injected(f"injected failure while building layer {i}")
+        bias = not (case == "layout" and rank == bad)
+        return nn.Sequential(nn.Linear(4, 4, bias=bias), nn.Tanh())
+
+    return make
+
+
 def run_case(case, bad):
+    if case in ("factory", "layout"):
+        LayerParallel(factory(case, bad), n_layers=16, cf=2, max_levels=3, comm=world)
+        return
+    if case == "tied":
+        ls = layers()
+        ls[-1][0].weight = ls[0][0].weight
+        LayerParallel(ls, cf=2, max_levels=3, comm=world)
+        return
     lp = LayerParallel(layers(), cf=2, max_levels=3, comm=world)
+    if case == "to_serial":
+        if rank == bad:
+            next(iter(lp.layers)).lock = threading.Lock()
+        lp.to_serial(root=0)
+        return
+    if case == "load_serial":
+        state = {k: v for k, v in ODENet(layers()).state_dict().items() if not k.startswith("layers.15.")}
+        lp.load_serial(state)
+        return
     x = torch.randn(3, 4)
     if rank == bad:
         if case == "check":
