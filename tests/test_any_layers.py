@@ -138,9 +138,33 @@ def test_interchangeable_layers_are_batched_and_different_ones_are_not():
     assert layer_signature(nn.Linear(w, w)) != layer_signature(nn.Linear(w, w, bias=False))
     lp = LayerParallel([Scaled(w, 0.5 + 0.25 * (i % 2)) for i in range(8)], cf=2, max_levels=2)
     assert sorted(len(c.members) for c in lp.kernel.classes) == [4, 4]
-    assert {c.mode for c in lp.kernel.classes} == {"vmap"}
+    # a custom module tanh(s * lin(u)) is recognised as dense (one batched product per sweep)
+    assert {c.mode for c in lp.kernel.classes} == {"dense"}
     lp = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(8)], cf=2)
     assert [c.mode for c in lp.kernel.classes] == ["dense"]
+    lp = LayerParallel([Conv(2, 3) for _ in range(8)], cf=2)
+    assert [c.mode for c in lp.kernel.classes] == ["vmap"]
+
+
+class Functional(nn.Module):
+    """A dense layer written with F.linear on its own parameters."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.b = nn.Parameter(torch.zeros(width))
+
+    def forward(self, u):
+        return 0.5 * torch.nn.functional.silu(torch.nn.functional.linear(u, self.W, self.b))
+
+
+@pytest.mark.parametrize("make", [lambda: Scaled(4, 0.75), lambda: Functional(4)])
+def test_custom_dense_modules_take_the_fast_path_and_equal_serial(make):
+    torch.manual_seed(14)
+    layers = [make() for _ in range(12)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    assert [c.mode for c in lp.kernel.classes] == ["dense"]
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
 
 
 def test_shared_parameters_on_one_rank_sum_their_gradients():

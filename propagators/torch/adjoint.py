@@ -50,11 +50,13 @@ class AdjointPropagator(mgrit.Propagator):
         return self.fwd.kernel.vjp_state(self.states(ia), V, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, V))
 
 
-def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W) -> dict:
+def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W):
     """``(d Phi_j / d theta_j)^T w_{j+1}`` for the fine steps of the given layers.
 
     ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
-    at the state it produces. Returns ``{layer: {parameter name: gradient or None}}``.
+    at the state it produces. Returns ``(positions, grads)``: the gradient
+    ``grads[i]`` (or None) belongs to the parameter ``fwd.kernel.params[positions[i]]``
+    (see :meth:`~propagators.torch.kernel.KernelPass.vjp_params`).
     """
     layers = np.asarray(layers, dtype=np.int64)
     dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
+import random
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
@@ -98,30 +102,38 @@ def layer_signature(module: nn.Module) -> tuple:
     return (tuple(subs), params, buffers)
 
 
+_ACTIVATION_FUNCTIONS = {torch.tanh, torch.relu, torch.sigmoid, torch.sin, torch.cos, torch.exp,
+                         F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.sigmoid, F.tanh}
+_ACTIVATION_METHODS = {"tanh", "relu", "sigmoid", "sin", "cos", "exp"}
+_SCALAR_OPS = {operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add}
+
+
 class DenseRHS:
     """Batched right-hand side of dense layers ``act(W u + b)`` without vmap.
 
-    Recognises ``nn.Linear`` and ``nn.Sequential(nn.Linear, activation)`` with a
-    stateless element-wise activation (:meth:`of` returns None otherwise).
-    Given the parameters of ``n`` layers stacked along axis 0 it evaluates all
-    ``n`` layers on their own states with one batched matrix product, so a
-    whole sweep (and, through autograd on that one graph, its vector-Jacobian
-    products) costs a few kernel launches.
+    Recognises (:meth:`of`; None otherwise) layers whose ``forward`` is one
+    linear map followed by element-wise operations: ``nn.Linear``,
+    ``nn.Sequential(nn.Linear, nn.Tanh())``, and custom modules such as
+    ``torch.tanh(self.lin(u))`` or ``F.relu(F.linear(u, self.W, self.b)) * 0.5``
+    (found by tracing ``forward`` with ``torch.fx``). Given the parameters of
+    ``n`` layers stacked along axis 0 it evaluates all ``n`` layers on their
+    own states with one batched matrix product, so a whole sweep (and, through
+    autograd on that one graph, its vector-Jacobian products) costs a few
+    kernel launches.
     """
 
-    def __init__(self, weight: str, bias: str | None, activation):
+    def __init__(self, weight: str, bias: str | None, activation=None):
         self.weight, self.bias, self.activation = weight, bias, activation
 
     @classmethod
     def of(cls, module: nn.Module):
         if type(module) is nn.Linear:
-            return cls("weight", "bias" if module.bias is not None else None, None)
-        if (type(module) is nn.Sequential and len(module) == 2 and type(module[0]) is nn.Linear
-                and type(module[1]) in _ELEMENTWISE):
-            return cls("0.weight", "0.bias" if module[0].bias is not None else None, module[1])
-        return None
+            return cls("weight", "bias" if module.bias is not None else None)
+        return _trace_dense(module)
 
-    def __call__(self, params, U):
+    def __call__(self, params, U, *extra):
+        if extra:
+            raise TypeError("a dense layer takes the state only")
         W = params[self.weight]  # (n, out, in)
         n = U.shape[0]
         X = U.reshape(n, -1, U.shape[-1])
@@ -131,6 +143,90 @@ class DenseRHS:
             Z = torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
         Z = Z.reshape(tuple(U.shape[:-1]) + (W.shape[1],))
         return Z if self.activation is None else self.activation(Z)
+
+
+def _trace_dense(module: nn.Module):
+    """A :class:`DenseRHS` for a module whose traced graph is linear -> element-wise ops, or None."""
+    np_state = np.random.get_state()
+    states = (np_state[1].copy(), np_state[2], torch.random.get_rng_state(), random.getstate())
+    try:
+        graph = fx.symbolic_trace(module).graph
+    except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
+        return None
+    now = np.random.get_state()
+    if not (np.array_equal(states[0], now[1]) and states[1] == now[2]
+            and torch.equal(states[2], torch.random.get_rng_state()) and states[3] == random.getstate()):
+        return None  # forward draws random numbers in Python: a trace would freeze one draw
+    nodes = list(graph.nodes)
+    if len(nodes) < 3 or nodes[0].op != "placeholder" or nodes[-1].op != "output":
+        return None
+    if any(n.op == "placeholder" for n in nodes[1:]):
+        return None  # more than one input (e.g. dt-aware layers)
+    subs = dict(module.named_modules())
+    params = dict(module.named_parameters())
+    x, ops, k = nodes[0], [], 1
+    attrs = {}
+    while nodes[k].op == "get_attr":  # parameters read directly (F.linear(u, self.W, self.b))
+        attrs[nodes[k]] = nodes[k].target
+        k += 1
+    lin = nodes[k]
+    if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
+        weight = f"{lin.target}.weight"
+        bias = f"{lin.target}.bias" if subs[lin.target].bias is not None else None
+    elif lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
+        args = list(lin.args[1:]) + [lin.kwargs.get(a) for a in ("weight", "bias") if a in lin.kwargs]
+        if not args or args[0] not in attrs or (len(args) > 1 and args[1] is not None and args[1] not in attrs):
+            return None
+        weight = attrs[args[0]]
+        bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
+        if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
+            return None
+    else:
+        return None
+    prev = lin
+    for node in nodes[k + 1: -1]:
+        op = _elementwise(node, prev, subs)
+        if op is None:
+            return None
+        ops.append(op)
+        prev = node
+    if nodes[-1].args[0] is not prev:
+        return None
+    if not ops:
+        return DenseRHS(weight, bias)
+
+    def activation(z):
+        for op in ops:
+            z = op(z)
+        return z
+
+    return DenseRHS(weight, bias, activation)
+
+
+def _elementwise(node, prev, subs):
+    """``z -> op(z)`` when ``node`` applies an element-wise operation to ``prev`` only (else None)."""
+    if node.op == "call_module":
+        m = subs.get(node.target)
+        if type(m) in _ELEMENTWISE and node.args == (prev,) and not node.kwargs:
+            return m
+        return None
+    consts = [a for a in node.args if a is not prev]
+    if sum(a is prev for a in node.args) != 1 or node.args[0] is not prev and node.target not in _SCALAR_OPS:
+        return None
+    if any(isinstance(a, fx.Node) for a in consts) or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return None
+    kw = dict(node.kwargs)
+    if node.op == "call_function" and node.target in _ACTIVATION_FUNCTIONS:
+        return lambda z, f=node.target, c=tuple(consts), kw=kw: f(z, *c, **kw)
+    if node.op == "call_method" and node.target in _ACTIVATION_METHODS:
+        return lambda z, name=node.target, c=tuple(consts), kw=kw: getattr(z, name)(*c, **kw)
+    if node.op == "call_function" and node.target in _SCALAR_OPS and len(consts) == 1 \
+            and isinstance(consts[0], (int, float)) and not kw:
+        c = consts[0]
+        if node.args[0] is prev:
+            return lambda z, f=node.target: f(z, c)
+        return lambda z, f=node.target: f(c, z)
+    return None
 
 
 @dataclass(eq=False)
@@ -184,10 +280,12 @@ class LayerKernel:
         # flat (registry dict, key) of every parameter / buffer, so that a pass captures the
         # current tensors of all layers with one list comprehension
         self._pflat, self._bflat, self._span, self._flat_index = [], [], {}, {}
+        self.p_start = np.full(n, -1, dtype=np.int64)  # flat position of each layer's first parameter
         for j in sorted(self.modules):
             ps, bs = self.slots[j]
             self._span[j] = (len(self._pflat), tuple(n for n, _, _ in ps), len(self._bflat),
                              tuple(n for n, _, _ in bs))
+            self.p_start[j] = len(self._pflat)
             self._pflat += [(owner._parameters, a) for _, owner, a in ps]
             self._bflat += [(owner._buffers, a) for _, owner, a in bs]
         groups: dict = {}
@@ -238,6 +336,7 @@ class KernelPass:
         self.params = [d[a] for d, a in kernel._pflat]
         self.buffers = [d[a] for d, a in kernel._bflat]
         self._values: dict = {}
+        self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
 
@@ -445,15 +544,18 @@ class KernelPass:
                              lambda: self._vjp_state_class(cid, idx, U, V, dt))
 
     # -- parameter VJPs ----------------------------------------------------------
-    def vjp_params(self, U, W, idx: np.ndarray, dt) -> dict:
+    def vjp_params(self, U, W, idx: np.ndarray, dt):
         """``(d step_k / d theta)^T W[k]`` for every interval ``k``.
 
-        Returns ``{layer: {name: gradient or None}}``; ``None`` for parameters
-        that do not require grad or that the step does not use (as autograd).
-        Intervals of the same layer are summed.
+        Returns ``(positions, grads)``: flat lists, ``grads[i]`` belongs to the
+        parameter ``self.params[positions[i]]``; None for parameters that do not
+        require grad or that the step does not use (as autograd). Several
+        entries may belong to one parameter (tied parameters, repeated layers):
+        the caller sums them.
         """
         idx = np.asarray(idx)
-        out: dict = {}
+        positions: list = []
+        grads: list = []
         for cid, pos in self._groups(idx):
             part = idx if pos is None else idx[pos]
             if pos is None:
@@ -461,21 +563,30 @@ class KernelPass:
             else:
                 t = torch.as_tensor(pos, device=U.device)
                 Up, Wp, dtp = U.index_select(0, t), W.index_select(0, t), dt.index_select(0, t)
-            for j, grads in self._vjp_params_class(cid, part, Up, Wp, dtp):
-                acc = out.setdefault(j, {})
-                for n, g in grads.items():
-                    if g is not None:
-                        acc[n] = g if acc.get(n) is None else acc[n] + g
-                    else:
-                        acc.setdefault(n, None)
-        return out
+            ps, gs = self._vjp_params_class(cid, part, Up, Wp, dtp)
+            positions += ps
+            grads += gs
+        return positions, grads
+
+    def requires_grad(self) -> np.ndarray:
+        """``requires_grad`` of every parameter of the pass (flat, as ``self.params``)."""
+        if self._req is None:
+            self._req = np.fromiter((p.requires_grad for p in self.params), dtype=bool, count=len(self.params))
+        return self._req
 
     def _vjp_params_class(self, cid, idx, U, W, dt):
         c = self.k.classes[cid]
-        patterns = {tuple(v.requires_grad for v in self.value(int(j))[0].values()) for j in np.unique(idx)}
-        need = [n for n in c.param_names if self.value(int(idx[0]))[0][n].requires_grad]
-        if c.mode == "loop" or not need or len(patterns) > 1:  # (frozen after construction: per layer)
-            return [(int(j), self._vjp_params_one(int(j), U[k], W[k], dt[k])) for k, j in enumerate(idx)]
+        nq = len(c.param_names)
+        cols = self.k.p_start[idx][:, None] + np.arange(nq)  # flat positions, (intervals, parameters)
+        R = self.requires_grad()[cols] if nq else np.zeros((len(idx), 0), dtype=bool)
+        need = [n for q, n in enumerate(c.param_names) if R[0, q]] if len(idx) else []
+        if c.mode == "loop" or not need or not (R == R[:1]).all():  # (frozen after construction: per layer)
+            ps, gs = [], []
+            for k, j in enumerate(idx.tolist()):
+                one = self._vjp_params_one(j, U[k], W[k], dt[k])
+                ps += cols[k].tolist()
+                gs += [one[n] for n in c.param_names]
+            return ps, gs
         p, b = self._gather(cid, idx, U.device)
         if c.mode == "dense":
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}
@@ -498,10 +609,15 @@ class KernelPass:
                     raise _random_error(c) from exc
                 c.mode = "loop"
                 return self._vjp_params_class(cid, idx, U, W, dt)
-        return [(int(j), {n: (G[n][k] if n in need and G[n] is not None else None) for n in c.param_names})
-                for k, j in enumerate(idx)]
+        ps, gs = [], []
+        for q, n in enumerate(c.param_names):
+            if G.get(n) is None:
+                continue
+            ps += cols[:, q].tolist()
+            gs += G[n].unbind(0)
+        return ps, gs
 
-    def _vjp_params_one(self, j, u, w, dt):
+    def _vjp_params_one(self, j, u, w, dt) -> dict:
         p, _ = self.value(j)
         need = [n for n, v in p.items() if v.requires_grad]
         grads = dict.fromkeys(p)

@@ -506,13 +506,13 @@ class LayerParallel(nn.Module):
         if not len(layers) or not params:
             return [None] * len(params)
         with torch.no_grad():
-            G = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo])
+            positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo])
         total: dict = {}
-        for j in layers.tolist():
-            for name, p in prop.kernel.value(j)[0].items():
-                g = G.get(j, {}).get(name)
-                if g is not None:
-                    total[id(p)] = g if id(p) not in total else total[id(p)] + g
+        flat = prop.kernel.params
+        for i, g in zip(positions, grads):
+            if g is not None:
+                key = id(flat[i])
+                total[key] = g if key not in total else total[key] + g
         return [total.get(id(p)) for p in params]
 
     # -- checkpoints ----------------------------------------------------------
