@@ -1,14 +1,19 @@
 """Layer-parallel forward+backward against the serial network (deep narrow ODE-net).
 
-Measures, side by side in one run, the wall time of one forward+backward pass of
+Measures, side by side in one run (medians of interleaved repetitions), the wall
+time of one forward+backward pass of
 
-* the serial network (the layers applied in sequence, plain autograd),
-* LayerParallel on 1 rank with batched relaxation (vmap over stacked layers),
+* the plain loop ``x = x + h * tanh(F.linear(x, W_i, b_i))`` with autograd (the
+  strongest serial baseline: no module calls),
+* the serial network ``ODENet`` (the same layers as modules, autograd),
+* LayerParallel on 1 rank with the layers as ``nn.Sequential(nn.Linear, nn.Tanh)``
+  and as a custom module class (both on the batched dense path),
 * LayerParallel on 1 rank with looped relaxation (one layer call per interval),
-* LayerParallel on 2 ranks (the script relaunches itself under mpiexec),
+* LayerParallel on 2 ranks (the script relaunches itself under mpiexec; timed there
+  alone, against the plain loop on the same rank),
 
-and prints the ratios, plus the critical-path model's predicted speedup of the
-layer-parallel solve for 8 to 512 ranks.
+then prints where the time of one layer-parallel pass goes (a cProfile of the
+pass, per solver operation) and the critical-path model's prediction for 1 to 512 ranks.
 
 Run::
 
@@ -18,8 +23,11 @@ Run::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from propagators.torch import LayerParallel, ODENet  # noqa: E402
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=1024)
     p.add_argument("--width", type=int, default=16)
@@ -44,64 +53,84 @@ def parse():
     p.add_argument("--levels", type=int, default=4)
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-mpi", action="store_true", help="skip the 2-rank measurement")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.quick:
-        a.layers, a.repeat, a.levels = 64, 2, 3
+        a.layers, a.repeat, a.levels = 64, 3, 3
     return a
 
 
-def layers(a):
+class TanhLinear(nn.Module):
+    """The same layer written as a user's own module class."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u))
+
+
+def layers(a, custom=False):
     torch.manual_seed(0)
+    if custom:
+        return [TanhLinear(a.width) for _ in range(a.layers)]
     return [nn.Sequential(nn.Linear(a.width, a.width), nn.Tanh()) for _ in range(a.layers)]
 
 
-def timed(fn, repeat, comm=None):
-    fn()  # warm-up (first vmap / vjp calls are slow)
-    best = float("inf")
-    for _ in range(repeat):
-        if comm is not None:
-            comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if comm is not None:
-            dt = comm.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
-        best = min(best, dt)
-    return best
-
-
-def interleaved(fns, repeat):
-    """Best time of each function, measured in alternation (A B A B ...) so that
-    machine noise hits all of them alike."""
+def interleaved(fns, repeat, barrier=None):
+    """Median seconds of each function, run in alternation (A B C A B C ...) so that
+    machine noise hits all of them alike; with ``barrier`` (MPI), the slowest rank's time."""
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
+    times = [[] for _ in fns]
     for _ in range(repeat):
         for k, fn in enumerate(fns):
+            if barrier is not None:
+                barrier.Barrier()
             t0 = time.perf_counter()
             fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+            dt = time.perf_counter() - t0
+            if barrier is not None:
+                dt = barrier.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
+            times[k].append(dt)
+    return [statistics.median(t) for t in times]
+
+
+def plain_loop(a, x):
+    """``x = x + h tanh(F.linear(x, W_i, b_i))`` with autograd, on tensors of its own."""
+    src = layers(a)
+    W = [m[0].weight.detach().clone().requires_grad_(True) for m in src]
+    B = [m[0].bias.detach().clone().requires_grad_(True) for m in src]
+    h = 1.0 / a.layers
+
+    def run():
+        for p in W + B:
+            p.grad = None
+        u = x.clone().requires_grad_(True)
+        for i in range(a.layers):
+            u = u + h * torch.tanh(F.linear(u, W[i], B[i]))
+        u.square().sum().backward()
+
+    return run
 
 
 def fwd_bwd(model, x):
     params = list(model.parameters())
 
     def run():
-        for p in params:  # (model.zero_grad walks 1000s of modules: same cost for both, left out)
+        for p in params:  # (model.zero_grad walks 1000s of modules: same cost for all, left out)
             p.grad = None
-        xx = x.clone().requires_grad_(True)
-        model(xx).square().sum().backward()
+        model(x.clone().requires_grad_(True)).square().sum().backward()
 
     return run
 
 
-def build_lp(a, batched=True, comm=None):
-    return LayerParallel(layers(a), T=1.0, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
+def build_lp(a, batched=True, comm=None, custom=False):
+    return LayerParallel(layers(a, custom), T=1.0, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
                          bwd_iters=a.bwd_iters, batched=batched, comm=comm)
 
 
@@ -111,26 +140,52 @@ def child(a):
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
-    t = timed(fwd_bwd(build_lp(a, comm=comm), x), a.repeat, comm)
+    lp = build_lp(a, comm=comm)
+    t_lp2 = interleaved([fwd_bwd(lp, x)], a.repeat, barrier=comm)[0]
     if comm.Get_rank() == 0:
-        print("RESULT " + json.dumps({"lp2": t}))
+        print("RESULT " + json.dumps({"lp2": t_lp2, "modes": lp.kernel.describe()}))
 
 
-def main():
-    a = parse()
+OPERATIONS = ["solve", "f_relax", "c_relax", "c_residual", "restrict", "correct", "sequential_solve",
+              "_exchange_halo", "_parameter_gradients", "bind", "_check_layers", "_probe"]
+
+
+def profile(a, lp, x, passes=5):
+    """Where the time of one pass goes: cumulative profiled ms per pass of solver operations."""
+    run = fwd_bwd(lp, x)
+    run()
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(passes):
+        run()
+    pr.disable()
+    total = (time.perf_counter() - t0) / passes
+    stats = pstats.Stats(pr).stats
+    rows = {}
+    for (filename, _, name), (_, _, _, cum, _) in stats.items():
+        if name in OPERATIONS and ("mgrit" in filename or "propagators" in filename):
+            rows[name] = rows.get(name, 0.0) + cum / passes
+    return total, rows
+
+
+def main(argv=None):
+    a = parse(argv)
     if a.child:
         return child(a)
     torch.set_num_threads(1)
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
     serial = ODENet(layers(a), T=1.0)
     lp = build_lp(a)
+    lp_custom = build_lp(a, custom=True)
     looped = build_lp(a, batched=False)
-    t_serial, t_lp = interleaved([fwd_bwd(serial, x), fwd_bwd(lp, x)], a.repeat)
-    t_loop = timed(fwd_bwd(looped, x), max(1, a.repeat // 3))
+    t_plain, t_serial, t_lp, t_custom = interleaved(
+        [plain_loop(a, x), fwd_bwd(serial, x), fwd_bwd(lp, x), fwd_bwd(lp_custom, x)], a.repeat)
+    t_loop = interleaved([fwd_bwd(looped, x)], max(1, a.repeat // 5))[0]
     t_lp2 = None
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not a.no_mpi and mpiexec.exists():
-        cmd = [str(mpiexec), "-n", "2", sys.executable, __file__, "--child"] + [
+        cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
             if k not in ("quick", "no_mpi", "child")]
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -143,21 +198,32 @@ def main():
     res = lp.last_forward
     print(f"deep narrow ODE-net: {a.layers} layers, width {a.width}, batch {a.batch}; MGRIT cf {a.cf}, "
           f"{len(lp.hierarchy)} levels, relax {lp.options['relax']}, {a.fwd_iters} forward / "
-          f"{a.bwd_iters} backward iterations; 1 thread per rank; best of {a.repeat}")
-    print(f"propagator calls per forward solve (per level): {res.counts}")
+          f"{a.bwd_iters} backward cycles, skip {lp.skip}; float32, 1 thread per rank; medians of "
+          f"{a.repeat} interleaved repetitions")
+    print(f"propagator calls per forward solve (per level): {res.counts}; layer classes: "
+          f"{lp.kernel.describe()} / custom: {lp_custom.kernel.describe()}")
     print()
-    print(f"{'forward+backward':<34}{'time [ms]':>10}{'serial / this':>15}")
-    rows = [("serial network (autograd)", t_serial), ("LayerParallel, 1 rank, batched", t_lp),
+    print(f"{'forward+backward':<44}{'time [ms]':>10}{'this / plain loop':>19}")
+    rows = [("plain loop x + h tanh(F.linear(x, W, b))", t_plain), ("serial network ODENet (modules)", t_serial),
+            ("LayerParallel, 1 rank, nn.Sequential layers", t_lp), ("LayerParallel, 1 rank, custom module", t_custom),
             ("LayerParallel, 1 rank, looped", t_loop)]
     if t_lp2 is not None:
-        rows.append(("LayerParallel, 2 ranks, batched", t_lp2))
+        rows.append(("LayerParallel, 2 ranks", t_lp2))
     for name, t in rows:
-        print(f"{name:<34}{1e3 * t:>10.2f}{t_serial / t:>15.2f}")
+        print(f"{name:<44}{1e3 * t:>10.2f}{t / t_plain:>19.3f}")
     print(f"\nbatched vs looped relaxation: {t_loop / t_lp:.1f}x faster")
+    if t_lp2 is not None:
+        print(f"1 -> 2 ranks: {t_lp / t_lp2:.2f}x")
     print(f"forward residuals of the last solve: {_fmt(lp.forward_residuals)}")
     print(f"backward residuals of the last solve: {_fmt(lp.backward_residuals)}")
+    total, ops = profile(a, lp, x)
+    print(f"\nwhere one layer-parallel pass goes (cProfile, cumulative, overlapping; {1e3 * total:.1f} ms per "
+          "profiled pass):")
+    for name in OPERATIONS:
+        if name in ops:
+            print(f"  {name:<22}{1e3 * ops[name]:>8.2f} ms  {100 * ops[name] / total:5.1f}%")
     print()
-    print(model_table(a, lp, t_serial, t_lp, t_lp2, [1, 2, 8, 64, 512]))
+    print(model_table(a, lp, t_plain, t_lp, t_lp2, [1, 2, 8, 64, 512]))
     return 0
 
 
@@ -197,19 +263,20 @@ def _time(fn):
     return time.perf_counter() - t0
 
 
-def model_table(a, lp, t_serial, t_lp, t_lp2, ranks):
+def model_table(a, lp, t_base, t_lp, t_lp2, ranks):
     """Critical-path prediction of a layer-parallel forward+backward on P ranks.
 
     Forward MGRIT (fwd_iters cycles) + adjoint MGRIT (bwd_iters cycles) as
     replayed by mgrit.model.predict with measured per-call costs, plus the
     batched parameter-gradient call over each rank's layers. The baseline is
-    the measured serial forward+backward.
+    the measured plain loop.
     """
     from mgrit.model import predict
 
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(2))
     fwd_cost, adj_cost = measure_costs(lp, x)
     h = lp.hierarchy
+
     def model(P):
         return (predict(h, P, a.fwd_iters, skip=lp.skip, cost=fwd_cost).time
                 + predict(h, P, a.bwd_iters, skip=lp.skip, cost=adj_cost).time
@@ -221,12 +288,12 @@ def model_table(a, lp, t_serial, t_lp, t_lp2, ranks):
     lines = ["critical-path model (mgrit.model.predict with measured call costs, zero message latency;",
              f"'calibrated' = model x {calib:.2f}, the measured / modelled ratio on 1 rank):",
              f"{'ranks':>6}{'model ms':>10}{'calibrated ms':>15}{'measured ms':>13}"
-             f"{'speedup vs serial (calibrated)':>32}"]
+             f"{'plain loop / calibrated':>26}"]
     for P in ranks:
         t = model(P)
         meas = {1: t_lp, 2: t_lp2}.get(P)
         ms = "-" if meas is None else f"{1e3 * meas:.2f}"
-        lines.append(f"{P:>6}{1e3 * t:>10.2f}{1e3 * calib * t:>15.2f}{ms:>13}{t_serial / (calib * t):>32.2f}")
+        lines.append(f"{P:>6}{1e3 * t:>10.2f}{1e3 * calib * t:>15.2f}{ms:>13}{t_base / (calib * t):>26.2f}")
     return "\n".join(lines)
 
 

@@ -503,3 +503,23 @@ def test_frozen_parameter_changed_between_forward_and_backward_is_an_error():
         lp.layers[2][0].weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.square().sum().backward()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["two_architectures", "conv_kernels", "attribute_only"])
+@pytest.mark.parametrize("batched, streams", [(True, 0), (False, 4)])
+def test_any_layers_on_cuda_equal_serial(name, batched, streams):
+    make, shape = networks()[name]
+    torch.manual_seed(15)
+    layers = make()
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", batched=batched, streams=streams,
+                       **TIGHT).cuda()
+    ref = ODENet(copy.deepcopy(layers)).cuda()
+    x = torch.randn(*shape, device="cuda")
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    loss_fn(lp(xp)).backward()
+    loss_fn(ref(xs)).backward()
+    assert rel(xp.grad, xs.grad) < REL
+    for p, q in zip(lp.parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) < REL

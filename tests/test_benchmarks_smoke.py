@@ -48,3 +48,16 @@ def test_warm_start_quick_run_exits_cleanly():
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("%") == 4  # one accuracy per setting
+
+
+def test_gpu_script_runs_dry_on_the_cpu_and_skips_cleanly_without_cuda():
+    torch = pytest.importorskip("torch")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = str(BENCHMARKS / "gpu.py")
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "16", "--widths", "4",
+                           "--batches", "2", "--repeat", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LP batched ms" in proc.stdout
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stdout + proc.stderr

@@ -131,6 +131,13 @@ class DenseRHS:
             return cls("weight", "bias" if module.bias is not None else None)
         return _trace_dense(module)
 
+    def single(self, params, u, *extra):
+        """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
+        if extra:
+            raise TypeError("a dense layer takes the state only")
+        z = F.linear(u, params[self.weight], params.get(self.bias) if self.bias is not None else None)
+        return z if self.activation is None else self.activation(z)
+
     def __call__(self, params, U, *extra):
         if extra:
             raise TypeError("a dense layer takes the state only")
@@ -457,14 +464,30 @@ class KernelPass:
             raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}{hint}") from exc
 
     # -- forward steps ----------------------------------------------------------
+    def step_one(self, u, j: int, dt: float):
+        """``scheme(f_j, u, dt)`` for one state (the sequential coarse solves): no stacking."""
+        if j >= self.k.class_of.size or self.k.class_of[j] < 0:
+            self._groups(np.array([j]))  # raises the plan-bug error
+        c = self.k.classes[int(self.k.class_of[j])]
+        version = u._version
+        if c.mode == "dense":
+            p = self._detached(j)[0]
+            try:
+                out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
+            except Exception:  # noqa: BLE001 - the looped call below names the layer
+                out = self._call_layer(j, u, dt)
+        else:
+            out = self._call_layer(j, u, dt)
+        if u._version != version:
+            raise _inplace_error()
+        return out
+
     def step(self, U, idx: np.ndarray, dt):
         """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
         version = U._version
         out = self._run(np.asarray(idx), self._step_class, U, dt)
         if U._version != version:
-            raise LayerError(
-                "a layer modified its input state in place (for example nn.ReLU(inplace=True) as its first "
-                "operation); MGRIT keeps every state it passes to a layer, so layers must not change their input")
+            raise _inplace_error()
         return out
 
     def _step_class(self, cid, idx, U, dt):
@@ -631,6 +654,12 @@ class KernelPass:
             gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
         grads.update(zip(need, gs))
         return grads
+
+
+def _inplace_error() -> LayerError:
+    return LayerError(
+        "a layer modified its input state in place (for example nn.ReLU(inplace=True) as its first "
+        "operation); MGRIT keeps every state it passes to a layer, so layers must not change their input")
 
 
 def _random_error(c: LayerClass) -> LayerError:
