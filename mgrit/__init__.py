@@ -12,6 +12,13 @@ from .solver import gather, solve
 from .spatial import SpatialTransfer
 from . import model, partition, theory
 
+try:  # the installed distribution's version (pyproject.toml is the one source)
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    __version__ = _version("mgrit")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree that is not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "Propagator",
     "SpatialTransfer",

@@ -81,6 +81,7 @@ def train(model, data, args, label, show, lp=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_batches = (len(X) + args.batch - 1) // args.batch
     stats = {"fwd": [], "bwd": [], "time": 0.0}
+    tty = sys.stdout.isatty()
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
         perm = torch.randperm(len(X), generator=gen)
@@ -94,13 +95,15 @@ def train(model, data, args, label, show, lp=None):
                 stats["fwd"].append(lp.forward_residual)
                 stats["bwd"].append(lp.backward_residual)
             step = epoch * n_batches + b + 1
-            if show and (step * 50 // (args.epochs * n_batches) != (step - 1) * 50 // (args.epochs * n_batches)):
+            if show and tty and (step * 50 // (args.epochs * n_batches) != (step - 1) * 50 // (args.epochs * n_batches)):
                 done = step / (args.epochs * n_batches)
                 bar = "#" * int(30 * done)
                 print(f"\r{label:>14} [{bar:<30}] {100 * done:5.1f}%  epoch {epoch + 1}/{args.epochs}"
                       f"  loss {loss.item():.4f}", end="", flush=True)
+        if show and not tty:  # a log file: one plain line per epoch
+            print(f"{label:>14} epoch {epoch + 1}/{args.epochs}  loss {loss.item():.4f}", flush=True)
     stats["time"] = time.perf_counter() - t0
-    if show:
+    if show and tty:
         print()
     stats["acc"] = accuracy(model, Xt, yt)
     return stats
