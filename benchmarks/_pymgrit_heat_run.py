@@ -112,7 +112,7 @@ def main():
         "time_solve": float(info["time_solve"]),
         "wall": wall,
         "cpu": cpu,
-        "calls": calls,
+        "calls": list(calls),  # before the sequential loop below, which steps problem[0] too
     }
     if args.sequential:
         w0, c0 = time.perf_counter(), time.process_time()

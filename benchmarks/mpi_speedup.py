@@ -10,8 +10,10 @@ allows, ``tol = 1e-8``.
 
 * ``sequential``: plain time stepping, ``u = step(u, t[i], t[i+1])``, in this process.
 * ``P ranks``: ``mpiexec -n P`` runs of ``mgrit.solve(..., comm=MPI.COMM_WORLD)``;
-  the time is the slowest rank's, best of ``--repeat`` solves (after one warm-up
-  solve that builds the LU caches of every level's step size).
+  the time is the slowest rank's, the median of ``--repeat`` solves (after one
+  warm-up solve that builds the LU caches of every level's step size). The rank
+  counts are run in ``--rounds`` interleaved rounds (1, 2, 1, 2, ... ranks) and
+  the printed time is the median over the rounds.
 * ``model``: :func:`mgrit.model.predict` for the same hierarchy and iteration
   count, with propagator costs measured here (per level: one ``step`` call; the
   fixed and per-state cost of a ``step_batch`` call, fitted from batches of 1
@@ -94,29 +96,29 @@ def worker(args) -> None:
     kw = options(args.cf)
     mgrit.solve(prop, u0, t, comm=comm, **{**kw, "max_iter": 1})  # warm-up: LU caches, imports
     latency = ping_pong(comm, u0) if comm.size > 1 else 0.0
-    best, res = np.inf, None
+    times, res = [], None
     for _ in range(args.repeat):
         comm.Barrier()
         start = time.perf_counter()
         res = mgrit.solve(prop, u0, t, comm=comm, **kw)
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        best = min(best, elapsed)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    median = statistics.median(times)
     U = mgrit.gather(res, root=0)
     if comm.rank == 0:
         ref = prop.exact(1.0)
-        print(json.dumps(dict(ranks=comm.size, time=best, iterations=res.iterations, latency=latency,
+        print(json.dumps(dict(ranks=comm.size, time=median, iterations=res.iterations, latency=latency,
                               residual=res.residuals[-1], error=float(np.abs(U[-1] - ref).max()))))
 
 
 # --------------------------------------------------------------------------- driver
-def best_time(fn, repeat: int = 5, number: int = 1) -> float:
+def median_time(fn, repeat: int = 5, number: int = 1) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         for _ in range(number):
             fn()
         times.append((time.perf_counter() - start) / number)
-    return min(times)
+    return statistics.median(times)
 
 
 def sequential(prop, u0, t) -> None:
@@ -136,12 +138,12 @@ def calibrate(prop, u0, hierarchy, t_seq: float) -> list:
         else:
             tl = lv.t[: min(lv.n, 2000) + 1]
             sequential(prop, u0, tl)  # factorizations for these step sizes
-            single = best_time(lambda: sequential(prop, u0, tl)) / (tl.shape[0] - 1)
+            single = median_time(lambda: sequential(prop, u0, tl)) / (tl.shape[0] - 1)
         n2 = max(2, lv.n // (lv.cf or 2))
         batch = {}
         for n in (1, n2):
             U, t0, t1 = np.tile(u0, (n, 1)), np.zeros(n), np.full(n, dt)
-            batch[n] = best_time(lambda: prop.step_batch(U, t0, t1), number=max(1, 200 // n))
+            batch[n] = median_time(lambda: prop.step_batch(U, t0, t1), number=max(1, 200 // n))
         per_state = (batch[n2] - batch[1]) / (n2 - 1)
         costs.append(StepCost(single=single, per_state=max(per_state, 0.0), per_call=max(batch[1] - per_state, 0.0)))
     return costs
@@ -168,12 +170,13 @@ def main() -> None:
     ap.add_argument("--cf", type=int, default=8)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--predict", type=int, nargs="+", default=[8, 64, 512])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="timed solves per launch (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved launches per rank count (median)")
     ap.add_argument("--quick", action="store_true", help="small problem, smoke run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.nx, args.steps, args.repeat, args.predict = 65, 512, 1, [8, 64]
+        args.nx, args.steps, args.repeat, args.rounds, args.predict = 65, 512, 1, 1, [8, 64]
     if args.worker:
         worker(args)
         return
@@ -183,9 +186,14 @@ def main() -> None:
     hierarchy = mgrit.build_hierarchy(t, cf=args.cf, relax=kw["relax"])
     load = os.getloadavg()[0]
     sequential(prop, u0, t)  # LU factorizations of the step sizes
-    t_seq = best_time(lambda: sequential(prop, u0, t), repeat=3)
+    t_seq = median_time(lambda: sequential(prop, u0, t), repeat=3)
     costs = calibrate(prop, u0, hierarchy, t_seq)
-    runs = {n: run_ranks(n, args) for n in args.ranks}
+    rounds: dict = {}
+    for _ in range(args.rounds):  # interleaved: 1, 2, 1, 2, ... ranks
+        for n in args.ranks:
+            rounds.setdefault(n, []).append(run_ranks(n, args))
+    runs = {n: dict(rs[-1], time=statistics.median(r["time"] for r in rs),
+                    latency=statistics.median(r["latency"] for r in rs)) for n, rs in rounds.items()}
     iters = runs[args.ranks[0]]["iterations"]
     latency = max(r["latency"] for r in runs.values())
     model = {n: predict(hierarchy, n, iters, cost=costs, latency=latency if n > 1 else 0.0)
@@ -196,6 +204,7 @@ def main() -> None:
     print(f"Heat1D(nx={args.nx}), N = {args.steps} steps, cf = {args.cf}, FCF V-cycles, "
           f"{len(hierarchy)} levels, {iters} iterations, tol 1e-8")
     print(f"load average (1 min) before / after: {load:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"times: medians of {args.rounds} interleaved launches x {args.repeat} solves each (slowest rank)")
     print(f"sequential stepping: {t_seq:.3f} s ({t_seq / args.steps * 1e6:.1f} us per step)")
     c0 = costs[0]
     print(f"step costs (level 0): single {c0.single * 1e6:.1f} us, batched {c0.per_call * 1e6:.1f} us per call "

@@ -25,8 +25,8 @@ residuals, one process.
   the helper ``benchmarks/_pymgrit_heat_run.py``, which prints JSON.
 
 Printed side by side: iterations (cycles run), propagator calls, wall and CPU
-time (whole solve, set-up included; ours is the median of several runs, PyMGRIT
-one run), the time ratios to ours, MGRIT / sequential stepping (each column
+time (whole solve, set-up included; medians of interleaved rounds: every
+round runs every column once, ours 5 rounds, PyMGRIT in the first 3), the time ratios to ours, MGRIT / sequential stepping (each column
 with its own ``step``), and the max error against sequential stepping with our
 ``Heat1D.step``.
 
@@ -147,55 +147,80 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="nt = 257 and a single PyMGRIT run")
     ap.add_argument("--no-pymgrit", action="store_true", help="only our side (no download)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 3 quick)")
+    ap.add_argument("--pymgrit-repeats", type=int, default=3,
+                    help="rounds that also run PyMGRIT (default 3: its default case takes seconds)")
     args = ap.parse_args(argv)
     nt = 257 if args.quick else 4097
-    repeats = 3 if args.quick else 5
+    repeats = args.repeats or (3 if args.quick else 5)
+    pym_repeats = 1 if args.quick else min(repeats, args.pymgrit_repeats)
 
     load0 = os.getloadavg()[0]
     t = np.linspace(0.0, T_STOP, nt)
-    seq_wall, seq_cpu, u_seq = timed(lambda: sequential(Heat1D(NX), t), repeats)
+    ours_cases = (("ours V", "V", Heat1D, False, "xbraid"), ("ours F", "F", Heat1D, False, "xbraid"),
+                  ("ours V loop", "V", LoopHeat1D, False, "xbraid"), ("ours V NI", "V", Heat1D, True, "xbraid"),
+                  ("ours F NI", "F", Heat1D, True, "xbraid"), ("ours V NI end", "V", Heat1D, True, "cycle_end"),
+                  ("ours NI end loop", "V", LoopHeat1D, True, "cycle_end"))
+    # (column, nested iteration, fast step)
+    pym_cases = [] if args.no_pymgrit else [("PyM V", True, False)] + (
+        [] if args.quick else [("PyM V no-NI", False, False), ("PyM V fast", True, True)])
+    py = None if args.no_pymgrit else ensure_pymgrit_venv()
+    # interleaved repetitions: every round runs every column once; medians over the rounds
+    runs: dict = {}
+    seq_runs, seq = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(repeats):
+            seq_runs.append(timed(lambda: sequential(Heat1D(NX), t), 1))
+            for name, cycle, cls, nested, where in ours_cases:
+                runs.setdefault(name, []).append(timed(ours(t, cycle, cls, nested, where), 1))
+            for k, (name, nested, fast) in enumerate(pym_cases):
+                if rnd >= pym_repeats:
+                    continue
+                d = run_pymgrit(py, nt, nested, fast, sequential=True, out=Path(tmp) / f"u{k}.npy")
+                seq.setdefault(fast, []).append((d["seq_wall"], d["seq_cpu"], d["err_vs_own_sequential"]))
+                runs.setdefault(name, []).append((d["wall"], d["cpu"], d))
+    seq_wall = statistics.median(r[0] for r in seq_runs)
+    seq_cpu = statistics.median(r[1] for r in seq_runs)
+    u_seq = seq_runs[-1][2]
     cols = []
-    for name, cycle, cls, nested, where in (
-            ("ours V", "V", Heat1D, False, "xbraid"), ("ours F", "F", Heat1D, False, "xbraid"),
-            ("ours V loop", "V", LoopHeat1D, False, "xbraid"), ("ours V NI", "V", Heat1D, True, "xbraid"),
-            ("ours F NI", "F", Heat1D, True, "xbraid"), ("ours V NI end", "V", Heat1D, True, "cycle_end")):
-        wall, cpu, res = timed(ours(t, cycle, cls, nested, where), repeats)
+    for name, *_ in ours_cases:
+        rs = runs[name]
+        res = rs[-1][2]
         cols.append({
-            "name": name, "iterations": res.iterations, "calls": int(sum(res.counts)), "wall": wall, "cpu": cpu,
+            "name": name, "iterations": res.iterations, "calls": int(sum(res.counts)),
+            "wall": statistics.median(r[0] for r in rs), "cpu": statistics.median(r[1] for r in rs),
             "seq_wall": seq_wall, "seq_cpu": seq_cpu, "err": float(np.abs(res.u - u_seq).max()),
             "residuals": res.residuals, "converged": res.converged,
         })
-
     versions = "PyMGRIT not run"
-    if not args.no_pymgrit:
-        py = ensure_pymgrit_venv()
-        # (column, nested iteration, fast step)
-        variants = [("PyM V", True, False)]
-        if not args.quick:
-            variants += [("PyM V no-NI", False, False), ("PyM V fast", True, True)]
-        seq = {}
-        with tempfile.TemporaryDirectory() as tmp:
-            for k, (name, nested, fast) in enumerate(variants):
-                d = run_pymgrit(py, nt, nested, fast, sequential=fast not in seq, out=Path(tmp) / f"u{k}.npy")
-                if fast not in seq:
-                    seq[fast] = (d["seq_wall"], d["seq_cpu"], d["err_vs_own_sequential"])
-                cols.append({
-                    "name": name, "iterations": d["iterations"], "calls": int(sum(d["calls"])),
-                    "wall": d["wall"], "cpu": d["cpu"], "seq_wall": seq[fast][0], "seq_cpu": seq[fast][1],
-                    "err": float(np.abs(d["u"] - u_seq).max()), "residuals": d["residuals"],
-                    "converged": d["residuals"][-1] < TOL,
-                })
-        versions = f"PyMGRIT {d['pymgrit']} (numpy {d['numpy']}), one run each"
+    for name, nested, fast in pym_cases:
+        rs = runs[name]
+        d = rs[-1][2]
+        s_wall = statistics.median(x[0] for x in seq[fast])
+        s_cpu = statistics.median(x[1] for x in seq[fast])
+        cols.append({
+            "name": name, "iterations": d["iterations"], "calls": int(sum(d["calls"])),
+            "wall": statistics.median(r[0] for r in rs), "cpu": statistics.median(r[1] for r in rs),
+            "seq_wall": s_wall, "seq_cpu": s_cpu,
+            "err": float(np.abs(d["u"] - u_seq).max()), "residuals": d["residuals"],
+            "converged": d["residuals"][-1] < TOL, "seq_err": seq[fast][-1][2],
+        })
+        versions = f"PyMGRIT {d['pymgrit']} (numpy {d['numpy']}), median of {pym_repeats} runs"
+    seq = {fast: (None, None, next(c["seq_err"] for c in cols if c["name"] == name))
+           for name, _, fast in pym_cases}
 
     print(f"1-D heat, nx = {NX}, nt = {nt}, t in [0, {T_STOP:g}], backward Euler; cf {CF}, {LEVELS} levels, "
           f"FCF, V-cycles unless noted, tol {TOL:g}; one process")
     print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    print(f"ours: numpy {np.__version__}, median of {repeats} runs; {versions}")
+    print(f"ours: numpy {np.__version__}, median of {repeats} interleaved rounds; {versions}; "
+          "every round runs every column once")
     print("columns: ours V = mgrit.solve defaults (skip); ours F = F-cycles; ours V loop = Heat1D without "
           "step_batch (per-call path);")
     print("         ours V NI / ours F NI = nested iteration (solve(..., nested=True)), as PyMGRIT's default;")
     print("         ours V NI end = nested iteration with the residual measured at cycle end "
           "(residual='cycle_end'), as PyMGRIT measures it;")
+    print("         ours NI end loop = ours V NI end without step_batch: PyMGRIT's schedule, one step call per "
+          "interval (compare with PyM V fast: the framework alone);")
     print("         PyM V = PyMGRIT defaults (nested iteration); PyM V no-NI = nested_iteration=False; "
           "PyM V fast = PyM V with a cached-LU step like ours")
     width = 14

@@ -69,6 +69,15 @@ def copy(x):
     return x.clone() if is_torch(x) else x.copy()
 
 
+def subtract_into(a, b, out):
+    """``out = a - b`` without a temporary (``out`` may be ``a`` or ``b``); returns ``out``."""
+    if is_torch(out):
+        import torch
+
+        return torch.sub(a, b, out=out)
+    return np.subtract(a, b, out=out)
+
+
 def row_norms(X) -> np.ndarray:
     """Euclidean norm of every state in the stack ``X``, as a float64 numpy array.
 

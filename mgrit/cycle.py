@@ -1,13 +1,21 @@
-"""Inter-level transfer (FAS restriction, ideal interpolation) and the cycle.
+"""Inter-level transfer (FAS restriction, ideal interpolation) and the schedule of a solve.
 
 Level ``l`` with factor ``m`` and its coarse level ``l + 1`` share points: the
 coarse point ``k`` is the fine C-point ``i = k m``. A rank owns the same
 points on both levels, so injection and correction are local; only the coarse
 ghost needs a message.
+
+The schedule (:func:`run`: nested start, cycles, residual norms, final
+relaxation) is written once, against the small set of level operations of
+:class:`LevelOps`. :class:`Levels` executes them on one rank's iterates (the
+solver); :mod:`mgrit.model` replays the same calls on the simulated clocks of
+all ranks (the critical-path cost model), so the two cannot drift apart.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -29,13 +37,13 @@ def _inject(w: LevelState, wc: LevelState):
     own0 = w.lo - w.g0  # local slot of the first owned point
     ac = own0 if (w.g0 + own0) % m == 0 else w.first(0)
     U = w.u[ac::m]
-    V = w.transfer.restrict(U) if w.transfer is not None else B.copy(U)
+    V = w.transfer.restrict(U) if w.transfer is not None else U
     if wc.v is None:
         wc.v = B.empty_stack(wc.nloc, V[0])
         wc.u = B.empty_stack(wc.nloc, V[0])
-    wc.v[wc.lo - wc.g0 :] = V
+    wc.v[wc.lo - wc.g0 :] = V  # (a copy: no transfer needs no copy of its own)
     exchange(wc, wc.v)
-    wc.u[:] = wc.v
+    wc.u[...] = wc.v
 
 
 def restrict(w: LevelState, wc: LevelState, r) -> None:
@@ -48,14 +56,19 @@ def restrict(w: LevelState, wc: LevelState, r) -> None:
     _inject(w, wc)
     if wc.nloc == 1:  # this rank holds only coarse point 0 (the initial condition)
         return
-    # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
-    psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:])
-    # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
-    rc = w.transfer.restrict_residual(r) if w.transfer is not None else r
-    # 4. g_c = r_c + A_c-consistent shift: v[k] - Psi(v[k-1])
     if wc.g is None:
         wc.g = B.zeros_stack(wc.nloc, wc.v[0])
-    wc.g[1:] = rc + (wc.v[1:] - psi)
+    G = wc.g[1:]  # g_c[0] stays zero
+    # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
+    psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:], out=G)
+    # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
+    rc = w.transfer.restrict_residual(r) if w.transfer is not None else r
+    # 4. g_c = r_c + A_c-consistent shift: v[k] - Psi(v[k-1]) (in place when Psi was written to G)
+    if psi is G:
+        B.subtract_into(wc.v[1:], G, G)
+        G += rc
+    else:
+        G[...] = rc + (wc.v[1:] - psi)
 
 
 def inject_guess(w: LevelState, wc: LevelState) -> None:
@@ -68,85 +81,13 @@ def correct(w: LevelState, wc: LevelState) -> None:
     """Add the coarse correction ``P_x(u_c - v_c)`` to the fine C-points ``i >= 1``."""
     if wc.nloc <= 1:
         return
-    E = wc.u[1:] - wc.v[1:]
-    if w.transfer is not None:
-        E = w.transfer.interpolate(E)
     a = w.first(0)
+    if w.transfer is not None:
+        w.u[a :: w.level.cf] += w.transfer.interpolate(wc.u[1:] - wc.v[1:])
+        return
+    # v is not read again before the next injection overwrites it: E = u_c - v_c is formed there
+    E = B.subtract_into(wc.u[1:], wc.v[1:], wc.v[1:])
     w.u[a :: w.level.cf] += E
-
-
-@dataclass
-class CycleContext:
-    """What one cycle needs besides the level states."""
-
-    states: list  # LevelState or None (rank owns no point there), finest first
-    iteration: int = 0
-    relaxed0: bool = False  # level-0 F-points are consistent with its C-points
-
-    def check(self, l: int, X=None) -> None:
-        """Raise DivergenceError if ``X`` (default: all states of level ``l``) has NaN or Inf."""
-        if not B.all_finite(self.states[l].u if X is None else X):
-            raise DivergenceError(
-                f"MGRIT diverged: NaN or Inf on level {l} in iteration {self.iteration}; "
-                "reduce the time step, use more levels of relaxation ('FCF') or a smaller `cf`"
-            )
-
-
-def down(ctx: CycleContext, l: int, skip: bool):
-    """Relax level ``l`` and set up the problem of level ``l + 1``.
-
-    Returns the C-point residuals of level ``l`` (None when skipping).
-    """
-    w, wc = ctx.states[l], ctx.states[l + 1]
-    if skip:
-        if wc is not None:
-            inject_guess(w, wc)
-        return None
-    # After a cycle-end residual the fine F-points are already relaxed: the
-    # first F-relaxation would recompute the same values, so it is left out.
-    relaxed = l == 0 and ctx.relaxed0
-    if l == 0:
-        ctx.relaxed0 = False
-    for _ in range(w.level.nrelax):
-        if not relaxed:
-            f_relax(w)
-        relaxed = False
-        c_relax(w)
-    if not relaxed:
-        f_relax(w)
-    r = c_residual(w)
-    # A NaN or Inf in an interval reaches the residual at its closing C-point, so
-    # checking r (1/m of the states) suffices; trailing F-points are checked at the end.
-    ctx.check(l, r)
-    if wc is not None:
-        restrict(w, wc, r)
-    return r
-
-
-def cycle(ctx: CycleContext, l: int, kind: str, skip: bool = False):
-    """One V- or F-cycle starting on level ``l``.
-
-    ``V(l)``: down(l); V(l+1); F-relax(l+1); correct(l).
-    ``F(l)``: down(l); F(l+1); V(l+1); F-relax(l+1); correct(l).
-    Returns the C-point residuals computed on level ``l`` (None when skipped).
-    """
-    w = ctx.states[l]
-    if w is None:
-        return None
-    last = len(ctx.states) - 1
-    if l == last:
-        sequential_solve(w)
-        ctx.check(l)
-        return None
-    r = down(ctx, l, skip)
-    if ctx.states[l + 1] is not None:
-        cycle(ctx, l + 1, kind, skip)
-        if kind == "F" and not skip and l + 1 < last:
-            cycle(ctx, l + 1, "V")
-        if l + 1 < last:
-            f_relax(ctx.states[l + 1])
-        correct(w, ctx.states[l + 1])
-    return r
 
 
 def temporal_norm(norms: np.ndarray, p, comm) -> float:
@@ -165,7 +106,184 @@ def temporal_norm(norms: np.ndarray, p, comm) -> float:
     return max(comm.max(norms), 0.0)
 
 
-def nested_start(ctx: CycleContext, kind: str) -> None:
+# --------------------------------------------------------------------------- level operations
+class LevelOps(ABC):
+    """The operations the schedule is written against, on one rank or on all of them.
+
+    :class:`Levels` does the numerics of one rank (what :func:`mgrit.solve`
+    runs); :mod:`mgrit.model` replays the same calls on simulated clocks of
+    every rank. ``l`` is a level index; ``R`` is what :meth:`c_residual`
+    returned (opaque to the schedule).
+    """
+
+    @abstractmethod
+    def owns(self, l: int) -> bool:
+        """This rank (the model: some rank) holds points of level ``l``."""
+
+    @abstractmethod
+    def f_relax(self, l: int) -> None:
+        """F-relaxation of level ``l`` (ghost exchanges included)."""
+
+    @abstractmethod
+    def c_relax(self, l: int) -> None:
+        """C-relaxation of level ``l``."""
+
+    @abstractmethod
+    def c_residual(self, l: int):
+        """The residuals at the C-points of level ``l``."""
+
+    @abstractmethod
+    def check(self, l: int, R=None, iteration: int = 0) -> None:
+        """Raise :class:`DivergenceError` on NaN or Inf in ``R`` (default: level ``l``'s iterate)."""
+
+    @abstractmethod
+    def restrict(self, l: int, R) -> None:
+        """FAS restriction to level ``l + 1`` from the C-point residuals ``R`` of level ``l``."""
+
+    @abstractmethod
+    def inject(self, l: int) -> None:
+        """Skip: inject level ``l`` to level ``l + 1`` with a zero right-hand side."""
+
+    @abstractmethod
+    def correct(self, l: int) -> None:
+        """Coarse-grid correction of level ``l`` from level ``l + 1``."""
+
+    @abstractmethod
+    def sequential_solve(self, l: int) -> None:
+        """Exact solve of level ``l`` by stepping (a chain over the ranks)."""
+
+    @abstractmethod
+    def residual_norm(self, R):
+        """Temporal norm of the level-0 residuals ``R`` of all ranks (an all-reduce)."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """The closing handshake of the ranks."""
+
+
+class Levels(LevelOps):
+    """The numerics: the level operations on this rank's :class:`LevelState` objects.
+
+    ``states[l]`` is None where the rank owns no point of level ``l``; ``p``
+    is the temporal norm (1, 2 or inf) and ``comm`` the communicator.
+    """
+
+    def __init__(self, states: list, comm, p):
+        self.states, self.comm, self.p = states, comm, p
+
+    def owns(self, l):
+        return self.states[l] is not None
+
+    def f_relax(self, l):
+        f_relax(self.states[l])
+
+    def c_relax(self, l):
+        c_relax(self.states[l])
+
+    def c_residual(self, l):
+        return c_residual(self.states[l])
+
+    def check(self, l, R=None, iteration=0):
+        if not B.all_finite(self.states[l].u if R is None else R):
+            raise DivergenceError(
+                f"MGRIT diverged: NaN or Inf on level {l} in iteration {iteration}; "
+                "reduce the time step, use more levels of relaxation ('FCF') or a smaller `cf`"
+            )
+
+    def restrict(self, l, R):
+        restrict(self.states[l], self.states[l + 1], R)
+
+    def inject(self, l):
+        inject_guess(self.states[l], self.states[l + 1])
+
+    def correct(self, l):
+        correct(self.states[l], self.states[l + 1])
+
+    def sequential_solve(self, l):
+        sequential_solve(self.states[l])
+
+    def residual_norm(self, R):
+        w0 = self.states[0]
+        norms = w0.prop.norms(R) if w0 is not None and R is not None else np.zeros(0)
+        return temporal_norm(norms, self.p, self.comm)
+
+    def finish(self):
+        self.comm.finish()
+
+
+# --------------------------------------------------------------------------- the schedule
+@dataclass
+class Sweep:
+    """Where the schedule stands: its operations, the relaxations per level and two flags."""
+
+    ops: LevelOps
+    nrelax: list  # (C, F) sweeps after the first F sweep, per level (Level.nrelax)
+    iteration: int = 0
+    relaxed0: bool = False  # level-0 F-points are consistent with its C-points
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.nrelax)
+
+
+def down(s: Sweep, l: int, skip: bool):
+    """Relax level ``l`` and set up the problem of level ``l + 1`` (REFERENCE.md 1b).
+
+    Returns the C-point residuals of level ``l`` (None when skipping).
+    """
+    ops = s.ops
+    if skip:
+        if ops.owns(l + 1):
+            ops.inject(l)
+        return None
+    # After a cycle-end residual the fine F-points are already relaxed: the
+    # first F-relaxation would recompute the same values, so it is left out.
+    relaxed = l == 0 and s.relaxed0
+    if l == 0:
+        s.relaxed0 = False
+    for _ in range(s.nrelax[l]):
+        if not relaxed:
+            ops.f_relax(l)
+        relaxed = False
+        ops.c_relax(l)
+    if not relaxed:
+        ops.f_relax(l)
+    r = ops.c_residual(l)
+    # A NaN or Inf in an interval reaches the residual at its closing C-point, so
+    # checking r (1/m of the states) suffices; trailing F-points are checked at the end.
+    ops.check(l, r, s.iteration)
+    if ops.owns(l + 1):
+        ops.restrict(l, r)
+    return r
+
+
+def cycle(s: Sweep, l: int, kind: str, skip: bool = False):
+    """One V- or F-cycle starting on level ``l``.
+
+    ``V(l)``: down(l); V(l+1); F-relax(l+1); correct(l).
+    ``F(l)``: down(l); F(l+1); V(l+1); F-relax(l+1); correct(l).
+    Returns the C-point residuals computed on level ``l`` (None when skipped).
+    """
+    ops = s.ops
+    if not ops.owns(l):
+        return None
+    last = s.n_levels - 1
+    if l == last:
+        ops.sequential_solve(l)
+        ops.check(l, None, s.iteration)
+        return None
+    r = down(s, l, skip)
+    if ops.owns(l + 1):
+        cycle(s, l + 1, kind, skip)
+        if kind == "F" and not skip and l + 1 < last:
+            cycle(s, l + 1, "V")
+        if l + 1 < last:
+            ops.f_relax(l + 1)
+        ops.correct(l)
+    return r
+
+
+def nested_start(s: Sweep, kind: str) -> None:
     """Nested iteration (full multigrid start) before the first cycle.
 
     The fine initial guess is injected to every level with a zero right-hand
@@ -174,18 +292,65 @@ def nested_start(ctx: CycleContext, kind: str) -> None:
     solution of the level below it and runs one cycle on its own sub-hierarchy.
     The finest level finally receives the corrected C-points from level 1.
     """
-    S, last = ctx.states, len(ctx.states) - 1
+    ops, last = s.ops, s.n_levels - 1
     for l in range(last):
-        if S[l] is not None and S[l + 1] is not None:
-            inject_guess(S[l], S[l + 1])
-    if S[last] is not None:
-        sequential_solve(S[last])
+        if ops.owns(l) and ops.owns(l + 1):
+            ops.inject(l)
+    if ops.owns(last):
+        ops.sequential_solve(last)
     for l in range(last - 1, -1, -1):
-        if S[l] is None:
+        if not ops.owns(l):
             continue
-        if S[l + 1] is not None:
+        if ops.owns(l + 1):
             if l + 1 < last:
-                f_relax(S[l + 1])
-            correct(S[l], S[l + 1])
+                ops.f_relax(l + 1)
+            ops.correct(l)
         if l > 0:  # every owner of level-l points takes part, coarse points or not
-            cycle(ctx, l, kind)
+            cycle(s, l, kind)
+
+
+def run(ops: LevelOps, hierarchy, opts, after_cycle: Callable[[int, object], bool]):
+    """The whole schedule of a solve: the start, the cycles, the final relaxation and handshake.
+
+    ``after_cycle(k, norm)`` is called after cycle ``k`` with the residual norm
+    that :meth:`LevelOps.residual_norm` returned (None when the cycle measured
+    none) and returns True to stop. ``opts`` is an :class:`mgrit.options.Options`.
+    Returns the residual norm of the returned solution when
+    ``opts.final_residual`` (else None).
+    """
+    L = len(hierarchy)
+    s = Sweep(ops, [lv.nrelax for lv in hierarchy])
+    final = None
+    if L == 1:
+        cycle(s, 0, opts.cycle)  # sequential stepping
+        if opts.final_residual:
+            final = ops.residual_norm(None)  # exact: 0
+        ops.finish()
+        return final
+    if opts.nested:
+        nested_start(s, opts.cycle)
+    norm = None
+    for k in range(opts.max_iter):
+        s.iteration = k
+        skipped = opts.skip_first and k == 0
+        r = cycle(s, 0, opts.cycle, skip=skipped)
+        if opts.at_cycle_end:  # measure on the iterate as it would be returned
+            skipped = False
+            if ops.owns(0):
+                ops.f_relax(0)
+                r = ops.c_residual(0)
+                ops.check(0, r, k)
+            s.relaxed0 = True
+        norm = None if skipped else ops.residual_norm(r)
+        if after_cycle(k, norm):
+            break
+    if ops.owns(0):
+        if not s.relaxed0:  # (a cycle-end residual has relaxed it already)
+            ops.f_relax(0)  # ideal interpolation of the last correction
+        ops.check(0, None, s.iteration)  # every state, the trailing F-points included
+    if opts.final_residual and opts.at_cycle_end:
+        final = norm  # measured on exactly the returned iterate
+    elif opts.final_residual:
+        final = ops.residual_norm(ops.c_residual(0) if ops.owns(0) else None)
+    ops.finish()
+    return final

@@ -133,6 +133,25 @@ def check_time_grid(t) -> np.ndarray:
     return t
 
 
+def check_levels(cf, max_levels, min_coarse, relax, c_weight) -> None:
+    """Raise ValueError (naming the argument) unless the hierarchy settings are valid.
+
+    The rules of :func:`build_hierarchy`; :class:`mgrit.options.Options` applies
+    them once when a solve's settings are built.
+    """
+    check_integer(max_levels, "max_levels", 1)
+    check_integer(min_coarse, "min_coarse", 1)
+    for c in per_level(cf, max_levels, "cf"):
+        if not (is_integer(c) and c >= 2):
+            note = " (a bool; pass an integer)" if isinstance(c, (bool, np.bool_)) else ""
+            raise ValueError(f"`cf` must be an integer >= 2 (or one per level), got {cf!r}{note}")
+    for r in per_level(relax, max_levels, "relax"):
+        parse_relax(r)
+    for w in per_level(c_weight, max_levels, "c_weight"):
+        if not (isinstance(w, (int, float, np.floating)) and not isinstance(w, bool) and 0.0 < w <= 2.0):
+            raise ValueError(f"`c_weight` must be in (0, 2], got {c_weight!r}")
+
+
 def build_hierarchy(
     t,
     cf: int | Sequence[int] = 2,
@@ -159,21 +178,16 @@ def build_hierarchy(
         Weight of C-relaxation, for all levels or per level.
     """
     t = check_time_grid(t)
-    check_integer(max_levels, "max_levels", 1)
-    check_integer(min_coarse, "min_coarse", 1)
+    check_levels(cf, max_levels, min_coarse, relax, c_weight)
+    return levels_of(t, cf, max_levels, min_coarse, relax, c_weight)
+
+
+def levels_of(t: np.ndarray, cf, max_levels: int, min_coarse: int, relax, c_weight) -> Hierarchy:
+    """The hierarchy of a checked grid ``t`` (:func:`check_time_grid`) and checked
+    settings (:func:`check_levels`); :func:`build_hierarchy` with the checks done."""
     cfs = per_level(cf, max_levels, "cf")
     relaxes = per_level(relax, max_levels, "relax")
     weights = per_level(c_weight, max_levels, "c_weight")
-    for c in cfs:
-        if not (is_integer(c) and c >= 2):
-            note = " (a bool; pass an integer)" if isinstance(c, (bool, np.bool_)) else ""
-            raise ValueError(f"`cf` must be an integer >= 2 (or one per level), got {cf!r}{note}")
-    for r in relaxes:
-        parse_relax(r)
-    for w in weights:
-        if not (isinstance(w, (int, float, np.floating)) and 0.0 < w <= 2.0):
-            raise ValueError(f"`c_weight` must be in (0, 2], got {c_weight!r}")
-
     levels = []
     tl, stride = t, 1
     tl.setflags(write=False)

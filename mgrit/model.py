@@ -1,7 +1,8 @@
 """A critical-path cost model of a distributed MGRIT solve.
 
-The model replays the solver's schedule (:mod:`mgrit.cycle`, :mod:`mgrit.relax`)
-on ``P`` simulated ranks that own the same blocks as in :func:`mgrit.solve`
+The model replays the solver's schedule (:func:`mgrit.cycle.run`, the one
+schedule the solver executes, driving this module's level operations instead
+of the numerics) on ``P`` simulated ranks that own the same blocks as in :func:`mgrit.solve`
 (:mod:`mgrit.partition`).
 Every rank has a clock; propagator work advances it, and a message from a
 neighbour arrives ``latency`` seconds after it was sent: a receive sets the
@@ -36,7 +37,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .cycle import LevelOps, run
 from .hierarchy import Hierarchy, per_level
+from .options import Options
 from .partition import level_ranges, neighbours
 
 
@@ -125,15 +128,19 @@ def sequential_time(hierarchy: Hierarchy, cost: StepCost | Sequence[StepCost] = 
     return hierarchy[0].n * per_level(cost, len(hierarchy), "cost")[0].single
 
 
-class _Schedule:
-    """Clocks, critical paths and the blocks of the simulated ranks (internal)."""
+class _Schedule(LevelOps):
+    """Clocks, critical paths and the blocks of the simulated ranks (internal).
+
+    The level operations of :class:`mgrit.cycle.LevelOps`, executed on all
+    simulated ranks at once: :func:`mgrit.cycle.run` drives them exactly as it
+    drives the solver's numerics.
+    """
 
     def __init__(self, hierarchy, size, costs, latency, reduce_latency, partition):
         self.h, self.size, self.costs, self.lat = hierarchy, size, costs, latency
         self.red = latency * math.ceil(math.log2(size)) if reduce_latency is None else reduce_latency
         L = len(hierarchy)
         self.clock = np.zeros(size)
-        self.relaxed0 = False
         self.path = np.zeros((size, L), dtype=np.int64)  # calls on the path that ends at each clock
         self.msgs = np.zeros(size, dtype=np.int64)
         self.work = np.zeros((size, L), dtype=np.int64)  # everything each rank did
@@ -166,7 +173,10 @@ class _Schedule:
         self.path[:] = self.path[r]
         self.msgs[:] = self.msgs[r]
 
-    # -- solver operations ------------------------------------------------
+    # -- the level operations of mgrit.cycle.LevelOps, on every rank at once ----------
+    def owns(self, l) -> bool:
+        return bool(self.blocks[l])
+
     def f_relax(self, l) -> None:
         m, sent = self.h[l].cf, {}
         for r, (lo, hi, left, right) in self.blocks[l].items():  # left neighbours come first
@@ -189,6 +199,14 @@ class _Schedule:
         for r, (lo, hi, _, _) in self.blocks[l].items():
             self.compute(r, l, count_residue(max(lo, 1), hi, 0, m))
 
+    c_relax = c_sweep
+
+    def c_residual(self, l) -> None:
+        self.c_sweep(l)
+
+    def check(self, l, R=None, iteration=0) -> None:
+        """Checks for NaN and Inf cost nothing here."""
+
     def exchange(self, l) -> None:
         """Every rank sends its last point right, then receives its ghost."""
         sent = {r: self.snap(r) for r in self.blocks[l]}
@@ -196,12 +214,20 @@ class _Schedule:
             if left is not None:
                 self.arrive(r, sent[left])
 
-    def coarse_operator(self, l) -> None:
-        """``Psi(v[k-1])`` at the owned coarse points ``k >= 1``."""
-        for r, (lo, hi, _, _) in self.blocks[l].items():
-            self.compute(r, l, hi - max(lo, 1) + 1)
+    def inject(self, l) -> None:
+        """Injection: the coarse ghosts come from the left neighbours."""
+        self.exchange(l + 1)
 
-    def sequential(self, l) -> None:
+    def restrict(self, l, R) -> None:
+        """Injection, then ``Psi(v[k-1])`` at the owned coarse points ``k >= 1``."""
+        self.exchange(l + 1)
+        for r, (lo, hi, _, _) in self.blocks[l + 1].items():
+            self.compute(r, l + 1, hi - max(lo, 1) + 1)
+
+    def correct(self, l) -> None:
+        """Local: no propagator call, no message."""
+
+    def sequential_solve(self, l) -> None:
         sent = {}
         for r, (lo, hi, left, _) in self.blocks[l].items():
             if left is not None:
@@ -209,48 +235,11 @@ class _Schedule:
             self.compute(r, l, hi - max(lo, 1) + 1, batched=False)
             sent[r] = self.snap(r)
 
-    def down(self, l, skip) -> None:
-        if not skip:
-            relaxed = l == 0 and self.relaxed0  # see mgrit.cycle.down
-            if l == 0:
-                self.relaxed0 = False
-            for _ in range(self.h[l].nrelax):
-                if not relaxed:
-                    self.f_relax(l)
-                relaxed = False
-                self.c_sweep(l)
-            if not relaxed:
-                self.f_relax(l)
-            self.c_sweep(l)  # residuals
-        self.exchange(l + 1)  # injection
-        if not skip:
-            self.coarse_operator(l + 1)
+    def residual_norm(self, R) -> None:
+        self.sync()
 
-    def cycle(self, l, kind, skip=False) -> None:
-        last = len(self.h) - 1
-        if l == last:
-            self.sequential(l)
-            return
-        self.down(l, skip)
-        if self.blocks[l + 1]:
-            self.cycle(l + 1, kind, skip)
-            if kind == "F" and not skip and l + 1 < last:
-                self.cycle(l + 1, "V")
-            if l + 1 < last:
-                self.f_relax(l + 1)
-
-    def nested(self, kind) -> None:
-        """The nested-iteration start (:func:`mgrit.cycle.nested_start`)."""
-        last = len(self.h) - 1
-        for l in range(last):
-            if self.blocks[l + 1]:
-                self.exchange(l + 1)  # injection
-        self.sequential(last)
-        for l in range(last - 1, -1, -1):
-            if l + 1 < last:
-                self.f_relax(l + 1)
-            if l > 0:
-                self.cycle(l, kind)
+    def finish(self) -> None:
+        self.sync()
 
     def latest(self) -> tuple:
         r = int(np.argmax(self.clock))
@@ -266,6 +255,7 @@ def predict(
     skip: bool = True,
     nested: bool = False,
     residual: str = "xbraid",
+    final_residual: bool = False,
     cost: StepCost | Sequence[StepCost] = StepCost(),
     latency: float = 0.0,
     reduce_latency: float | None = None,
@@ -288,6 +278,8 @@ def predict(
         Nested-iteration start, as in :func:`mgrit.solve` (``skip`` is then ignored).
     residual : {"xbraid", "cycle_end"}
         Where the residual is measured, as in :func:`mgrit.solve`.
+    final_residual : bool
+        The residual of the returned solution is measured, as in :func:`mgrit.solve`.
     cost : StepCost or sequence of StepCost
         Propagator cost per level (last repeats); default: unit costs, so
         that times count propagator calls.
@@ -319,36 +311,22 @@ def predict(
         raise ValueError(f"`size` must be an integer >= 1, got {size!r}")
     if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
         raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
-    if cycle not in ("V", "F"):
-        raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
     if not latency >= 0 or (reduce_latency is not None and not reduce_latency >= 0):
         raise ValueError("`latency` and `reduce_latency` must be >= 0")
+    opts = Options(cycle=cycle, skip=skip, nested=nested, residual=residual, final_residual=final_residual,
+                   max_iter=int(iterations), tol=None)
     L = len(hierarchy)
     costs = per_level(cost, L, "cost")
     s = _Schedule(hierarchy, int(size), costs, float(latency), reduce_latency, partition)
     marks, times = [np.zeros(L, dtype=np.int64)], []
-    if L == 1:
-        s.sequential(0)
-        iterations = 0
-    elif nested:
-        s.nested(cycle)
-        skip = False
-    for k in range(iterations):
-        first_skipped = skip and k == 0
-        s.cycle(0, cycle, skip=first_skipped)
-        if residual == "cycle_end":
-            s.f_relax(0)
-            s.c_sweep(0)
-            s.relaxed0 = True
-            first_skipped = False  # a residual exists after every cycle
-        if not first_skipped:
-            s.sync()  # the residual norm
+
+    def after_cycle(k, _norm) -> bool:
         t, path = s.latest()
         times.append(t)
         marks.append(path)
-    if L > 1 and not s.relaxed0:
-        s.f_relax(0)
-    s.sync()  # the final handshake
+        return False  # the schedule stops after `iterations` cycles
+
+    run(s, hierarchy, opts, after_cycle)
     t, path = s.latest()
     marks.append(path)
     per_iter = tuple(tuple(int(x) for x in b - a) for a, b in zip(marks[:-1], marks[1:]))

@@ -136,23 +136,66 @@ def checked_state(x, U, level: int):
     return x
 
 
-def advance(w: LevelState, U, t0: np.ndarray, t1: np.ndarray):
-    """Batched propagator call on level ``w`` with type, shape and dtype checks and cost count."""
-    out = w.prop.step_batch(U, t0, t1)
-    # name the method the user wrote: `step` when step_batch is the default loop
-    own_batch = type(w.prop).step_batch is not Propagator.step_batch
-    check_batch(out, U, w.level.index, "step_batch" if own_batch else "step")
-    w.count += U.shape[0]
+def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
+    """The default ``step_batch`` (a loop over ``step``) writing straight into ``out``.
+
+    Checks the first state as :meth:`Propagator.step_batch` and :func:`check_batch`
+    do (same errors, naming `step`). Returns ``out``, or, when ``step`` returns
+    another dtype than the states', a new stack in that dtype (as the default
+    ``step_batch`` would), so that the arithmetic that follows is the same.
+    """
+    step, a, b, level = w.prop.step, t0.tolist(), t1.tolist(), w.level.index
+    first = step(U[0], a[0], b[0])
+    if first is None or B.is_torch(first) != B.is_torch(U):
+        check_batch(first, U, level, "step")  # raises
+    first = B.as_state(first)
+    check_batch(first[None], U[:1], level, "step")  # type, shape, complex: metadata only
+    if first.dtype != out.dtype:
+        out = B.empty_stack(U.shape[0], first)
+    out[0] = first
+    for k in range(1, U.shape[0]):
+        out[k] = step(U[k], a[k], b[k])
     return out
 
 
-def _phi_from(w: LevelState, a: int):
-    """``Phi(u_{i-1}) + g_i`` for the local slots ``a, a + m, a + 2m, ...``."""
+def advance(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out=None):
+    """Batched propagator call on level ``w`` with type, shape and dtype checks and cost count.
+
+    ``out`` (optional) is a stack of the states' dtype for the result; it is
+    returned when the result was written there (then the caller may update it
+    in place), otherwise a new array is. A propagator without its own
+    ``step_batch`` writes into ``out`` state by state: no stack of results is
+    built and copied.
+    """
+    n = U.shape[0]
+    w.count += n
+    own_batch = type(w.prop).step_batch is not Propagator.step_batch
+    if not own_batch and out is not None and n > 0:
+        return _loop_into(w, U, t0, t1, out)
+    new = w.prop.step_batch(U, t0, t1)
+    # name the method the user wrote: `step` when step_batch is the default loop
+    check_batch(new, U, w.level.index, "step_batch" if own_batch else "step")
+    if out is not None and new.dtype == out.dtype:
+        out[...] = new
+        return out
+    return new
+
+
+def _phi_from(w: LevelState, a: int, out=None):
+    """``Phi(u_{i-1}) + g_i`` for the local slots ``a, a + m, a + 2m, ...``.
+
+    Written into ``out`` (and ``out`` returned) when :func:`advance` could; the
+    sum is the same either way (``out += g`` is ``Phi + g`` in the states' dtype).
+    """
     m = w.level.cf
     n = (w.nloc - 1 - a) // m + 1
-    new = advance(w, w.u[a - 1 : a - 1 + (n - 1) * m + 1 : m], w.tl[a - 1 :: m][:n], w.tl[a::m])
+    U = w.u[a - 1 : a - 1 + (n - 1) * m + 1 : m]
+    new = advance(w, U, w.tl[a - 1 :: m][:n], w.tl[a::m], out)
     if w.g is not None:
-        new = new + w.g[a::m]
+        if new is out:
+            new += w.g[a::m]
+        else:
+            new = new + w.g[a::m]
     return new
 
 
@@ -195,7 +238,10 @@ def f_relax(w: LevelState) -> None:
             recv_ghost(w, w.u)
         a = w.first(j)
         if a < w.nloc:
-            w.u[a::m] = _phi_from(w, a)
+            dest = w.u[a::m]
+            new = _phi_from(w, a, out=dest)
+            if new is not dest:
+                dest[...] = new
         if j == j_hi:
             send_last(w, w.u)
     if w.left is not None and j_lo == 0:
@@ -208,10 +254,13 @@ def c_relax(w: LevelState) -> None:
     a = w.first(0)
     if a >= w.nloc:
         return
-    new = _phi_from(w, a)
+    dest = w.u[a::m]
     if wt != 1.0:
-        new = (1.0 - wt) * w.u[a::m] + wt * new
-    w.u[a::m] = new
+        dest[...] = (1.0 - wt) * dest + wt * _phi_from(w, a)
+        return
+    new = _phi_from(w, a, out=dest)  # reads the slots before the C-points only
+    if new is not dest:
+        dest[...] = new
 
 
 def c_residual(w: LevelState):
@@ -223,7 +272,12 @@ def c_residual(w: LevelState):
     a = w.first(0)
     if a >= w.nloc:
         return w.u[0:0]
-    return _phi_from(w, a) - w.u[a::m]
+    r = B.empty_stack((w.nloc - 1 - a) // m + 1, w.u[0])
+    new = _phi_from(w, a, out=r)
+    if new is r:
+        r -= w.u[a::m]
+        return r
+    return new - w.u[a::m]
 
 
 def sequential_solve(w: LevelState) -> None:

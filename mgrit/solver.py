@@ -9,11 +9,12 @@ import numpy as np
 
 from . import _backend as B
 from .comm import Communicator, args_signature, as_communicator
-from .cycle import CycleContext, DivergenceError, cycle, nested_start, temporal_norm
-from .hierarchy import build_hierarchy, check_integer, per_level
+from .cycle import DivergenceError, Levels, run
+from .hierarchy import per_level
+from .options import Options
 from .partition import level_ranges, neighbours
 from .propagator import Propagator
-from .relax import LevelState, c_residual, f_relax
+from .relax import LevelState
 from .result import IterationInfo, Result, Status
 from .spatial import SpatialTransfer
 
@@ -60,18 +61,6 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
     if tuple(X.shape[1:]) != tuple(u0.shape):
         raise ValueError(f"`initial_guess(t)` returned shape {tuple(X.shape[1:])}, expected {tuple(u0.shape)}")
     return X
-
-
-def _validate(tol, tol_type, norm, max_iter, cycle_kind):
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0):
-        raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
-    if tol_type not in ("abs", "rel"):
-        raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
-    if isinstance(norm, bool) or norm not in (1, 2, math.inf, "inf"):
-        raise ValueError(f"`norm` (temporal) must be 1, 2 or inf, got {norm!r}")
-    check_integer(max_iter, "max_iter", 1)
-    if cycle_kind not in ("V", "F"):
-        raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle_kind!r}")
 
 
 def solve(
@@ -212,10 +201,10 @@ def solve(
     """
     comm = as_communicator(comm)
     try:  # every check is local: a rank with bad input tells the others in comm.open
-        _validate(tol, tol_type, norm, max_iter, cycle)
-        if residual not in ("xbraid", "cycle_end"):
-            raise ValueError(f"`residual` must be 'xbraid' or 'cycle_end', got {residual!r}")
-        p = math.inf if norm == "inf" else norm
+        opts = Options(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, c_weight=c_weight,
+                       cycle=cycle, tol=tol, tol_type=tol_type, norm=norm, max_iter=max_iter, skip=skip,
+                       nested=nested, residual=residual, final_residual=final_residual, callback=callback,
+                       partition=partition)
         _check_no_grad(u0, "u0")
         _check_no_grad(initial_guess, "initial_guess")
         u0 = B.as_state(u0)
@@ -223,29 +212,24 @@ def solve(
             raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")
         if not B.all_finite(u0):
             raise ValueError("`u0` contains NaN or Inf")
-        hierarchy = build_hierarchy(t, cf, max_levels, min_coarse, relax, c_weight)
+        hierarchy = opts.hierarchy(t)
         L = len(hierarchy)
         props = _check_propagators(propagator, L)
         transfers = per_level(spatial, max(L - 1, 1), "spatial")
         for tr in transfers:
             if tr is not None and not isinstance(tr, SpatialTransfer):
                 raise TypeError(f"`spatial` entries must be mgrit.SpatialTransfer or None, got {type(tr).__name__}")
-        if callback is not None and not callable(callback):
-            raise TypeError("`callback` must be callable")
-        states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, partition)
+        states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, opts.partition)
         sig = args_signature(
             [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
-            B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], cycle, tol, tol_type, p,
-            max_iter, skip, nested, final_residual, residual,
-            None if partition is None else [int(s) for s in partition],
+            B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], *opts.signature(),
         )
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
     comm.open(signature=sig)
     try:
-        res = _run(hierarchy, states, u0, comm, cycle, tol, tol_type, p, max_iter,
-                   skip and not nested, callback, final_residual, nested, residual == "cycle_end")
+        res = _run(hierarchy, states, u0, comm, opts)
     except BaseException as exc:
         comm.close(exc)  # tells the other ranks (they raise RemoteRankError)
         raise
@@ -311,64 +295,30 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
     return states
 
 
-def _run(hierarchy, states, u0, comm, kind, tol, tol_type, p, max_iter, skip, callback,
-         final_residual=False, nested=False, at_cycle_end=False) -> Result:
-    ctx = CycleContext(states)
-    if nested and len(hierarchy) > 1:
-        nested_start(ctx, kind)
+def _run(hierarchy, states, u0, comm, opts: Options) -> Result:
+    """Run the schedule (:func:`mgrit.cycle.run`) on this rank's iterates and report."""
     residuals: list = []
-    converged = False
-    status = Status.MAX_ITER
-    L = len(hierarchy)
-    if L == 1:
-        cycle(ctx, 0, kind)
-        residuals, converged, status = [], True, Status.SEQUENTIAL
-        iterations = 1
+    first, converged = None, False  # first available residual norm; tolerance reached
+
+    def after_cycle(k: int, res_k) -> bool:
+        nonlocal first, converged
+        if res_k is not None:
+            if not math.isfinite(res_k):
+                raise DivergenceError(f"MGRIT diverged: residual norm {res_k} in iteration {k}")
+            first = res_k if first is None else first
+        residuals.append(res_k)
+        if opts.callback is not None:
+            opts.callback(IterationInfo(k, res_k, tuple(w.count if w else 0 for w in states)))
+        if res_k is not None and opts.tol is not None:
+            converged = res_k <= (opts.tol if opts.tol_type == "abs" else opts.tol * first)
+        return converged
+
+    final = run(Levels(states, comm, opts.norm), hierarchy, opts, after_cycle)
+    if len(hierarchy) == 1:
+        iterations, converged, status = 1, True, Status.SEQUENTIAL
     else:
-        first = None
-        iterations = 0
-        for k in range(max_iter):
-            ctx.iteration = k
-            skipped = skip and k == 0
-            r = cycle(ctx, 0, kind, skip=skipped)
-            iterations = k + 1
-            res_k = None
-            if at_cycle_end:  # measure on the iterate as it would be returned
-                skipped = False
-                if states[0] is not None:
-                    f_relax(states[0])
-                    r = c_residual(states[0])
-                    ctx.check(0, r)
-                ctx.relaxed0 = True
-            if not skipped:
-                w0 = states[0]
-                norms = w0.prop.norms(r) if w0 is not None else np.zeros(0)
-                res_k = temporal_norm(norms, p, comm)
-                if not math.isfinite(res_k):
-                    raise DivergenceError(f"MGRIT diverged: residual norm {res_k} in iteration {k}")
-                first = res_k if first is None else first
-            residuals.append(res_k)
-            if callback is not None:
-                callback(IterationInfo(k, res_k, tuple(w.count if w else 0 for w in states)))
-            if res_k is not None and tol is not None:
-                target = tol if tol_type == "abs" else tol * first
-                if res_k <= target:
-                    converged, status = True, Status.CONVERGED
-                    break
-        if not converged and _diverged(residuals):
-            status = Status.DIVERGED
-        if states[0] is not None:
-            if not ctx.relaxed0:  # (a cycle-end residual has relaxed it already)
-                f_relax(states[0])  # ideal interpolation of the last correction
-            ctx.check(0)  # every state, the trailing F-points included
-    final = None
-    if final_residual and at_cycle_end and L > 1:
-        final = residuals[-1]  # measured on exactly the returned iterate
-    elif final_residual:
-        w0 = states[0]
-        norms = w0.prop.norms(c_residual(w0)) if (w0 is not None and L > 1) else np.zeros(0)
-        final = temporal_norm(norms, p, comm)  # one level is exact: 0
-    comm.finish()
+        iterations = len(residuals)
+        status = Status.CONVERGED if converged else (Status.DIVERGED if _diverged(residuals) else Status.MAX_ITER)
     w0 = states[0]
     if w0 is None:
         u_local, t_local, index = B.empty_stack(0, u0), np.zeros(0), range(0, 0)

@@ -8,10 +8,20 @@ with ``u = 0`` at both ends, ``u(x, 0) = sin(pi x)`` and
 
 One backward-Euler step solves ``(I - dt a D2) u1 = u0 + dt b(x, t1)``. The
 tridiagonal LU factorization is computed once per step size and reused; a
-batched step solves all right-hand sides of a relaxation sweep in one LAPACK
-call (``?gttrs``), which is where the speed of relaxation comes from.
+batched step solves all right-hand sides of a relaxation sweep that share a
+step size in one LAPACK call (``?gttrs``), which is where the speed of
+relaxation comes from.
+
+Non-uniform time grids: a batched call groups its rows by step size with one
+sort (O(n log n) comparisons, one LAPACK call per distinct step), and the
+factorizations are kept in a least-recently-used cache of at most
+``Heat1D.cache_size`` step sizes (64 by default; each entry holds five arrays of
+about ``nx`` floats), so time is linear in the number of time points and memory
+is bounded whatever the grid.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 from scipy.linalg import lapack
@@ -31,6 +41,14 @@ class Heat1D(Propagator):
     forcing : bool
         Include PyMGRIT's source term ``b(x, t)`` (exact solution ``sin(pi x) cos t``);
         False solves the homogeneous equation.
+    cache_size : int
+        Most step sizes whose LU factorization is kept (least recently used
+        ones are dropped). A uniform grid with ``L`` levels needs ``L``.
+
+    Attributes
+    ----------
+    factorizations : int
+        LU factorizations computed so far (a cost counter).
 
     Examples
     --------
@@ -41,14 +59,18 @@ class Heat1D(Propagator):
     True
     """
 
-    def __init__(self, nx: int, a: float = 1.0, forcing: bool = True):
+    def __init__(self, nx: int, a: float = 1.0, forcing: bool = True, cache_size: int = 64):
         if not isinstance(nx, (int, np.integer)) or nx < 3:
             raise ValueError(f"`nx` must be an integer >= 3, got {nx!r}")
+        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
+            raise ValueError(f"`cache_size` must be an integer >= 1, got {cache_size!r}")
         self.nx, self.a, self.forcing = int(nx), float(a), bool(forcing)
+        self.cache_size = int(cache_size)
         self.x = np.linspace(0.0, 1.0, self.nx)[1:-1]
         self.dx = 1.0 / (self.nx - 1)
         self._sinpx = np.sin(np.pi * self.x)
-        self._lu: dict = {}
+        self._lu: OrderedDict = OrderedDict()
+        self.factorizations = 0
 
     def __repr__(self) -> str:
         return f"Heat1D(nx={self.nx}, a={self.a}, forcing={self.forcing})"
@@ -67,15 +89,22 @@ class Heat1D(Propagator):
         return -np.outer(np.sin(t) - self.a * np.pi**2 * np.cos(t), self._sinpx)
 
     def _factor(self, dt: float):
-        lu = self._lu.get(dt)
-        if lu is None:
-            n = self.nx - 2
-            c = self.a * dt / self.dx**2
-            off = np.full(n - 1, -c)
-            dl, d, du, du2, ipiv, info = lapack.dgttrf(off, np.full(n, 1.0 + 2.0 * c), off.copy())
-            if info != 0:
-                raise np.linalg.LinAlgError(f"tridiagonal factorization failed (info={info})")
-            lu = self._lu[dt] = (dl, d, du, du2, ipiv)
+        """LU factorization of ``I - dt a D2`` from the LRU cache (computed on a miss)."""
+        cache = self._lu
+        lu = cache.get(dt)
+        if lu is not None:
+            cache.move_to_end(dt)
+            return lu
+        n = self.nx - 2
+        c = self.a * dt / self.dx**2
+        off = np.full(n - 1, -c)
+        dl, d, du, du2, ipiv, info = lapack.dgttrf(off, np.full(n, 1.0 + 2.0 * c), off.copy())
+        if info != 0:
+            raise np.linalg.LinAlgError(f"tridiagonal factorization failed (info={info})")
+        self.factorizations += 1
+        lu = cache[dt] = (dl, d, du, du2, ipiv)
+        if len(cache) > self.cache_size:
+            cache.popitem(last=False)  # the least recently used step size
         return lu
 
     def _solve(self, dt: float, rhs_cols: np.ndarray, overwrite: bool = False) -> np.ndarray:
@@ -112,10 +141,14 @@ class Heat1D(Propagator):
             rhs = np.array(U, dtype=np.float64, order="C")
         if np.all(dt == dt[0]):  # one step size: one LAPACK call, no copies
             return self._solve(float(dt[0]), rhs.T, overwrite=True).T
+        # group the rows by step size with one stable sort (rows of a group stay in order)
+        order = np.argsort(dt, kind="stable")
+        sorted_dt = dt[order]
+        cuts = np.flatnonzero(sorted_dt[1:] != sorted_dt[:-1]) + 1
         out = np.empty_like(rhs)
-        for d in np.unique(dt):
-            idx = np.flatnonzero(dt == d)
-            out[idx] = self._solve(float(d), rhs[idx].T, overwrite=True).T
+        for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(dt)])).tolist()):
+            idx = order[lo:hi]
+            out[idx] = self._solve(float(sorted_dt[lo]), rhs[idx].T, overwrite=True).T
         return out
 
 
