@@ -49,7 +49,7 @@ def _inject(w: LevelState, wc: LevelState):
 def restrict(w: LevelState, wc: LevelState, r) -> None:
     """FAS restriction from level ``w`` to ``wc`` given the fine C-point residuals ``r``.
 
-    Per coarse point ``k >= 1`` (fine C-point ``i = k m``), REFERENCE.md 1:
+    Per coarse point ``k >= 1`` (fine C-point ``i = k m``), docs/theory.md §3:
     ``g_c[k] = R_x(g_i - u_i + Phi(u_{i-1})) + v[k] - Psi(v[k-1])``.
     """
     # 1. inject the fine C-points: v = R_x u (this is also the coarse initial iterate)
@@ -227,7 +227,7 @@ class Sweep:
 
 
 def down(s: Sweep, l: int, skip: bool):
-    """Relax level ``l`` and set up the problem of level ``l + 1`` (REFERENCE.md 1b).
+    """Relax level ``l`` and set up the problem of level ``l + 1`` (docs/theory.md §4).
 
     Returns the C-point residuals of level ``l`` (None when skipping).
     """

@@ -1,6 +1,6 @@
 """Relaxation kernels on one level: F-relaxation, C-relaxation, C-point residuals.
 
-Notation (REFERENCE.md): on a level with coarsening factor ``m``, point ``i``
+Notation (docs/theory.md): on a level with coarsening factor ``m``, point ``i``
 is a C-point when ``i % m == 0`` and an F-point otherwise; ``Phi`` steps from
 ``t_{i-1}`` to ``t_i``; ``g`` is the right-hand side (zero on the finest level
 except the initial condition, which is never changed).

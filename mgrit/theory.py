@@ -9,7 +9,7 @@ Two kinds of input:
 * small matrices: ``Phi`` and ``Psi`` as ``(d, d)`` arrays; the iteration
   matrices are then block matrices with ``d x d`` blocks.
 
-Notation (REFERENCE.md section 3): ``N_c`` coarse intervals, C-point errors
+Notation (docs/theory.md §6): ``N_c`` coarse intervals, C-point errors
 ``e_1 .. e_{N_c}`` (``e_0 = 0``: the initial condition is exact), ``r = 0`` for
 F-relaxation and ``r = 1`` for FCF (``r`` = number of CF pairs after the first
 F sweep), ``n = N_c - 1 - r`` and

@@ -2,7 +2,7 @@
 
 Everything here is deliberately independent of the solver internals: the
 reference solution is plain sequential stepping with ``Propagator.step`` on
-the *same* time array that the solver gets (REFERENCE.md 2: bitwise
+the *same* time array that the solver gets (docs/theory.md §5: bitwise
 comparisons need bit-identical time grids).
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ def problems() -> dict:
 
 
 def exact_iterations(n_coarse: int, relax: str, skip: bool) -> int:
-    """REFERENCE.md 2: F moves the exact front one C-point per cycle, F(CF)^k moves it
+    """docs/theory.md §5: F moves the exact front one C-point per cycle, F(CF)^k moves it
     k + 1; XBraid's skip spends the first cycle on a coarse solve only."""
     per_cycle = relax.upper().count("C") + 1
     return math.ceil(n_coarse / per_cycle) + (1 if skip else 0)

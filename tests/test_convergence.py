@@ -1,6 +1,6 @@
 """Convergence of the solver against two-level theory and multilevel observations.
 
-Two-level theory (REFERENCE.md 3, Dobrev et al. 2017, Southworth 2019): on the
+Two-level theory (docs/theory.md §6, Dobrev et al. 2017, Southworth 2019): on the
 Dahlquist problem with lambda = one fine step, mu = one coarse step, the error
 at the C-points e_1..e_Nc is multiplied per cycle by
 
@@ -24,7 +24,7 @@ from propagators import Dahlquist, Heat1D, Lorenz
 
 from conftest import max_err, scale, sequential, uniform_grid
 
-# scheme, z, m, N_c, ||E_F||_2, ||E_FCF||_2   (REFERENCE.md section 3)
+# scheme, z, m, N_c, ||E_F||_2, ||E_FCF||_2   (docs/theory.md §6)
 REFERENCE_NORMS = [
     ("be", -0.1, 4, 8, 8.000356e-02, 5.158324e-02),
     ("be", -0.1, 4, 64, 1.083992e-01, 7.401627e-02),
@@ -143,7 +143,7 @@ def average_factor(res) -> float:
 
 
 def test_multilevel_factors_f_degrades_fcf_flat():
-    """REFERENCE.md 3 (Hessenthaler et al. 2020): BE, z = -0.05, m = 2, N_c = 64.
+    """docs/theory.md §6 (Hessenthaler et al. 2020): BE, z = -0.05, m = 2, N_c = 64.
     F: 0.014 / 0.033 / 0.075 / 0.127, FCF: 0.011 / 0.026 / 0.036 / 0.036 for 2..5 levels."""
     prop = Dahlquist(-1.0, "be")
     t = uniform_grid(128, 128 * 0.05)

@@ -1,4 +1,4 @@
-"""Exactness oracles (REFERENCE.md 2): the solver must reproduce sequential stepping.
+"""Exactness oracles (docs/theory.md §5): the solver must reproduce sequential stepping.
 
 * one level is sequential stepping, bit for bit;
 * F-relaxation makes one more C-point exact per cycle, F(CF)^k makes k + 1 more,
@@ -129,7 +129,7 @@ def test_two_level_exact_with_natural_coarse_propagator(name, relax):
 @pytest.mark.parametrize("m,levels", [(2, 2), (2, 3), (2, 4), (4, 2), (4, 3)])
 @pytest.mark.parametrize("relax,expected", [("F", 8), ("FCF", 4)])
 def test_multilevel_v_cycle_counts_from_reference(m, levels, relax, expected, rng):
-    """REFERENCE.md 2: V-cycles with 2..4 levels, m in {2, 4}, N_c = 8 need exactly 8 (F)
+    """docs/theory.md §5: V-cycles with 2..4 levels, m in {2, 4}, N_c = 8 need exactly 8 (F)
     and 4 (FCF) cycles -- the number of levels does not change the count."""
     prop = Dahlquist(-1.0)
     N = 8 * m

@@ -1,4 +1,4 @@
-"""Spatial coarsening between time levels (REFERENCE.md 1, XBraid's SpatialCoarsen/Refine).
+"""Spatial coarsening between time levels (docs/theory.md §3, XBraid's SpatialCoarsen/Refine).
 
 With spatial coarsening the fine problem is unchanged, so the FAS fixed point is
 still fine-level sequential stepping; only the speed of convergence depends on

@@ -1,4 +1,4 @@
-"""MGRIT convergence theory (mgrit.theory) against REFERENCE.md section 3 and the solver.
+"""MGRIT convergence theory (mgrit.theory) against docs/theory.md §6 and the solver.
 
 The solver-side iteration matrix is extracted from mgrit.solve itself: with
 ``skip=False`` every cycle starts with an F-relaxation, so the iterate after
@@ -20,7 +20,7 @@ from mgrit import theory as th
 from propagators import Dahlquist, Heat1D
 
 # --------------------------------------------------------------------------------------
-# (a) REFERENCE.md section 3 reference values
+# (a) docs/theory.md §6 reference values
 # --------------------------------------------------------------------------------------
 
 TABLE = [  # scheme, z, m, N_c, ||E_F||, ||E_FCF||
@@ -90,7 +90,7 @@ def test_two_level_formula_structure():
 
 
 def test_exact_after_n_c_iterations_nilpotent():
-    """REFERENCE.md 2: F is exact after N_c iterations, FCF after ceil(N_c / 2)."""
+    """docs/theory.md §5: F is exact after N_c iterations, FCF after ceil(N_c / 2)."""
     for n_c in (6, 7):
         ops = th.level_factors(-0.7, 2, 2)
         for relax, k in (("F", n_c), ("FCF", -(-n_c // 2))):
