@@ -523,3 +523,18 @@ def test_any_layers_on_cuda_equal_serial(name, batched, streams):
     assert rel(xp.grad, xs.grad) < REL
     for p, q in zip(lp.parameters(), ref.parameters()):
         assert rel(p.grad, q.grad) < REL
+
+
+def test_eval_mode_inference_is_the_serial_network_by_default():
+    torch.manual_seed(16)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(64)]
+    lp = LayerParallel(copy.deepcopy(layers), T=4.0, cf=4, max_levels=3)  # 2/1 cycles: inexact
+    x = torch.randn(3, 4)
+    ref = ODENet(copy.deepcopy(layers), T=4.0)(x).detach()
+    assert rel(lp(x).detach(), ref) > 1e-4  # training mode: the inexact solve
+    lp.eval()
+    with torch.no_grad():
+        assert rel(lp(x), ref) < 1e-12
+    inexact = LayerParallel(copy.deepcopy(layers), T=4.0, cf=4, max_levels=3, exact_eval=False).eval()
+    with torch.no_grad():
+        assert rel(inexact(x), ref) > 1e-4

@@ -161,6 +161,11 @@ class LayerParallel(nn.Module):
     warm_start : bool
         Start each forward solve from the previous forward trajectory (for
         inputs of the same shape), as TorchBraid does; such solves do not skip.
+    exact_eval : bool
+        In eval mode (``model.eval()``) the forward pass steps through the
+        layers in order (a one-level solve, also across ranks): inference gives
+        the serial network's output, not the inexact few-cycle MGRIT solve of
+        training. False keeps the training solve in eval mode too.
     scheme : callable
         ``scheme(f, u, dt)``: :func:`forward_euler` (ResNet), :func:`heun`,
         :func:`rk4`, :func:`dt_aware`, or your own.
@@ -198,6 +203,7 @@ class LayerParallel(nn.Module):
                  max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
                  fwd_iters: int = 2, bwd_iters: int = 1, fwd_tol: float | None = None,
                  bwd_tol: float | None = None, skip: bool = True, warm_start: bool = False,
+                 exact_eval: bool = True,
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
                  comm=None, data_comm=None, callback=None):
         super().__init__()
@@ -225,7 +231,7 @@ class LayerParallel(nn.Module):
         self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
         self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
         self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
-        self.skip, self.warm_start = bool(skip), bool(warm_start)
+        self.skip, self.warm_start, self.exact_eval = bool(skip), bool(warm_start), bool(exact_eval)
         self.scheme, self.layer_index = scheme, layer_index or inject_layer
         self.batched, self.streams = bool(batched), int(streams)
         self.callback = callback
@@ -392,10 +398,13 @@ class LayerParallel(nn.Module):
         versions = self._buffer_versions(kp)
         rng = (torch.random.get_rng_state(), np.random.get_state())
         with torch.no_grad():
-            res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
-                              max_iter=self.fwd_iters, skip=self.skip and guess is None,
-                              initial_guess=guess, comm=self._comm, callback=self.callback,
-                              final_residual=True)
+            if self.exact_eval and not self.training:  # inference: the serial network's output
+                res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
+            else:
+                res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                                  max_iter=self.fwd_iters, skip=self.skip and guess is None,
+                                  initial_guess=guess, comm=self._comm, callback=self.callback,
+                                  final_residual=True)
         self.last_forward = res
         U, g0 = res.u, self.lo
         if P == 1:

@@ -165,6 +165,17 @@ def checkpoints():
         check("load_serial reproduces the output", fresh(x), ref(x))
 
 
+def eval_exact():
+    """Inference in eval mode steps through the layers across the ranks: the serial output."""
+    make, n, shape = NETWORKS["two_architectures"]
+    layers = full_layers(make, n, seed=21)
+    lp = LayerParallel(copy.deepcopy(layers), T=3.0, cf=2, max_levels=3, fwd_iters=1, comm=world).eval()
+    torch.manual_seed(22)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        check("eval-mode inference", lp(x), ODENet(copy.deepcopy(layers), T=3.0)(x))
+
+
 def idle_ranks():
     """More ranks than layer points: ranks without points take part and get the same output."""
     n = max(size - 2, 1)  # n + 1 points < size
@@ -185,6 +196,7 @@ try:
     replaced_parameters()
     memory_split()
     checkpoints()
+    eval_exact()
     if size >= 3:
         idle_ranks()
 except SystemExit:
