@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import zlib
 from abc import ABC, abstractmethod
@@ -642,6 +643,7 @@ class MPIComm(Communicator):
         self._base = _Channel(comm.Dup(), -1, self.size)  # handshakes, alarms, traffic outside sessions
         self._stack = [self._base]  # the base channel and one channel per open session
         self._pool: dict = {}  # id -> clean _Channel, oldest first
+        self._finishing = False  # in finish() of the innermost session
         self._next_id = 0
         self._broken = None  # (rank, message) of an alarm received or raised here
         self._owns = False  # free() frees ``comm`` too (made by split / reversed)
@@ -674,7 +676,13 @@ class MPIComm(Communicator):
     def _poll(self) -> None:
         """Raise RemoteRankError if a failure notice (on any open channel) or an alarm arrived."""
         MPI, st = self._MPI, self._status
-        for ch in reversed(self._stack[1:]):
+        # While this rank finishes its innermost session, a notice on an outer channel
+        # comes from a rank that has left the inner session: through its finish (then
+        # this finish completes too) or by failing inside it (then its notice on the
+        # inner channel arrives too). Either way this finish must not be abandoned for
+        # it: the rank that left would never join a cleanup of the inner channel.
+        channels = self._stack[-1:] if self._finishing else reversed(self._stack[1:])
+        for ch in channels:
             if ch.comm.Iprobe(MPI.ANY_SOURCE, Tag.FAILURE, st):
                 src = st.Get_source()
                 note = ch.comm.recv(source=src, tag=Tag.FAILURE)
@@ -1000,6 +1008,13 @@ class MPIComm(Communicator):
     # -- end of a session ---------------------------------------------------
     def finish(self):
         self._usable()
+        self._finishing = True
+        try:
+            self._finish()
+        finally:
+            self._finishing = False
+
+    def _finish(self):
         ch, r, P = self._top, self.rank, self.size
         if P > 1:
             # barrier through rank 0 carrying the counts: col[j] = messages j sent to this
@@ -1092,11 +1107,13 @@ class MPIComm(Communicator):
 
 
 def as_communicator(comm) -> Communicator:
-    """Turn ``None``, a :class:`Communicator` or an mpi4py communicator into a Communicator.
+    """Turn ``None``, a :class:`Communicator`, an mpi4py communicator or a
+    ``torch.distributed`` ProcessGroup into a Communicator.
 
-    An mpi4py communicator gets one :class:`MPIComm` wrapper, cached on it: the
-    same raw communicator always gives the same wrapper (the first call is
-    collective).
+    An mpi4py communicator gets one :class:`MPIComm` wrapper, cached on it; a
+    process group gets one :class:`mgrit.torch_dist.TorchDistComm`, cached
+    too: the same raw communicator always gives the same wrapper (the first
+    call is collective).
     """
     if comm is None:
         return SerialComm()
@@ -1111,9 +1128,22 @@ def as_communicator(comm) -> Communicator:
         wrapper = MPIComm(comm)
         comm.Set_attr(_keyval(MPI), wrapper)
         return wrapper
+    if _is_process_group(comm):
+        from .torch_dist import wrap
+
+        return wrap(comm)
     raise TypeError(
-        f"`comm` must be None, an mpi4py communicator or an mgrit.Communicator, got {type(comm).__name__}"
+        f"`comm` must be None, an mpi4py communicator, a torch.distributed ProcessGroup or an "
+        f"mgrit.Communicator, got {type(comm).__name__}"
     )
+
+
+def _is_process_group(obj) -> bool:
+    """A ``torch.distributed`` ProcessGroup? (torch is looked up in ``sys.modules``, never imported)."""
+    torch = sys.modules.get("torch")
+    c10d = getattr(getattr(torch, "distributed", None), "distributed_c10d", None)
+    pg = getattr(c10d, "ProcessGroup", None)
+    return pg is not None and isinstance(obj, pg)
 
 
 def split_comm(comm, layer_size: int):
@@ -1125,17 +1155,26 @@ def split_comm(comm, layer_size: int):
     ranks with the same layer index form one data communicator (shard the batch
     over it and all-reduce gradients on it).
 
+    With a ``torch.distributed`` ProcessGroup (the world group) this is
+    :func:`mgrit.torch_dist.split_group`: it returns process groups and is
+    collective over the whole world.
+
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
-        Usually ``MPI.COMM_WORLD``; its size must be a multiple of ``layer_size``.
+    comm : mpi4py.MPI.Comm or torch.distributed.ProcessGroup
+        Usually ``MPI.COMM_WORLD`` (or ``torch.distributed.group.WORLD``); its
+        size must be a multiple of ``layer_size``.
     layer_size : int
         Number of ranks along the layer (time) dimension.
 
     Returns
     -------
-    layer_comm, data_comm : mpi4py.MPI.Comm
+    layer_comm, data_comm : mpi4py.MPI.Comm (or torch.distributed.ProcessGroup)
     """
+    if _is_process_group(comm):
+        from .torch_dist import split_group
+
+        return split_group(layer_size, comm)
     size, rank = comm.Get_size(), comm.Get_rank()
     if not isinstance(layer_size, (int, np.integer)) or layer_size < 1 or size % layer_size:
         raise ValueError(

@@ -10,6 +10,8 @@ Run::
     make demo                                  # or: python -m propagators.demo
     python -m propagators.demo --ranks 2       # layers split over 2 MPI ranks
     mpiexec -n 2 python -m propagators.demo    # the same, launched by hand
+    python -m propagators.demo --ranks 2 --launcher torchrun   # over torch.distributed (gloo)
+    torchrun --standalone --nproc_per_node 2 -m propagators.demo   # the same, launched by hand
 """
 from __future__ import annotations
 
@@ -42,13 +44,24 @@ def parse(argv=None):
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ranks", type=int, default=1, help="relaunch under mpiexec with this many ranks")
+    p.add_argument("--ranks", type=int, default=1, help="relaunch under the launcher with this many ranks")
+    p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
+                   help="engine of --ranks: mpiexec (mpi4py) or torchrun (torch.distributed, gloo)")
     p.add_argument("--quick", action="store_true", help="2 epochs (smoke run)")
     return p.parse_args(argv)
 
 
 def world():
-    """(communicator or None, rank, size); MPI only when launched by mpiexec."""
+    """(communicator or None, rank, size): a gloo process group when launched by torchrun,
+    MPI when launched by mpiexec, None otherwise."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")  # the rendezvous comes from torchrun's environment
+            return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+        return None, 0, 1
     if any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")):
         from mpi4py import MPI
 
@@ -116,8 +129,14 @@ def main(argv=None) -> int:
     if args.ranks > 1 and world()[2] == 1:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         argv = list(argv if argv is not None else sys.argv[1:])
-        rest = [x for i, x in enumerate(argv)
-                if not x.startswith("--ranks") and not (i > 0 and argv[i - 1] == "--ranks")]
+        rest = [x for i, x in enumerate(argv) if not x.startswith(("--ranks", "--launcher"))
+                and not (i > 0 and argv[i - 1] in ("--ranks", "--launcher"))]
+        if args.launcher == "torchrun":
+            torchrun = Path(sys.executable).parent / "torchrun"
+            cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--standalone", "--nproc_per_node",
+                   str(args.ranks), "-m", "propagators.demo"] + rest
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            return subprocess.call(cmd, env=env)
         cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
                "-m", "mpi4py", "-m", "propagators.demo"] + rest
         return subprocess.call(cmd)
@@ -128,8 +147,10 @@ def main(argv=None) -> int:
     data = (X, y, Xt, yt)
     parallel, serial, lp = build(args, comm)
     if show:
+        engine = "" if comm is None else (" (torch.distributed, gloo)" if type(comm).__module__.startswith("torch")
+                                          else " (MPI)")
         print(f"digits: {len(X)} training / {len(Xt)} test images; {args.layers} residual layers of width "
-              f"{args.width}, T = {args.T}; {size} layer-parallel rank(s)")
+              f"{args.width}, T = {args.T}; {size} layer-parallel rank(s){engine}")
         print(f"MGRIT: cf {args.cf}, {len(lp.hierarchy)} levels, relax {lp.options['relax']}, "
               f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations per step")
     s_par = train(parallel, data, args, "layer-parallel", show, lp)

@@ -20,7 +20,8 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     """Average ``.grad`` of the parameters of ``module`` over the data communicator.
 
     The gradients travel as one flat buffer per dtype and device (one
-    all-reduce each, not one per tensor). With ``shard_size`` (the number of
+    all-reduce each, not one per tensor); over an NCCL process group a CUDA
+    buffer is reduced on its device. With ``shard_size`` (the number of
     samples of this rank's shard, for a loss that is a mean over the shard) the
     shards are weighted by their sizes, so uneven shards give the full-batch
     mean gradient; without it every shard weighs the same. A parameter gets a
@@ -53,8 +54,8 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
                           for p in ps])
         if weight != 1.0:
             flat = flat * weight
-        host = flat.cpu().numpy() if flat.dtype != torch.bfloat16 else flat.float().cpu().numpy()
-        summed = torch.from_numpy(comm.allreduce_array(np.ascontiguousarray(host)))
+        # the tensor itself: a communicator that can reduce on the device (NCCL) keeps it there
+        summed = comm.allreduce_array(flat if flat.dtype != torch.bfloat16 else flat.float())
         summed = (summed / total).to(dtype=dtype, device=device)
         off = 0
         for p in ps:

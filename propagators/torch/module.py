@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import mgrit
-from mgrit.comm import Tag, as_communicator
+from mgrit.comm import MPIComm, Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
@@ -619,6 +619,8 @@ def _foreign_leaves(out, allowed: set) -> list:
 
 
 def _free_quietly(comm) -> None:
+    if not isinstance(comm, MPIComm):  # torch.distributed views need no freeing
+        return
     from mpi4py import MPI
 
     if not MPI.Is_finalized():

@@ -1,0 +1,177 @@
+"""torch.distributed (gloo on CPU) as the second engine: equality with serial, failures, launch.
+
+Every test starts P local processes of a script in tests/dist_scripts/ with
+torchrun's environment (``_launch.py``: a free localhost port, ``RANK``,
+``WORLD_SIZE``; the scripts call ``init_process_group("gloo")``) and a timeout;
+the demo test goes through ``torchrun`` itself. The scripts compute their
+references themselves and print one line per rank.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+sys.path.insert(0, str(SCRIPTS))
+from _launch import launch as _start  # noqa: E402
+
+
+def launch(n: int, script: str, *args: str, timeout: float = 120):
+    """Run ``script`` on ``n`` processes; return (largest return code, combined output)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = []
+    with tempfile.TemporaryFile("w+") as out:
+        procs = _start(n, [str(SCRIPTS / script), *args], env, stdout=out)
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+            out.seek(0)
+            pytest.fail(f"{script} {' '.join(args)} on {n} processes did not return within {timeout} s "
+                        f"(a process hangs?)\n{out.read()[-4000:]}")
+        out.seek(0)
+        log.append(out.read())
+    return max(abs(p.returncode) for p in procs), log[0]
+
+
+# --------------------------------------------------------------------------- serial == parallel
+@pytest.mark.parametrize("n, torch_states", [(1, True), (2, False), (3, True), (4, True)])
+def test_solve_over_gloo_equals_serial_bit_for_bit(n, torch_states):
+    """The cases of tests/mpi_scripts/equal_serial.py (linear, FAS, nested, F-cycles, spatial
+    coarsening, awkward distributions, torch float64 / float32 states) over a gloo group:
+    solution, gathers, residual history, iterations, summed costs equal the serial solve
+    (and so the MPI solve, which equals it too)."""
+    rc, out = launch(n, "equal_serial.py", *(["--torch"] if torch_states else []))
+    assert rc == 0, out[-5000:]
+    assert {int(r) for r in re.findall(r"rank (\d+): OK \d+ cases", out)} == set(range(n)), out[-5000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_layer_parallel_over_gloo_equals_one_process_bit_for_bit(n):
+    """Output, input gradient and every parameter gradient equal the same LayerParallel on
+    one process exactly, and serial autograd to 1e-12 / 1e-10, over optimizer steps."""
+    rc, out = launch(n, "layer_parallel.py")
+    assert rc == 0, out[-5000:]
+    assert all(f"rank {r} OK" in out for r in range(n)), out[-5000:]
+
+
+def test_layer_by_data_grid_of_process_groups_matches_full_batch():
+    """split_comm(dist.group.WORLD, 2): a 2 x 2 grid of gloo groups; allreduce_gradients over
+    the data group gives the full-batch gradients (also for uneven shards)."""
+    rc, out = launch(4, "layer_parallel.py", "grid")
+    assert rc == 0, out[-5000:]
+    assert all(f"rank {r} OK" in out for r in range(4)), out[-5000:]
+
+
+# --------------------------------------------------------------------------- failures
+def _reports(out):
+    return {(c, int(r)): (kind, msg, float(s)) for c, r, kind, msg, s in
+            re.findall(r"case (\w+) rank (\d+): (\w+): (.*?) \[after ([\d.]+) s\]", out)}
+
+
+def test_failures_reach_every_process_within_seconds_and_the_group_stays_usable():
+    """3 processes: an exception in a step of a solve (early, late, in the final relaxation),
+    a divergence, bad and inconsistent input, an exception in a layer of LayerParallel's
+    forward solve and in its adjoint, an alarm outside any session, and 30 caught failing
+    solves in a row. Every process raises within seconds (the others RemoteRankError naming
+    the failed rank); afterwards a solve and a layer-parallel step on the same group equal
+    the serial ones, and no channel had to be retired (every cleanup emptied its channel)."""
+    cases = ["raise:1", "late:0", "final:2", "nan:1", "u0:2", "grid:1", "step:1", "adjoint:2", "alarm:1", "many:0"]
+    rc, out = launch(3, "failures.py", *cases, timeout=180)
+    rep = _reports(out)
+    names = [c.split(":")[0] for c in cases]
+    assert set(rep) == {(c, r) for c in names for r in range(3)}, out[-5000:]
+    for spec in cases:
+        case, bad = spec.split(":")
+        bad = int(bad)
+        for r in range(3):
+            kind, msg, seconds = rep[case, r]
+            assert seconds < 5.0, (case, r, seconds)
+            if case == "grid":
+                assert kind == "ValueError" and "differ between ranks" in msg, (case, r, msg)
+            elif case == "nan":
+                assert kind == "DivergenceError" or (kind == "RemoteRankError" and "DivergenceError" in msg)
+            elif r == bad:
+                assert kind == {"u0": "ValueError"}.get(case, "Injected"), (case, r, kind, msg)
+            else:
+                assert kind == "RemoteRankError" and f"rank {bad}" in msg, (case, r, kind, msg)
+                if case == "alarm":
+                    assert "(alarm): RuntimeError: NaN in shard" in msg
+    recovered = re.findall(r"rank (\d+): recovered OK \(retired channels (\d+)\)", out)
+    assert {int(r) for r, _ in recovered} == {0, 1, 2}, out[-5000:]
+    assert all(k == "0" for _, k in recovered), out[-3000:]
+    assert rc == 0, out[-5000:]
+
+
+def test_nan_in_one_data_shard_reaches_the_other_data_ranks():
+    """2 x 2 grid: the shard of data rank 1 holds a NaN; its layer processes (world 2, 3) raise
+    in the solve and alarm the data group; world 0 and 1, waiting in allreduce_gradients,
+    raise RemoteRankError naming them within seconds."""
+    rc, out = launch(4, "failures.py", "--grid-nan", "1", timeout=120)
+    rep = _reports(out)
+    assert {r for _, r in rep} == {0, 1, 2, 3}, out[-5000:]
+    for r in (0, 1):
+        kind, msg, seconds = rep["grid", r]
+        assert kind == "RemoteRankError" and f"rank {r + 2}" in msg and seconds < 10, (r, kind, msg)
+    assert rc == 0, out[-5000:]
+
+
+# --------------------------------------------------------------------------- launch and benchmark
+def test_demo_runs_under_torchrun():
+    pytest.importorskip("sklearn")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed next to python")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "propagators.demo", "--ranks", "2", "--launcher", "torchrun",
+                           "--quick", "--layers", "16", "--epochs", "1"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 layer-parallel rank(s) (torch.distributed, gloo)" in proc.stdout, proc.stdout
+    assert re.search(r"^layer-parallel\s+[\d.]+%", proc.stdout, re.M), proc.stdout
+
+
+def test_engines_benchmark_quick_run():
+    """benchmarks/engines.py --quick launches its MPI and gloo runs and prints the table."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch.distributed (gloo)" in proc.stdout and "latency 64 B" in proc.stdout, proc.stdout
+
+
+# --------------------------------------------------------------------------- no process group needed
+def test_tags_are_coded_in_ten_bits_and_out_of_range_tags_are_refused():
+    from mgrit.comm import Tag
+    from mgrit.torch_dist import TorchDistComm, _code
+
+    codes = [_code(t) for t in [0, 511, *Tag, TorchDistComm.tag_ub]]
+    assert len(set(codes)) == len(codes) and max(codes) < 1024
+    for bad in (512, Tag.USER - 1, TorchDistComm.tag_ub + 1):
+        with pytest.raises(ValueError, match="Tag.USER"):
+            _code(bad)
+
+
+def test_process_group_is_recognised_without_initialising_anything():
+    from mgrit.comm import as_communicator
+    from mgrit.torch_dist import is_process_group
+
+    assert not is_process_group(object()) and not is_process_group(None)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        as_communicator("world")
