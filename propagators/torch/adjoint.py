@@ -43,7 +43,10 @@ class AdjointPropagator(mgrit.Propagator):
         return self.N - self.fwd.ints(tau1), self.N - self.fwd.ints(tau0)
 
     def step(self, v, tau0, tau1):
-        return self.step_batch(v[None], np.atleast_1d(tau0), np.atleast_1d(tau1))[0]
+        h, N = self.fwd.h, self.N
+        ia, ib = N - round(float(tau1) / h), N - round(float(tau0) / h)
+        j = int(np.asarray(self.fwd.layer_index(np.array([ia]), np.array([ib])))[0])
+        return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
     def step_batch(self, V, tau0, tau1):
         ia, ib = self.intervals(tau0, tau1)

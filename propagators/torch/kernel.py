@@ -482,6 +482,23 @@ class KernelPass:
             raise _inplace_error()
         return out
 
+    def vjp_state_one(self, u, v, j: int, dt: float):
+        """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves)."""
+        if j >= self.k.class_of.size or self.k.class_of[j] < 0:
+            self._groups(np.array([j]))  # raises the plan-bug error
+        c = self.k.classes[int(self.k.class_of[j])]
+        if c.mode == "dense":
+            p = self._detached(j)[0]
+            try:
+                with torch.enable_grad():
+                    ua = u.detach().requires_grad_(True)
+                    out = self.k.scheme(lambda z: c.dense.single(p, z), ua, dt)
+                    return torch.autograd.grad(out, ua, v)[0]
+            except Exception:  # noqa: BLE001 - the general path below names the layer
+                pass
+        dts = torch.full((1,), dt, dtype=u.dtype, device=u.device)
+        return self.vjp_state(u[None], v[None], np.array([j]), dts)[0]
+
     def step(self, U, idx: np.ndarray, dt):
         """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
         version = U._version
