@@ -15,7 +15,11 @@ Runs in a few minutes on one GPU:
    * ``LP streams``: LayerParallel with the layers looped, spread over 4 CUDA streams
      (N = 128 only: a looped sweep launches one kernel chain per layer).
 
-   and prints ``plain / LP`` (above 1: layer-parallel is faster).
+   and prints ``plain / LP`` (above 1: layer-parallel is faster);
+3. with several GPUs, the same LayerParallel over NCCL, one process per GPU
+   (``torch.distributed.run``): output and gradients against one process, and
+   the time of one forward+backward. With one GPU the single-process path of
+   step 2 is the whole story.
 
 Run from the repository root (the GPU machine needs only python3 with torch and numpy;
 scipy and pytest for step 1)::
@@ -49,6 +53,7 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-tests", action="store_true")
     p.add_argument("--device", default="cuda", help="'cpu' runs the same measurement on the CPU (a dry run)")
+    p.add_argument("--nccl-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
         a.widths, a.batches, a.repeat = "16,64", "16", 3
@@ -148,8 +153,69 @@ def timings(a):
     return rows
 
 
+def nccl(a) -> None:
+    """Step 3: LayerParallel over NCCL, one process per GPU (several GPUs only)."""
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        print("\none GPU: no NCCL run (one process per GPU needs several GPUs); step 2 is the single-process path")
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
+           "--nccl-child", f"--layers={a.layers}", f"--repeat={a.repeat}"]
+    print(f"\n$ {' '.join(cmd[2:])}", flush=True)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    print(out.stdout[-4000:] + ("" if out.returncode == 0 else out.stderr[-4000:]))
+
+
+def nccl_child(a) -> int:
+    """One process per GPU: LayerParallel over NCCL against one process, then its time."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from propagators.torch import LayerParallel
+
+    dist.init_process_group("nccl")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()).double() for _ in range(64)]
+    tight = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-13, bwd_tol=1e-13)
+    lp = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3, comm=dist.group.WORLD, **tight).to(dev)
+    ref = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=3, **tight).to(dev)
+    x = torch.randn(8, 16, dtype=torch.float64, device=dev)
+    xp, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    lp(xp).square().sum().backward()
+    ref(xr).square().sum().backward()
+    err = float((xp.grad - xr.grad).abs().max())
+    errs = [float((p.grad - ref.layers[j].get_parameter(n).grad).abs().max())
+            for j in lp.owned_layers for n, p in lp.layers[j].named_parameters()]
+    err = max([err] + errs)
+    torch.manual_seed(0)
+    big = LayerParallel([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(a.layers)], cf=4,
+                        max_levels=4, comm=dist.group.WORLD).to(dev)
+    xb = torch.randn(128, 64, device=dev)
+
+    def step():
+        big(xb.clone().requires_grad_(True)).square().sum().backward()
+
+    t = interleaved([step], a.repeat, torch.cuda.synchronize)[0]
+    if rank == 0:
+        print(f"NCCL, {size} processes: max gradient difference to one process {err:.2e} (float64, N 64); "
+              f"forward+backward N {a.layers}, width 64, batch 128, float32: {1e3 * t:.2f} ms", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.nccl_child:
+        return nccl_child(a)
     try:
         import torch
     except ImportError:
@@ -170,6 +236,8 @@ def main(argv=None) -> int:
         print(f"{r['width']:>6}{r['batch']:>6}{r['N']:>6}{1e3 * r['plain']:>10.2f}{1e3 * r['batched']:>15.2f}"
               f"{r['plain'] / r['batched']:>10.2f}{r['n_small']:>6}{1e3 * r['plain_small']:>10.2f}"
               f"{1e3 * r['streams']:>15.2f}{r['plain_small'] / r['streams']:>10.2f}")
+    if a.device == "cuda":
+        nccl(a)
     return 0 if rc in (0, 5) else rc  # 5: pytest collected no CUDA test
 
 
