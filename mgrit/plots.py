@@ -1,0 +1,160 @@
+"""Plots of what a solve did: residual histories, the hierarchy and its ranks, the cycle, training.
+
+matplotlib is imported only when a function here is called (``import mgrit``
+never loads it). Every function draws into ``ax`` (a new figure when None) and
+returns the axes, so notebooks can combine and restyle them.
+
+Examples
+--------
+>>> import numpy as np, mgrit
+>>> from mgrit import plots
+>>> class Decay(mgrit.Propagator):
+...     def step(self, u, t0, t1):
+...         return u / (1.0 + (t1 - t0))
+>>> res = mgrit.solve(Decay(), np.array(1.0), np.linspace(0, 5, 65), cf=2, tol=1e-10)
+>>> ax = plots.residuals(res)                      # doctest: +SKIP
+>>> ax = plots.hierarchy(res.hierarchy, size=3)    # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .partition import level_ranges
+from .result import Result, convergence_factors
+
+
+def _axes(ax):
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6, 3.5))[1]
+
+
+def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bool = True):
+    """Residual norm per cycle (log scale) of one or several solves.
+
+    Parameters
+    ----------
+    results : Result, list of Result, or list of residual lists
+        Skipped cycles (``None`` entries) are left out.
+    labels : sequence of str, optional
+    factors : bool
+        Annotate the mean convergence factor ``(r_last / r_first)^(1/k)`` in the legend.
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+    """
+    ax = _axes(ax)
+    if isinstance(results, Result) or (isinstance(results, Sequence) and results
+                                       and not isinstance(results[0], (Result, Sequence))):
+        results = [results]
+    for k, res in enumerate(results):
+        hist = list(res.residuals) if isinstance(res, Result) else list(res)
+        its = [i for i, r in enumerate(hist) if r is not None and r > 0]
+        vals = [hist[i] for i in its]
+        label = labels[k] if labels is not None else f"solve {k}"
+        if factors and len(vals) > 1:
+            rate = (vals[-1] / vals[0]) ** (1.0 / (its[-1] - its[0]))
+            label += f" (factor {rate:.3f})"
+        ax.semilogy(its, vals, "o-", label=label)
+    ax.set_xlabel("cycle")
+    ax.set_ylabel("residual norm")
+    ax.legend()
+    return ax
+
+
+def factors(result: Result, ax=None):
+    """The convergence factor ``r_k / r_{k-1}`` of every cycle of one solve."""
+    ax = _axes(ax)
+    f = convergence_factors(result.residuals)
+    its = [i for i, v in enumerate(f) if v is not None]
+    ax.plot(its, [f[i] for i in its], "s-")
+    ax.set_xlabel("cycle")
+    ax.set_ylabel("r_k / r_(k-1)")
+    return ax
+
+
+def hierarchy(h, size: int = 1, partition=None, ax=None):
+    """The time points of every level (finest at the top), coloured by the rank that owns them.
+
+    Parameters
+    ----------
+    h : Hierarchy
+    size : int
+        Number of ranks the time axis is split over (:mod:`mgrit.partition`).
+    partition : sequence of int, optional
+        First fine index of every rank's block.
+    """
+    ax = _axes(ax)
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab10")
+    ranges = level_ranges(h, size, partition)
+    for l, lv in enumerate(h):
+        for r, (lo, hi) in enumerate(ranges[l]):
+            if hi < lo:
+                continue
+            t = lv.t[lo: hi + 1]
+            ax.plot(t, np.full(t.shape, -l), "|", ms=12, color=colours(r % 10),
+                    label=f"rank {r}" if l == 0 and size > 1 else None)
+    ax.set_yticks([-l for l in range(len(h))])
+    ax.set_yticklabels([f"level {l} ({lv.n} intervals)" for l, lv in enumerate(h)])
+    ax.set_xlabel("t")
+    if size > 1:
+        ax.legend(loc="lower right", fontsize="small")
+    return ax
+
+
+def cycle_path(n_levels: int, kind: str = "V") -> list:
+    """The sequence of levels one cycle visits (0 = finest): the V- or F-cycle of :func:`mgrit.solve`.
+
+    >>> cycle_path(3, "V")
+    [0, 1, 2, 1, 0]
+    >>> cycle_path(3, "F")
+    [0, 1, 2, 1, 2, 1, 0]
+    """
+    if kind not in ("V", "F"):
+        raise ValueError(f"`kind` must be 'V' or 'F', got {kind!r}")
+
+    def visit(l, k):
+        if l == n_levels - 1:
+            return [l]
+        inner = visit(l + 1, k)
+        if k == "F" and l + 1 < n_levels - 1:
+            inner = inner + visit(l + 1, "V")[1:]
+        return [l] + inner + [l]
+
+    return visit(0, kind)
+
+
+def cycle(n_levels: int, kind: str = "V", ax=None):
+    """The cycle diagram: level against step (down = relax and restrict, up = correct)."""
+    ax = _axes(ax)
+    path = cycle_path(n_levels, kind)
+    ax.plot(range(len(path)), [-l for l in path], "o-")
+    ax.set_yticks([-l for l in range(n_levels)])
+    ax.set_yticklabels([f"level {l}" for l in range(n_levels)])
+    ax.set_xticks([])
+    ax.set_title(f"{kind}-cycle, {n_levels} levels")
+    return ax
+
+
+def training(losses: Sequence[float], residuals: Sequence[float] | None = None,
+             labels=("loss", "forward residual"), ax=None):
+    """A training curve (per step) with the residual of each step's solve on a second axis."""
+    ax = _axes(ax)
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="C0", label=labels[0])
+    ax.set_xlabel("step")
+    ax.set_ylabel(labels[0])
+    if residuals is not None:
+        ax2 = ax.twinx()
+        r = [math.nan if v is None else v for v in residuals]
+        ax2.semilogy(steps[: len(r)], r, color="C1", alpha=0.7, label=labels[1])
+        ax2.set_ylabel(labels[1])
+    return ax

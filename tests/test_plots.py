@@ -1,0 +1,54 @@
+"""mgrit.plots: draws what the solver did; matplotlib is loaded only when used."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mgrit
+from mgrit import plots
+from propagators import Dahlquist
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+
+def test_importing_mgrit_does_not_load_matplotlib():
+    code = "import sys, mgrit, mgrit.plots; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_residual_plot_draws_the_available_residuals():
+    t = np.linspace(0, 4, 65)
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), t, cf=2, max_levels=4, tol=1e-10)  # skip: r_0 is None
+    ax = plots.residuals([res, res.residuals], labels=["a", "b"])
+    lines = ax.get_lines()
+    assert len(lines) == 2
+    avail = [r for r in res.residuals if r is not None and r > 0]
+    assert np.allclose(lines[0].get_ydata(), avail)
+    assert "factor" in ax.get_legend().get_texts()[0].get_text()
+    ax = plots.factors(res)
+    assert len(ax.get_lines()[0].get_ydata()) == len(avail) - 1
+
+
+def test_hierarchy_plot_colours_every_point_once_by_its_owner():
+    h = mgrit.build_hierarchy(np.linspace(0, 1, 17), cf=2, max_levels=3)
+    ax = plots.hierarchy(h, size=3)
+    n_points = sum(len(line.get_xdata()) for line in ax.get_lines())
+    assert n_points == sum(lv.n + 1 for lv in h)
+
+
+@pytest.mark.parametrize("levels, kind, visits", [(2, "V", 3), (4, "V", 7), (3, "F", 7), (4, "F", 13)])
+def test_cycle_paths_match_the_solver_recursion(levels, kind, visits):
+    path = plots.cycle_path(levels, kind)
+    assert len(path) == visits and path[0] == path[-1] == 0 and max(path) == levels - 1
+    assert all(abs(a - b) == 1 for a, b in zip(path, path[1:]))
+    assert len(plots.cycle(levels, kind).get_lines()[0].get_xdata()) == visits
+
+
+def test_training_curve_with_residuals():
+    ax = plots.training([1.0, 0.5, 0.25], [1e-1, None, 1e-3])
+    assert list(ax.get_lines()[0].get_ydata()) == [1.0, 0.5, 0.25]
