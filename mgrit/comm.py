@@ -591,7 +591,106 @@ def _keyval(MPI) -> int:
     return _KEYVAL[0]
 
 
-class MPIComm(Communicator):
+class _SessionComm(Communicator):
+    """The engine-independent half of the session protocol (module docstring):
+    the handshake's verdict, ``close``, ``finish`` and the reductions built on a
+    tree ``_reduce``. :class:`MPIComm` and ``mgrit.torch_dist.TorchDistComm``
+    supply the engine half: ``_stack`` / ``_top`` (open channels), ``_broken``
+    (an alarm), ``_usable``, ``_reduce(x, op)``, ``_finish``, ``_notify``,
+    ``_cleanup``, ``_release`` and ``_abandon``."""
+
+    _finishing = False  # in finish() of the innermost session
+
+    @staticmethod
+    def _verdict(notes: list):
+        failed = [(r, n) for r, (n, _, _, _) in enumerate(notes) if n is not None]
+        sigs = [s for _, s, _, _ in notes]
+        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, _ in notes[1:]))
+        reuse = max(common) if common else None
+        return failed, bad, reuse, max(i for _, _, _, i in notes)
+
+    def _can_clean(self, ch) -> bool:
+        """Whether a failed channel can be cleaned up (False: abandon it)."""
+        return True
+
+    def close(self, error=None):
+        if len(self._stack) == 1:
+            return
+        ch = self._top
+        if error is None:
+            if not ch.finished:
+                try:
+                    self.finish()
+                except BaseException as exc:
+                    self.close(exc)
+                    raise
+            self._stack.pop()
+            self._release(ch)
+            return
+        self._stack.pop()
+        if self.size == 1:
+            self._release(ch)
+            return
+        if self._broken is not None:
+            self._abandon(ch)  # an alarm: the failed rank takes no part in any cleanup
+            return
+        finished, remote = ch.finished, isinstance(error, RemoteRankError)
+        if finished and remote:
+            self._release(ch)  # finish left it empty here and nothing has moved since
+            return
+        if not remote:
+            self._notify(ch, error)
+        # after finish the others may have released the channel: a cleanup would wait
+        # for them in vain (the notices' channel is kept, unfreed)
+        if finished or not self._can_clean(ch) or not self._cleanup(ch):
+            self._abandon(ch)
+        else:
+            self._release(ch)
+
+    def _before_finish(self) -> None:
+        self._usable()
+
+    def finish(self):
+        self._before_finish()
+        self._finishing = True
+        try:
+            self._finish()
+        finally:
+            self._finishing = False
+
+    # -- reductions: a tree through rank 0, so every rank gets the same bits ------
+    def allreduce(self, value, op="sum"):
+        if op not in ("sum", "max"):
+            raise ValueError(f"`op` must be 'sum' or 'max', got {op!r}")
+        x = np.array([value], dtype=np.float64)
+        return float(self._reduce(x, np.add if op == "sum" else np.maximum)[0])
+
+    def _reduce_tensor(self, x):
+        """Elementwise sum of a torch tensor over the ranks (default: through host memory)."""
+        import torch
+
+        return torch.from_numpy(self._reduce(x.detach().cpu().contiguous().numpy(), np.add)).to(x.device)
+
+    def allreduce_array(self, x):
+        if B.is_torch(x):
+            return self._reduce_tensor(x)
+        a = np.asarray(x)
+        if a.dtype.kind not in "iufc":
+            raise TypeError(f"`allreduce_array` needs a numeric array, got dtype {a.dtype}")
+        return self._reduce(a, np.add).reshape(a.shape)
+
+    def sum_exact(self, values):
+        return bins_value(self._reduce(exact_bins(values), np.add))
+
+    def norm2_exact(self, values):
+        return square_bins_root(self._reduce(square_bins(values), np.add))
+
+    def max(self, values):
+        return self.allreduce(_local_max(values), "max")
+
+
+class MPIComm(_SessionComm):
     """mpi4py communicator along the time axis (see the module docstring).
 
     States travel as raw bytes (numpy arrays and torch tensors alike, any
@@ -643,7 +742,6 @@ class MPIComm(Communicator):
         self._base = _Channel(comm.Dup(), -1, self.size)  # handshakes, alarms, traffic outside sessions
         self._stack = [self._base]  # the base channel and one channel per open session
         self._pool: dict = {}  # id -> clean _Channel, oldest first
-        self._finishing = False  # in finish() of the innermost session
         self._next_id = 0
         self._broken = None  # (rank, message) of an alarm received or raised here
         self._owns = False  # free() frees ``comm`` too (made by split / reversed)
@@ -814,48 +912,6 @@ class MPIComm(Communicator):
             self._next_id = new_id + 1
         self._stack.append(new)
 
-    @staticmethod
-    def _verdict(notes: list):
-        failed = [(r, n) for r, (n, _, _, _) in enumerate(notes) if n is not None]
-        sigs = [s for _, s, _, _ in notes]
-        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, _ in notes[1:]))
-        reuse = max(common) if common else None
-        return failed, bad, reuse, max(i for _, _, _, i in notes)
-
-    def close(self, error=None):
-        if len(self._stack) == 1:
-            return
-        ch = self._top
-        if error is None:
-            if not ch.finished:
-                try:
-                    self.finish()
-                except BaseException as exc:
-                    self.close(exc)
-                    raise
-            self._stack.pop()
-            self._release(ch)
-            return
-        self._stack.pop()
-        if self._broken is not None:
-            self._abandon(ch)  # an alarm: the failed rank takes no part in any cleanup
-            return
-        finished, remote = ch.finished, isinstance(error, RemoteRankError)
-        if finished and remote:
-            self._release(ch)  # finish left it empty here and nothing has moved since
-            return
-        if not remote:
-            self._notify(ch, error)
-        if finished:
-            # the others passed finish with us and may have released the channel: a
-            # cleanup would wait for them in vain; keep the notices' channel unfreed
-            self._abandon(ch)
-        elif self._cleanup(ch):
-            self._release(ch)
-        else:
-            self._abandon(ch)
-
     def _release(self, ch: _Channel) -> None:
         """Put a clean channel into the pool (freeing the oldest beyond its size)."""
         ch.finished = False
@@ -979,41 +1035,7 @@ class MPIComm(Communicator):
             self._wait(q)
         return acc
 
-    def allreduce(self, value, op="sum"):
-        if op not in ("sum", "max"):
-            raise ValueError(f"`op` must be 'sum' or 'max', got {op!r}")
-        x = np.array([value], dtype=np.float64)
-        return float(self._reduce(x, np.add if op == "sum" else np.maximum)[0])
-
-    def allreduce_array(self, x):
-        if B.is_torch(x):
-            import torch
-
-            out = self._reduce(x.detach().cpu().contiguous().numpy(), np.add)
-            return torch.from_numpy(out).to(x.device)
-        a = np.asarray(x)
-        if a.dtype.kind not in "iufc":
-            raise TypeError(f"`allreduce_array` needs a numeric array, got dtype {a.dtype}")
-        return self._reduce(a, np.add).reshape(a.shape)
-
-    def sum_exact(self, values):
-        return bins_value(self._reduce(exact_bins(values), np.add))
-
-    def norm2_exact(self, values):
-        return square_bins_root(self._reduce(square_bins(values), np.add))
-
-    def max(self, values):
-        return self.allreduce(_local_max(values), "max")
-
     # -- end of a session ---------------------------------------------------
-    def finish(self):
-        self._usable()
-        self._finishing = True
-        try:
-            self._finish()
-        finally:
-            self._finishing = False
-
     def _finish(self):
         ch, r, P = self._top, self.rank, self.size
         if P > 1:

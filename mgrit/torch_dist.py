@@ -83,17 +83,12 @@ import numpy as np
 
 from . import _backend as B
 from .comm import (
-    Communicator,
     RemoteRankError,
     Tag,
     _Backoff,
     _is_process_group,
-    _local_max,
     _note,
-    bins_value,
-    exact_bins,
-    square_bins,
-    square_bins_root,
+    _SessionComm,
 )
 
 __all__ = ["TorchDistComm", "split_group", "retired_channels", "is_process_group"]
@@ -349,7 +344,7 @@ def _bytes_of(buf):
     return buf.reshape(-1).view(torch.uint8)
 
 
-class TorchDistComm(Communicator):
+class TorchDistComm(_SessionComm):
     """A ``torch.distributed`` process group along the time axis (see the module docstring).
 
     Parameters
@@ -644,45 +639,6 @@ class TorchDistComm(Communicator):
         new.epoch += 1
         self._stack.append(new)
 
-    @staticmethod
-    def _verdict(notes: list):
-        failed = [(r, n) for r, (n, _, _, _) in enumerate(notes) if n is not None]
-        sigs = [s for _, s, _, _ in notes]
-        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, _ in notes[1:]))
-        reuse = max(common) if common else None
-        return failed, bad, reuse, max(i for _, _, _, i in notes)
-
-    def close(self, error=None):
-        if len(self._stack) == 1:
-            return
-        ch = self._top
-        if error is None:
-            if not ch.finished:
-                try:
-                    self.finish()
-                except BaseException as exc:
-                    self.close(exc)
-                    raise
-            self._stack.pop()
-            self._release(ch)
-            return
-        self._stack.pop()
-        if self.size == 1:
-            return
-        if self._broken is not None:
-            self._retire(ch)
-            return
-        if ch.finished and isinstance(error, RemoteRankError):
-            self._release(ch)  # finish left it empty here and nothing has moved since
-            return
-        if not isinstance(error, RemoteRankError):
-            self._notify(ch, error)
-        if ch.finished or self._g.nccl or not self._cleanup(ch):
-            self._retire(ch)  # the others may have left (after finish), NCCL, or time out / alarm
-        else:
-            self._release(ch)
-
     def _release(self, ch: _Channel) -> None:
         if self.size == 1:
             return
@@ -690,6 +646,22 @@ class TorchDistComm(Communicator):
         self._pool[ch.space] = ch
         while len(self._pool) > _POOL_SIZE:
             self._pool.pop(next(iter(self._pool)))
+
+    def _can_clean(self, ch) -> bool:
+        return not self._g.nccl  # NCCL receives cannot be fulfilled: retire the channel
+
+    def _before_finish(self) -> None:
+        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
+
+    def _reduce_tensor(self, x):
+        if x.is_cuda and self._g.nccl:  # on the device, the same tree and order
+            import torch
+
+            return self._reduce(x.detach().clone(), torch.add)
+        return super()._reduce_tensor(x)
+
+    def _abandon(self, ch: _Channel) -> None:
+        self._retire(ch)
 
     def _retire(self, ch: _Channel) -> None:
         _KEEP.append(ch.sends)
@@ -857,43 +829,7 @@ class TorchDistComm(Communicator):
         ch.sends = [s for s in ch.sends if not s[0].done]
         return acc
 
-    def allreduce(self, value, op="sum"):
-        if op not in ("sum", "max"):
-            raise ValueError(f"`op` must be 'sum' or 'max', got {op!r}")
-        x = np.array([value], dtype=np.float64)
-        return float(self._reduce(x, np.add if op == "sum" else np.maximum)[0])
-
-    def allreduce_array(self, x):
-        if B.is_torch(x):
-            import torch
-
-            if x.is_cuda and self._g.nccl:  # on the device, the same tree and order
-                return self._reduce(x.detach().clone(), torch.add)
-            out = self._reduce(x.detach().cpu().contiguous().numpy(), np.add)
-            return torch.from_numpy(out).to(x.device)
-        a = np.asarray(x)
-        if a.dtype.kind not in "iufc":
-            raise TypeError(f"`allreduce_array` needs a numeric array, got dtype {a.dtype}")
-        return self._reduce(a, np.add).reshape(a.shape)
-
-    def sum_exact(self, values):
-        return bins_value(self._reduce(exact_bins(values), np.add))
-
-    def norm2_exact(self, values):
-        return square_bins_root(self._reduce(square_bins(values), np.add))
-
-    def max(self, values):
-        return self.allreduce(_local_max(values), "max")
-
     # -- end of a session ---------------------------------------------------
-    def finish(self):
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        self._finishing = True
-        try:
-            self._finish()
-        finally:
-            self._finishing = False
-
     def _finish(self):
         ch, r, P = self._top, self.rank, self.size
         if P > 1 and ch is not self._base:
