@@ -61,3 +61,20 @@ def test_gpu_script_runs_dry_on_the_cpu_and_skips_cleanly_without_cuda():
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_vs_model_parallel_quick_run_prints_the_table():
+    """Model parallel, GPipe, 1F1B and LayerParallel on 1 and 2 gloo ranks (N 64): exit 0 and the tables."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed.pipelining")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "vs_model_parallel.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "time per step" in out and "LayerParallel ms" in out and "model check at P = 2" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:4] in (["64", "16", "16", "1"],
+                                                                             ["64", "16", "16", "2"])]
+    assert len(rows) == 4  # P 1 and 2, in the time table and in the error / memory table
+    errors = [float(v) for v in rows[2][4::3]] + [float(v) for v in rows[3][4::3]]
+    assert max(errors[0:3] + errors[4:7]) < 1e-5  # model parallel and both pipelines match serial autograd

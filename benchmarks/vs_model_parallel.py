@@ -1,0 +1,646 @@
+"""Layer-parallel MGRIT against layer-wise model parallelism and pipeline parallelism, same ranks.
+
+The same deep residual network (``N`` layers ``u <- u + h tanh(Linear(u))``, width
+``w``, ``h = 1/N``), the same weights and batch, one training step (forward +
+backward of ``loss = sum(u_N ** 2)``) on ``P`` ranks, four ways, all over
+torch.distributed (gloo), one engine for all:
+
+* ``model parallel``: rank p holds layers [pN/P, (p+1)N/P); the activation is sent
+  rank to rank (``dist.send``/``dist.recv``), autograd within each rank's block,
+  and the gradient of the block input is sent back in reverse.
+* ``GPipe`` and ``1F1B``: PyTorch's own ``torch.distributed.pipelining``
+  (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``, ``scale_grads=False``)
+  on the same split, with ``--microbatches`` micro-batches.
+* ``LayerParallel``: ``propagators.torch.LayerParallel(comm=dist.group.WORLD)``,
+  cf 4, 4 levels, 2 forward / 1 backward cycles (its defaults, skip on).
+
+Per method it prints the wall time of one step (the slowest rank's, median of
+``--repeat`` interleaved repetitions: A B C D A B C D ...), the gradient error
+against serial autograd (max over all parameters of |g - g_serial|, divided by
+max |g_serial|; float32) and the memory per rank, *counted* (not measured):
+bytes of parameters the rank holds plus the peak bytes kept for the backward pass
+(for the autograd methods: the live tensors saved by autograd, tracked with
+``torch.autograd.graph.saved_tensors_hooks``, unique storages; for LayerParallel:
+its stored states, one per point it owns on every level, forward and adjoint,
+plus owned and halo parameters).
+
+Then a critical-path model predicts all of them for P = 8 .. 512 from measured
+per-layer forward/backward costs and the measured gloo message time:
+
+* model parallel: ``N (f + b) + 2 (P - 1) msg(B)`` plus what the measured 1-rank step has on
+  top of ``N (f + b)`` (the loss, bookkeeping)
+* GPipe / 1F1B with m micro-batches: ``(m + P - 1) (N/P f_mb + c + o)`` for the
+  forward plus the same with ``b_mb`` for the backward, where ``o`` is the schedule's own
+  overhead per stage pass (the schedule with a 1-layer stage on 1 rank) and ``c`` its
+  message cost per stage pass (the same on 2 ranks, minus ``o``); in the prediction table
+  m is chosen best among the powers of two <= B;
+* LayerParallel: ``mgrit.model.predict`` of the forward and adjoint solves with
+  measured call costs (as benchmarks/layer_parallel.py) plus the parameter VJP over
+  N/P layers, times its measured/modelled ratio on 1 rank, plus on P > 1 a distributed
+  overhead per step measured on 2 ranks with a trivial-layer probe (width 1, batch 1,
+  same hierarchy), taken as constant in P, plus the ping-pong latency of LayerParallel's
+  communicator for every critical-path message beyond P = 2's.
+
+No constant is fitted to the N-layer P = 2 times: those are the check.
+
+Run (do not run it under a launcher: it starts its own gloo ranks)::
+
+    .venv/bin/python benchmarks/vs_model_parallel.py            # ~7 minutes on 2 cores
+    .venv/bin/python benchmarks/vs_model_parallel.py --quick    # smoke run, < 1 minute
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+METHODS = ["model parallel", "GPipe", "1F1B", "LayerParallel"]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", default="256,1024")
+    p.add_argument("--widths", default="16,64")
+    p.add_argument("--batches", default="16,256")
+    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions per launch")
+    p.add_argument("--rounds", type=int, default=3, help="launches per rank count, interleaved (P=1, P=2, P=1, ...)")
+    p.add_argument("--cf", type=int, default=4)
+    p.add_argument("--levels", type=int, default=4)
+    p.add_argument("--fwd-iters", type=int, default=2)
+    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--json", default=None, help="also write measured and modelled numbers to this file")
+    p.add_argument("--quick", action="store_true", help="N 64, width 16, batch 16, P 1 and 2, 2 repetitions")
+    p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.widths, a.batches, a.repeat, a.levels, a.rounds = "64", "16", "16", 2, 3, 1
+    a.configs = [tuple(c) for c in itertools.product(*(map(int, s.split(",")) for s in (a.layers, a.widths,
+                                                                                           a.batches)))]
+    return a
+
+
+# -- the worker: P gloo ranks, every configuration ---------------------------------------------
+
+
+def worker(a):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, P = dist.get_rank(), dist.get_world_size()
+
+    def allmax(v):
+        t = torch.tensor([float(v)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def allsum(v):
+        t = torch.tensor([float(v)], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    class Block(nn.Module):
+        """Layers [lo, hi) of the residual network, u <- u + h layer(u)."""
+
+        def __init__(self, layers, h):
+            super().__init__()
+            self.layers, self.h = nn.ModuleList(layers), h
+
+        def forward(self, u):
+            for f in self.layers:
+                u = u + self.h * f(u)
+            return u
+
+    class Saved:
+        """Peak live bytes saved by autograd (unique storages, parameters left out)."""
+
+        def __init__(self, params):
+            self.skip = {p.untyped_storage().data_ptr() for p in params}
+            self.live, self.count, self.peak = {}, 0, 0
+
+        def pack(self, t):
+            key = t.untyped_storage().data_ptr()
+            if key not in self.skip:
+                n, c = self.live.get(key, (t.untyped_storage().nbytes(), 0))
+                if c == 0:
+                    self.count += n
+                    self.peak = max(self.peak, self.count)
+                self.live[key] = (n, c + 1)
+            return (key, t)
+
+        def unpack(self, packed):
+            key, t = packed
+            if key in self.live:
+                n, c = self.live[key]
+                if c <= 1:
+                    del self.live[key]
+                    self.count -= n
+                else:
+                    self.live[key] = (n, c - 1)
+            return t
+
+        def hooks(self):
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def timed(fns, repeat):
+        for fn in fns:
+            fn()
+        times = [[] for _ in fns]
+        for _ in range(repeat):
+            for k, fn in enumerate(fns):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(allmax(time.perf_counter() - t0))
+        return [statistics.median(t) for t in times]
+
+    def pingpong(n, reps=200):
+        buf = torch.zeros(n)
+        ts = []
+        for k in range(reps + 20):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if k >= 20:
+                ts.append((time.perf_counter() - t0) / 2)
+        return allmax(statistics.median(ts)) if rank < 2 else 0.0
+
+    def lp_pingpong(n, reps=200):
+        """Half a round trip of one state through LayerParallel's communicator (mgrit.comm over gloo)."""
+        from mgrit.comm import Tag, as_communicator
+
+        comm = as_communicator(dist.group.WORLD)
+        state, ts = torch.zeros(n), []
+        with comm.session():
+            for k in range(reps + 20):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    comm.send(state, 1, Tag.USER)
+                    state = comm.recv(state, 1, Tag.USER)
+                elif rank == 1:
+                    state = comm.recv(state, 0, Tag.USER)
+                    comm.send(state, 0, Tag.USER)
+                if k >= 20:
+                    ts.append((time.perf_counter() - t0) / 2)
+        return allmax(statistics.median(ts)) if rank < 2 else 0.0
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from propagators.torch import LayerParallel
+
+    for N, w, B in a.configs:
+        h = 1.0 / N
+        torch.manual_seed(0)
+        all_layers = [nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(N)]
+        x = torch.randn(B, w, generator=torch.Generator().manual_seed(1))
+        m = min(a.microbatches, B)
+        lo, hi = rank * N // P, (rank + 1) * N // P
+
+        # serial reference (float32 autograd; every rank computes it, cheap)
+        ref = Block(all_layers, h)
+        ref(x).square().sum().backward()
+        gref = {i: [p.grad.clone() for p in all_layers[i].parameters()] for i in range(N)}
+        gmax = max(float(g.abs().max()) for gs in gref.values() for g in gs)
+        for p in ref.parameters():
+            p.grad = None
+
+        def error(pairs):
+            """pairs: (global layer index, list of grads of that layer) owned here."""
+            e = 0.0
+            for i, gs in pairs:
+                for g, r in zip(gs, gref[i]):
+                    e = max(e, float((g - r).abs().max()))
+            return allmax(e) / gmax
+
+        def copy_block(lo_, hi_):
+            import copy
+            return Block([copy.deepcopy(all_layers[i]) for i in range(lo_, hi_)], h)
+
+        # (a) layer-wise model parallelism
+        mp = copy_block(lo, hi)
+        mp_params = list(mp.parameters())
+        mp_saved = Saved(mp_params)
+
+        def mp_step_ordered(hooks=False):
+            for p in mp_params:
+                p.grad = None
+            with mp_saved.hooks() if hooks else contextlib.nullcontext():
+                if rank == 0:
+                    u = x
+                else:
+                    u = torch.empty(B, w)
+                    dist.recv(u, rank - 1)
+                    u.requires_grad_(True)
+                y = mp(u)
+            if rank < P - 1:
+                dist.send(y.detach().contiguous(), rank + 1)
+                g = torch.empty(B, w)
+                dist.recv(g, rank + 1)
+                y.backward(g)
+            else:
+                y.square().sum().backward()
+            if rank > 0:
+                dist.send(u.grad.contiguous(), rank - 1)
+
+        # (b) torch.distributed.pipelining, GPipe and 1F1B
+        def make_pipe(kind, lo=lo, hi=hi):
+            blk = copy_block(lo, hi)
+            stage = PipelineStage(blk, rank, P, torch.device("cpu"), group=dist.group.WORLD)
+            loss = (lambda y, t: y.square().sum())
+            sched = (ScheduleGPipe if kind == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss, scale_grads=False)
+            params = list(blk.parameters())
+            saved = Saved(params)
+            target = torch.zeros(B, 1)
+
+            def step(hooks=False):
+                for p in params:
+                    p.grad = None
+                with saved.hooks() if hooks else contextlib.nullcontext():
+                    if P == 1:
+                        sched.step(x, target=target)
+                    elif rank == 0:
+                        sched.step(x)
+                    elif rank == P - 1:
+                        sched.step(target=target)
+                    else:
+                        sched.step()
+
+            return blk, step, saved
+
+        gp_blk, gp_step, gp_saved = make_pipe("GPipe")
+        fb_blk, fb_step, fb_saved = make_pipe("1F1B")
+
+        # (c) LayerParallel
+        torch.manual_seed(0)
+        lp = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
+                           max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
+                           comm=dist.group.WORLD)
+        lp_params = list(lp.parameters())
+
+        def lp_step():
+            for p in lp_params:
+                p.grad = None
+            lp(x).square().sum().backward()
+
+        t_mp, t_gp, t_fb, t_lp = timed([mp_step_ordered, gp_step, fb_step, lp_step], a.repeat)
+        for fn in (mp_step_ordered, gp_step, fb_step):  # one more step each, counting saved bytes
+            fn(hooks=True)
+
+        # probe: the same schedules with one layer per stage (schedule overhead + its messages)
+        probe = [timed([make_pipe(kind, lo, lo + 1)[1]], 2 * a.repeat)[0] for kind in ("GPipe", "1F1B")]
+
+        # probe: LayerParallel with the same hierarchy and trivial layers (width 1, batch 1): its
+        # communication and bookkeeping per critical-path message, with next to no layer work
+        lp_probe_net = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
+                                     max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
+                                     comm=dist.group.WORLD)
+        x1 = torch.randn(1, 1)
+        lp_probe = timed([lambda: lp_probe_net(x1).square().sum().backward()], 2 * a.repeat)[0]
+
+        # gradient errors (after the last timed step of each)
+        def block_pairs(blk, lo_):
+            return [(lo_ + k, [p.grad for p in f.parameters()]) for k, f in enumerate(blk.layers)]
+
+        lp_pairs = [(i, [p.grad for p in f.parameters()]) for i, f in lp.layers.items()]
+        err = [error(block_pairs(mp, lo)), error(block_pairs(gp_blk, lo)), error(block_pairs(fb_blk, lo)),
+               error(lp_pairs)]
+
+        # memory per rank (counted), max over ranks
+        def pbytes(mods):
+            return sum(p.numel() * p.element_size() for mm in mods for p in mm.parameters())
+
+        state = B * w * 4
+        n_pts = 0
+        n_lvl = N
+        for _ in range(len(lp.hierarchy)):
+            n_pts += -(-(n_lvl + 1) // P)
+            n_lvl = max(n_lvl // a.cf, 1)
+        lp_mem = pbytes(list(lp.layers) + list(lp._halo.values())) + 2 * n_pts * state
+        mem = [allmax(pbytes([mp]) + mp_saved.peak), allmax(pbytes([gp_blk]) + gp_saved.peak),
+               allmax(pbytes([fb_blk]) + fb_saved.peak), allmax(lp_mem)]
+
+        # costs for the model: per-layer forward and backward at batch B and B/m; messages
+        costs = layer_costs(torch, Block, all_layers[lo:hi] if hi > lo else all_layers[:1], h, w,
+                            sorted({B, max(B // m, 1), 1}))
+        msg, lpmsg = {}, 0.0
+        if P >= 2:
+            for n in sorted({B * w, max(B // m, 1) * w, 16, 1 << 18}):
+                msg[n] = pingpong(n)
+            lpmsg = lp_pingpong(B * w)
+        row = {"N": N, "w": w, "B": B, "P": P, "m": m, "time": [t_mp, t_gp, t_fb, t_lp], "err": err, "mem": mem,
+               "costs": costs, "msg": msg, "lpmsg": lpmsg,
+               "probe": probe, "lp_probe": lp_probe}
+        if P == 1:
+            from layer_parallel import measure_costs
+
+            fc, ac = measure_costs(lp, x)
+            row["lp_costs"] = [[c.single, c.per_state, c.per_call] for c in (fc, ac)]
+            row["skip"] = lp.skip
+        if rank == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def layer_costs(torch, Block, layers, h, w, sizes, reps=5):
+    """Seconds per layer of forward (with autograd recording) and backward, per batch size."""
+    import copy
+
+    blk = Block([copy.deepcopy(f) for f in layers], h)
+    res = {}
+    for s in sizes:
+        u0 = torch.randn(s, w)
+        fw, bw = [], []
+        for k in range(reps + 1):
+            u = u0.clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            y = blk(u)
+            t1 = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            t2 = time.perf_counter()
+            if k:
+                fw.append((t1 - t0) / len(layers))
+                bw.append((t2 - t1) / len(layers))
+        res[s] = [statistics.median(fw), statistics.median(bw)]
+    return res
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(a, P, argv):
+    here = str(Path(__file__).resolve())
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(P),
+               LOCAL_WORLD_SIZE=str(P))
+    procs = [subprocess.Popen([sys.executable, here, *argv, "--worker", str(P)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(P)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"the {P}-rank run failed:\n" + "\n".join(outs))
+    rows = [json.loads(ln[7:]) for out in outs for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return {(r["N"], r["w"], r["B"]): r for r in rows}
+
+
+def msg_time(msg, n):
+    """Seconds of one message of n float32, interpolated (latency + bytes / bandwidth) from measured sizes."""
+    if not msg:
+        return 0.0
+    sizes = sorted(int(k) for k in msg)
+    if n in sizes:
+        return msg[str(n)] if str(n) in msg else msg[n]
+    lo = [s for s in sizes if s <= n] or sizes[:1]
+    hi = [s for s in sizes if s >= n] or sizes[-1:]
+    s0, s1 = lo[-1], hi[0]
+    t0, t1 = msg[str(s0)], msg[str(s1)]
+    return t0 if s1 == s0 else t0 + (t1 - t0) * (n - s0) / (s1 - s0)
+
+
+def per_layer(costs, s):
+    """Forward and backward seconds per layer at micro-batch size s (linear in s between measured sizes)."""
+    sizes = sorted(int(k) for k in costs)
+    lo = [q for q in sizes if q <= s] or sizes[:1]
+    hi = [q for q in sizes if q >= s] or sizes[-1:]
+    s0, s1 = lo[-1], hi[0]
+    c0, c1 = costs[str(s0)], costs[str(s1)]
+    if s1 == s0:
+        return c0
+    return [c0[k] + (c1[k] - c0[k]) * (s - s0) / (s1 - s0) for k in (0, 1)]
+
+
+class Model:
+    """Critical-path model of the four methods for one (N, w, B), calibrated on P = 1."""
+
+    def __init__(self, a, r1, r2):
+        from mgrit.model import StepCost
+
+        self.a, self.N, self.w, self.B, self.m = a, r1["N"], r1["w"], r1["B"], r1["m"]
+        self.costs = r1["costs"]
+        self.msg = r2["msg"] if r2 else {}
+        self.lpmsg = r2["lpmsg"] if r2 else 0.0
+        self.fc, self.ac = (StepCost(*c) for c in r1["lp_costs"])
+        self.skip = r1["skip"]
+        self.h = self._hierarchy()
+        t1 = r1["time"]
+        f, b = per_layer(self.costs, self.B)
+        self.mp_over = t1[0] - self.N * (f + b)            # loss etc.: additive, measured on 1 rank
+        # pipeline: per stage pass, the schedule's own overhead (1-layer probe on 1 rank) and its
+        # message cost (1-layer probe on 2 ranks minus that overhead); no fit to the N-layer times
+        self.pipe_over = [r1["probe"][k] / (2 * self.m) for k in (0, 1)]
+        self.pipe_msg = ([max(r2["probe"][k] / (2 * (self.m + 1)) - self.pipe_over[k], 0.0) for k in (0, 1)]
+                         if r2 else [0.0, 0.0])
+        self.lp_calib = t1[3] / self._lp_raw(1)
+        # LayerParallel on P > 1: a distributed overhead per step (halo exchange, every level's boundary
+        # exchanges and reductions through gloo's helper threads), measured on 2 ranks by the trivial-layer
+        # probe (its 1-rank time scaled by the critical path's propagator calls, the rest is overhead); taken
+        # as constant in P (each rank talks to its two neighbours), plus the ping-pong latency for every
+        # critical-path message beyond P = 2's
+        if r2:
+            u1, u2 = self._lp_units(1), self._lp_units(2)
+            self.lp_over = max(r2["lp_probe"] - r1["lp_probe"] * u2 / u1, 0.0)
+        else:
+            self.lp_over = 0.0
+
+    def _lp_units(self, P):
+        from mgrit.model import predict
+
+        return sum(predict(self.h, P, it, skip=self.skip).time for it in (self.a.fwd_iters, self.a.bwd_iters)) + \
+            -(-self.N // P)
+
+    def _lp_msgs(self, P):
+        from mgrit.model import predict
+
+        n = sum(predict(self.h, P, it, skip=self.skip).path_messages for it in (self.a.fwd_iters, self.a.bwd_iters))
+        return n + 2 * math.ceil(math.log2(P)) if P > 1 else 0
+
+    def _hierarchy(self):
+        import numpy as np
+
+        from mgrit import build_hierarchy
+
+        t = np.linspace(0.0, 1.0, self.N + 1)
+        return build_hierarchy(t, cf=self.a.cf, max_levels=self.a.levels)
+
+    def _lp_parts(self, P):
+        """(propagator work on the critical path, message time on it) of a forward + backward step."""
+        from mgrit.model import predict
+
+        lat = self.lpmsg if P > 1 else 0.0
+        work = comm = 0.0
+        for it, cost in ((self.a.fwd_iters, self.fc), (self.a.bwd_iters, self.ac)):
+            w0 = predict(self.h, P, it, skip=self.skip, cost=cost).time
+            work += w0
+            comm += predict(self.h, P, it, skip=self.skip, cost=cost, latency=lat).time - w0
+        work += self.ac.batch(-(-self.N // P))             # parameter VJP over this rank's layers
+        comm += 2 * lat * math.ceil(math.log2(P)) if P > 1 else 0.0   # output and input-gradient broadcasts
+        return work, comm
+
+    def _lp_raw(self, P):
+        return sum(self._lp_parts(P))
+
+    def mp(self, P):
+        f, b = per_layer(self.costs, self.B)
+        return self.N * (f + b) + 2 * (P - 1) * msg_time(self.msg, self.B * self.w) + self.mp_over
+
+    def pipe(self, P, m=None, k=0):
+        m = m or self.m
+        f, b = per_layer(self.costs, max(self.B // m, 1))
+        c = self.pipe_msg[k] if P > 1 else 0.0
+        L = self.N / P
+        return (m + P - 1) * (L * f + c + self.pipe_over[k]) + (m + P - 1) * (L * b + c + self.pipe_over[k])
+
+    def best_pipe(self, P, k=0):
+        ms = [2 ** j for j in range(int(math.log2(self.B)) + 1)]
+        return min((self.pipe(P, m, k), m) for m in ms)
+
+    def lp(self, P):
+        work, _ = self._lp_parts(P)
+        if P == 1:
+            return self.lp_calib * work
+        extra = max(self._lp_msgs(P) - self._lp_msgs(2), 0) * self.lpmsg
+        return self.lp_calib * work + self.lp_over + extra   # the 1-rank factor scales the work only
+
+
+def merge(rows):
+    """Medians over launches of every measured number (nested lists and dicts alike)."""
+    def med(vals):
+        v0 = vals[0]
+        if isinstance(v0, dict):
+            return {k: med([v[k] for v in vals]) for k in v0}
+        if isinstance(v0, list):
+            return [med([v[i] for v in vals]) for i in range(len(v0))]
+        if isinstance(v0, float):
+            return statistics.median(vals)
+        return v0
+    return med(rows)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse(argv)
+    if a.worker:
+        return worker(a)
+    ranks = [int(r) for r in a.ranks.split(",")]
+    t_start = time.perf_counter()
+    runs = {P: [] for P in ranks}
+    for _ in range(a.rounds):
+        for P in ranks:
+            runs[P].append(launch(a, P, argv))
+    res = {P: {c: merge([run[c] for run in runs[P]]) for c in a.configs} for P in ranks}
+    print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
+          f"torch.distributed gloo for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
+          f"cf {a.cf}, {a.levels} levels, {a.fwd_iters}/{a.bwd_iters} cycles; medians of {a.repeat} interleaved "
+          f"repetitions per launch, slowest rank, medians over {a.rounds} interleaved launches per P")
+    print("grad err = max|g - g_serial| / max|g_serial| over all parameters; mem = counted bytes per rank "
+          "(parameters held + peak bytes kept for backward), largest rank\n")
+    head = f"{'N':>5}{'w':>4}{'B':>5}{'P':>3}  " + "".join(f"{m + ' ms':>18}" for m in METHODS)
+    print("time per step")
+    print(head)
+    for (N, w, B) in a.configs:
+        for P in ranks:
+            r = res[P][(N, w, B)]
+            print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{1e3 * t:>18.2f}" for t in r["time"]))
+    print("\ngradient error against serial autograd / memory per rank [KiB]")
+    print(f"{'N':>5}{'w':>4}{'B':>5}{'P':>3}  " + "".join(f"{m:>22}" for m in METHODS))
+    for (N, w, B) in a.configs:
+        for P in ranks:
+            r = res[P][(N, w, B)]
+            print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{e:>12.1e} /{mm / 1024:>7.0f}"
+                                                         for e, mm in zip(r["err"], r["mem"])))
+    if 1 not in ranks:
+        return 0
+    models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs}
+    if 2 in ranks:
+        print("\nmodel check at P = 2 (constants from P = 1 and from 1-layer / trivial-layer probes on 2 ranks; "
+              "nothing fitted to these times): measured / model ms (difference)")
+        print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
+        diffs = []
+        for c in a.configs:
+            M, r = models[c], res[2][c]
+            pred = [M.mp(2), M.pipe(2, k=0), M.pipe(2, k=1), M.lp(2)]
+            cells = []
+            for t, p in zip(r["time"], pred):
+                d = 100 * (p - t) / t
+                diffs.append(abs(d))
+                cells.append(f"{1e3 * t:>8.1f} /{1e3 * p:>7.1f} ({d:+4.0f}%)")
+            print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
+        print(f"|difference|: median {statistics.median(diffs):.0f}%, max {max(diffs):.0f}%, "
+              f"{sum(d <= 15 for d in diffs)}/{len(diffs)} within 15%")
+        print("\nmessage time (gloo, half a ping-pong): " + ", ".join(
+            f"{int(n) * 4} B {1e6 * t:.0f} us" for n, t in sorted(res[2][a.configs[0]]["msg"].items(),
+                                                                  key=lambda kv: int(kv[0]))))
+        print(f"LayerParallel's communicator (mgrit.comm over gloo), one state of B x w float32: "
+              f"{1e6 * res[2][a.configs[0]]['lpmsg']:.0f} us (ping-pong); distributed overhead per step on 2 ranks "
+              f"(trivial-layer probe): " + ", ".join(f"{1e3 * models[c].lp_over:.1f}" for c in a.configs) + " ms; "
+              f"messages on the critical path at P = 2: {models[a.configs[0]]._lp_msgs(2)}")
+        print("model constants: " + "; ".join(
+            f"N {c[0]} w {c[1]} B {c[2]}: MP +{1e3 * models[c].mp_over:.1f} ms, GPipe {1e3 * models[c].pipe_over[0]:.2f} ms/stage "
+            f"pass (+{1e3 * models[c].pipe_msg[0]:.2f} ms messages on P > 1), LP x{models[c].lp_calib:.2f}" for c in a.configs))
+        print("\nmodelled time per step [ms] for more ranks (GPipe: best m of the powers of two <= B; "
+              "1F1B has GPipe's critical path, less memory)")
+        print(f"{'N':>5}{'w':>4}{'B':>5}{'P':>5}{'model par.':>12}{'GPipe (m)':>16}{'LayerParallel':>15}"
+              f"{'winner':>16}")
+        wins = {}
+        for c in a.configs:
+            M = models[c]
+            for P in (8, 32, 128, 512):
+                if P > c[0]:
+                    continue
+                tp, mbest = M.best_pipe(P)
+                t = {"model parallel": M.mp(P), "GPipe": tp, "LayerParallel": M.lp(P)}
+                win = min(t, key=t.get)
+                wins.setdefault(c, []).append((P, win))
+                print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}{P:>5}{1e3 * t['model parallel']:>12.1f}"
+                      f"{1e3 * tp:>11.1f} ({mbest:>2}){1e3 * t['LayerParallel']:>15.1f}{win:>16}")
+        print("\nwhere each method wins (modelled, P = 8 .. 512; measured P = 1, 2 above):")
+        for c, lst in wins.items():
+            print(f"  N {c[0]:>5}, w {c[1]:>3}, B {c[2]:>4}: " + ", ".join(f"P {P}: {wn}" for P, wn in lst))
+    if a.json:
+        data = {"settings": {k: v for k, v in vars(a).items() if k != "configs"}, "configs": []}
+        for c in a.configs:
+            d = {"N": c[0], "w": c[1], "B": c[2], "methods": METHODS,
+                 "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks}}
+            if 2 in ranks:
+                M = models[c]
+                Ps = [2 ** j for j in range(10) if 2 ** j <= c[0]]
+                d["model"] = {"P": Ps, "model parallel": [M.mp(P) for P in Ps],
+                              "GPipe": [M.pipe(P, k=0) for P in Ps], "1F1B": [M.pipe(P, k=1) for P in Ps],
+                              "GPipe best m": [M.best_pipe(P)[0] for P in Ps],
+                              "LayerParallel": [M.lp(P) for P in Ps]}
+            data["configs"].append(d)
+        Path(a.json).write_text(json.dumps(data, indent=1))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
