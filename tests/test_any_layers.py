@@ -538,3 +538,15 @@ def test_eval_mode_inference_is_the_serial_network_by_default():
     inexact = LayerParallel(copy.deepcopy(layers), T=4.0, cf=4, max_levels=3, exact_eval=False).eval()
     with torch.no_grad():
         assert rel(inexact(x), ref) > 1e-4
+
+
+def test_relative_tolerances_stop_each_solve_relative_to_its_first_residual():
+    torch.manual_seed(17)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(64)]
+    lp = LayerParallel(layers, T=2.0, cf=4, max_levels=3, fwd_iters=50, bwd_iters=50, fwd_tol=1e-6,
+                       bwd_tol=1e-6, tol_type="rel", skip=False)
+    loss_fn(lp(torch.randn(3, 4))).backward()
+    for hist in (lp.forward_residuals, lp.backward_residuals):
+        assert hist[-1] <= 1e-6 * hist[0] < hist[-2]
+    with pytest.raises(ValueError, match="tol_type"):
+        LayerParallel(layers, tol_type="relative")

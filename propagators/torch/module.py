@@ -154,7 +154,9 @@ class LayerParallel(nn.Module):
     fwd_iters, bwd_iters : int
         Cycles of the forward and the adjoint solve (defaults 2 and 1).
     fwd_tol, bwd_tol : float or None
-        Absolute residual tolerances (None: run the given number of cycles).
+        Residual tolerances (None: run the given number of cycles).
+    tol_type : {"abs", "rel"}
+        Tolerances absolute, or relative to each solve's first residual.
     skip : bool
         XBraid's and TorchBraid's skip (default on): the first cycle of each
         solve does no fine relaxation on the way down.
@@ -202,7 +204,7 @@ class LayerParallel(nn.Module):
     def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
                  max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
                  fwd_iters: int = 2, bwd_iters: int = 1, fwd_tol: float | None = None,
-                 bwd_tol: float | None = None, skip: bool = True, warm_start: bool = False,
+                 bwd_tol: float | None = None, tol_type: str = "abs", skip: bool = True, warm_start: bool = False,
                  exact_eval: bool = True,
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
                  comm=None, data_comm=None, callback=None):
@@ -231,6 +233,9 @@ class LayerParallel(nn.Module):
         self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
         self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
         self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
+        if tol_type not in ("abs", "rel"):
+            raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
+        self.tol_type = tol_type
         self.skip, self.warm_start, self.exact_eval = bool(skip), bool(warm_start), bool(exact_eval)
         self.scheme, self.layer_index = scheme, layer_index or inject_layer
         self.batched, self.streams = bool(batched), int(streams)
@@ -402,7 +407,7 @@ class LayerParallel(nn.Module):
                 res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
             else:
                 res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
-                                  max_iter=self.fwd_iters, skip=self.skip and guess is None,
+                                  tol_type=self.tol_type, max_iter=self.fwd_iters, skip=self.skip and guess is None,
                                   initial_guess=guess, comm=self._comm, callback=self.callback,
                                   final_residual=True)
         self.last_forward = res
@@ -497,7 +502,7 @@ class LayerParallel(nn.Module):
         adj = AdjointPropagator(prop, states, N)
         with torch.no_grad():
             res = mgrit.solve(adj, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
-                              max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
+                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True)
         self.last_backward = res
