@@ -614,6 +614,45 @@ class _SessionComm(Communicator):
         """Whether a failed channel can be cleaned up (False: abandon it)."""
         return True
 
+    def _handshake(self, ch, failure, signature, next_id):
+        """The handshake on channel ``ch``: every rank's (failure, signature, pool,
+        next channel id) to rank 0, its verdict back. Returns ``(reuse, new_id)``:
+        the pooled channel every rank holds clean (or None) and the id for a new one;
+        None on a rank that failed. Raises when another rank failed or the
+        signatures differ."""
+        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id)
+        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
+        verdict = None if notes is None else self._verdict(notes)
+        failed, bad, reuse, new_id = self._from_root(ch, verdict, Tag.HANDSHAKE)
+        self._after_handshake(ch)
+        if failure is not None:
+            return None
+        if failed:
+            r, n = failed[0]
+            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            raise self._remote(r, n, more)
+        if bad:
+            raise ValueError(
+                "the arguments of this collective call differ between ranks (for `solve`: time "
+                f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
+                "rank must pass the same"
+            )
+        return reuse, new_id
+
+    def _after_handshake(self, ch) -> None:
+        """Engine hook between the verdict and acting on it."""
+
+    def _transpose_via_root(self, ch, row: list, tag: int) -> list:
+        """``row[j]`` of every rank ``i`` gathered at rank 0 and sent back transposed:
+        returns ``[row_j[me] for every rank j]`` (the barrier of finish)."""
+        rows = self._gather_to_root(ch, row, tag)
+        if self.rank == 0:
+            cols = [[rows[j][i] for j in range(self.size)] for i in range(self.size)]
+            for i in range(1, self.size):
+                self._isend_obj(ch, cols[i], i, tag)
+            return cols[0]
+        return self._recv_obj(ch, 0, tag)
+
     def close(self, error=None):
         if len(self._stack) == 1:
             return
@@ -888,23 +927,10 @@ class MPIComm(_SessionComm):
         if failure is not None and self._broken is not None:
             return  # the caller re-raises its own exception
         self._usable()
-        ch = self._top
-        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), self._next_id)
-        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-        verdict = None if notes is None else self._verdict(notes)
-        failed, bad, reuse, new_id = self._from_root(ch, verdict, Tag.HANDSHAKE)
-        if failure is not None:
+        agreed = self._handshake(self._top, failure, signature, self._next_id)
+        if agreed is None:
             return
-        if failed:
-            r, n = failed[0]
-            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-            raise self._remote(r, n, more)
-        if bad:
-            raise ValueError(
-                "the arguments of this collective call differ between ranks (for `solve`: time "
-                f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
-                "rank must pass the same"
-            )
+        reuse, new_id = agreed
         if reuse is not None:
             new = self._pool.pop(reuse)
         else:
@@ -1041,14 +1067,7 @@ class MPIComm(_SessionComm):
         if P > 1:
             # barrier through rank 0 carrying the counts: col[j] = messages j sent to this
             # rank before its barrier message
-            counts = self._gather_to_root(ch, list(ch.sent), Tag.BARRIER)
-            if r == 0:
-                cols = [[c[i] for c in counts] for i in range(P)]
-                for i in range(1, P):
-                    self._isend_obj(ch, cols[i], i, Tag.BARRIER)
-                col = cols[0]
-            else:
-                col = self._recv_obj(ch, 0, Tag.BARRIER)
+            col = self._transpose_via_root(ch, list(ch.sent), Tag.BARRIER)
             for j in range(P):  # receive what was sent here but never received
                 if j == r:
                     continue

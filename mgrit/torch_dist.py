@@ -613,24 +613,10 @@ class TorchDistComm(_SessionComm):
                 self._stack.append(_Channel(self._base.space, 1))
             return
         ch = self._top
-        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), self._g.next_space)
-        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-        verdict = None if notes is None else self._verdict(notes)
-        failed, bad, reuse, new_space = self._from_root(ch, verdict, Tag.HANDSHAKE)
-        if ch is self._base:
-            self._complete_sends(ch)
-        if failure is not None:
+        agreed = self._handshake(ch, failure, signature, self._g.next_space)
+        if agreed is None:
             return
-        if failed:
-            r, n = failed[0]
-            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-            raise self._remote(r, n, more)
-        if bad:
-            raise ValueError(
-                "the arguments of this collective call differ between ranks (for `solve`: time "
-                f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
-                "rank must pass the same"
-            )
+        reuse, new_space = agreed
         if reuse is not None:
             new = self._pool.pop(reuse)
         else:
@@ -646,6 +632,10 @@ class TorchDistComm(_SessionComm):
         self._pool[ch.space] = ch
         while len(self._pool) > _POOL_SIZE:
             self._pool.pop(next(iter(self._pool)))
+
+    def _after_handshake(self, ch) -> None:
+        if ch is self._base:
+            self._complete_sends(ch)
 
     def _can_clean(self, ch) -> bool:
         return not self._g.nccl  # NCCL receives cannot be fulfilled: retire the channel
@@ -837,14 +827,7 @@ class TorchDistComm(_SessionComm):
             # before its barrier message (the barrier messages are logged too: a cleanup after a
             # failure in finish must know them; here they are received explicitly)
             mine = [{code: [list(run) for run in runs] for code, runs in d.items()} for d in ch.sent]
-            logs = self._gather_to_root(ch, mine, Tag.BARRIER)
-            if r == 0:
-                cols = [[logs[j][i] for j in range(P)] for i in range(P)]
-                for i in range(1, P):
-                    self._isend_obj(ch, cols[i], i, Tag.BARRIER)
-                col = cols[0]
-            else:
-                col = self._recv_obj(ch, 0, Tag.BARRIER)
+            col = self._transpose_via_root(ch, mine, Tag.BARRIER)
             for j in range(P):  # receive what was sent here but never received
                 if j == r:
                     continue
