@@ -16,13 +16,18 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> str:
+    """Run ``benchmarks/<script>`` with one thread; assert it exits 0; return its stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
 @pytest.mark.parametrize("script", ["overhead.py", "setup_scaling.py"])
 def test_benchmark_quick_run_exits_cleanly(script):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"{script} --quick failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "points" in proc.stdout
+    assert "points" in run_benchmark(script, "--quick")
 
 
 def test_memory_per_rank_quick_run_splits_the_layers():
@@ -30,11 +35,8 @@ def test_memory_per_rank_quick_run_splits_the_layers():
     pytest.importorskip("torch")
     mpiexec = Path(sys.executable).parent / "mpiexec"
     ranks = "1,2" if mpiexec.exists() else "1"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "memory_per_rank.py"), "--quick", "--ranks", ranks],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    out = run_benchmark("memory_per_rank.py", "--quick", "--ranks", ranks)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     for P, _, built, owned, halo, *_ in rows:
         assert int(owned) + int(halo) == int(built)
         assert int(owned) <= -(-64 // int(P)) + 1 and int(halo) <= 4
@@ -43,35 +45,23 @@ def test_memory_per_rank_quick_run_splits_the_layers():
 def test_warm_start_quick_run_exits_cleanly():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "warm_start.py"), "--quick"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("%") == 4  # one accuracy per setting
+    assert run_benchmark("warm_start.py", "--quick").count("%") == 4  # one accuracy per setting
 
 
 def test_gpu_script_runs_dry_on_the_cpu_and_skips_cleanly_without_cuda():
     torch = pytest.importorskip("torch")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = str(BENCHMARKS / "gpu.py")
-    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "16", "--widths", "4",
-                           "--batches", "2", "--repeat", "1"], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "LP batched ms" in proc.stdout
+    out = run_benchmark("gpu.py", "--device", "cpu", "--layers", "16", "--widths", "4", "--batches", "2",
+                        "--repeat", "1")
+    assert "LP batched ms" in out
     if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
-        assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stdout + proc.stderr
+        assert "no CUDA device" in run_benchmark("gpu.py", timeout=120)
 
 
 def test_vs_model_parallel_quick_run_prints_the_table():
     """Model parallel, GPipe, 1F1B and LayerParallel on 1 and 2 gloo ranks (N 64): exit 0 and the tables."""
     pytest.importorskip("torch")
     pytest.importorskip("torch.distributed.pipelining")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "vs_model_parallel.py"), "--quick"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_benchmark("vs_model_parallel.py", "--quick")
     assert "time per step" in out and "LayerParallel ms" in out and "model check at P = 2" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:4] in (["64", "16", "16", "1"],
                                                                              ["64", "16", "16", "2"])]
