@@ -15,6 +15,7 @@ an ODE, and its layers are time steps. One concept per module:
 """
 from .adjoint import AdjointPropagator, parameter_vjp
 from .data_parallel import allreduce_gradients
+from .gru import ParallelGRU
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
 from .module import LayerDict, LayerParallel, ODENet, serial_forward
 from .plan import DistributionPlan
@@ -27,4 +28,5 @@ __all__ = [
     "ODEPropagator", "LayerStack", "AdjointPropagator", "parameter_vjp",
     "DistributionPlan", "LayerParallel", "LayerDict", "ODENet", "serial_forward",
     "allreduce_gradients",
+    "ParallelGRU",
 ]

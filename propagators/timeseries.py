@@ -1,0 +1,306 @@
+"""Time-series classification data in the ``.ts`` format, and the sets shipped with aeon.
+
+:func:`load_ts` reads a ``.ts`` file (the format of the UEA / UCR time-series
+archives) into a padded array; :func:`load_aeon_dataset` finds one of the data
+sets that the ``aeon`` package ships (``BasicMotions``, ``JapaneseVowels``, ...)
+inside the installed package, without importing it. Used by
+``benchmarks/gru_timeseries.py`` and notebook 08 (see docs/gru.md).
+
+The format
+----------
+Lines starting with ``#`` are comments. A header of ``@`` tags comes first::
+
+    @problemName JapaneseVowels
+    @timeStamps false
+    @missing false
+    @univariate false
+    @dimensions 12            (also spelled @dimension)
+    @equalLength false
+    @seriesLength 29          (only with @equalLength true)
+    @classLabel true 1 2 3    (or "false"; regression sets have @targetLabel true)
+    @data
+
+then one case per line: the channels separated by ``:``, each a
+comma-separated list of values, and the label last (when the set has labels)::
+
+    1.86,1.89,1.93:-0.20,-0.19,-0.23:3
+
+Missing values are written ``?`` (``NaN`` is read too). With ``@timeStamps
+true`` a channel is a list of ``(timestamp,value)`` pairs; the timestamps are
+dropped and the values kept in the order given.
+
+Missing values and unequal lengths
+----------------------------------
+Every channel of every case is padded to the longest series of the file, so
+that the result is one array ``(n_cases, n_channels, length)``. First every
+missing value is replaced by ``missing`` (default 0.0; None keeps NaN), then
+the padding appends, by default, the channel's last value (``pad="last"``: a
+sequence model sees the series end and then a constant, which leaves a GRU's
+last hidden state close to where the series ended); ``pad="zero"`` appends
+zeros and ``pad="nan"`` NaN. An empty channel is padded with ``missing`` (or
+NaN). The original lengths are kept in ``lengths``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TimeSeriesSet", "load_ts", "load_aeon_dataset", "aeon_data_dir"]
+
+PADS = ("last", "zero", "nan")
+_PAIR = re.compile(r"\(([^()]*)\)")
+
+
+@dataclass
+class TimeSeriesSet:
+    """A loaded ``.ts`` file.
+
+    Attributes
+    ----------
+    X : numpy.ndarray, shape (n_cases, n_channels, length)
+        The series, padded to the longest one (see the module docstring).
+    y : numpy.ndarray or None
+        Class indices into ``classes`` (int64) for classification sets, targets
+        (float64) for regression sets (``@targetLabel true``), None without labels.
+    classes : tuple of str
+        Class labels in the order of the header's ``@classLabel`` list.
+    lengths : numpy.ndarray, shape (n_cases,)
+        Length of every case before padding (its longest channel).
+    name : str
+        ``@problemName`` (the file name without extension when absent).
+    header : dict
+        Every header tag (lower case, without ``@``) with its raw value.
+    """
+
+    X: np.ndarray
+    y: np.ndarray | None
+    classes: tuple
+    lengths: np.ndarray
+    name: str
+    header: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n_channels(self) -> int:
+        return int(self.X.shape[1])
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.classes)
+
+    def sequences(self, batch_first: bool = True) -> np.ndarray:
+        """``X`` as sequences for a recurrent network: ``(n_cases, length, n_channels)``
+        (``(length, n_cases, n_channels)`` with ``batch_first=False``)."""
+        seq = np.ascontiguousarray(self.X.transpose(0, 2, 1))
+        return seq if batch_first else np.ascontiguousarray(seq.transpose(1, 0, 2))
+
+
+def _flag(value: str, tag: str, where: str) -> bool:
+    v = value.strip().split()[0].lower() if value.strip() else ""
+    if v not in ("true", "false"):
+        raise ValueError(f"{where}: @{tag} must be 'true' or 'false', got {value.strip()!r}")
+    return v == "true"
+
+
+def _parse_values(text: str, timestamps: bool, where: str) -> list:
+    text = text.strip()
+    if timestamps:
+        items = [m.group(1).rsplit(",", 1)[-1] for m in _PAIR.finditer(text)]
+        if text and not items:
+            raise ValueError(f"{where}: @timeStamps is true but the channel {text[:40]!r} holds no "
+                             "'(timestamp,value)' pairs")
+    else:
+        items = text.split(",") if text else []
+    out = []
+    for item in items:
+        s = item.strip()
+        if s in ("?", "") or s.lower() == "nan":
+            out.append(math.nan)
+            continue
+        try:
+            out.append(float(s))
+        except ValueError:
+            raise ValueError(f"{where}: {s!r} is not a number (missing values are written '?')") from None
+    return out
+
+
+def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int | None = None,
+            dtype=np.float64) -> TimeSeriesSet:
+    """Read a ``.ts`` file into a padded array (format and padding: module docstring).
+
+    Parameters
+    ----------
+    path : str or Path
+    pad : {"last", "zero", "nan"}
+        How shorter series are extended to the longest one: with their last
+        value (default), zeros or NaN.
+    missing : float or None
+        Value that replaces missing entries (``?``); None keeps NaN.
+    length : int, optional
+        Pad to this length instead of the longest series of the file (e.g. the
+        same length for the train and the test split); no series may be longer.
+    dtype : numpy dtype
+        Of ``X``.
+
+    Returns
+    -------
+    TimeSeriesSet
+
+    Raises
+    ------
+    ValueError
+        The file breaks the format: no ``@data`` line, a case with another
+        number of channels than ``@dimensions`` (or than the first case), a
+        label that ``@classLabel`` does not list, a value that is not a number,
+        or series of unequal length in a file that declares ``@equalLength true``.
+        The message names the line. Also: a series longer than ``length``.
+    """
+    if pad not in PADS:
+        raise ValueError(f"`pad` must be one of {PADS}, got {pad!r}")
+    path = Path(path)
+    header: dict = {}
+    cases, labels = [], []
+    in_data = False
+    with open(path, encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            where = f"{path.name}, line {lineno}"
+            if not in_data:
+                if not line.startswith("@"):
+                    raise ValueError(f"{where}: expected a header tag (@...) or @data before the cases, "
+                                     f"got {line[:40]!r}")
+                tag, _, value = line[1:].partition(" ")
+                tag = tag.lower()
+                if tag == "data":
+                    in_data = True
+                    timestamps = _flag(header.get("timestamps", "false"), "timeStamps", where)
+                    labelled = _flag(header.get("classlabel", "false"), "classLabel", where)
+                    regression = _flag(header.get("targetlabel", "false"), "targetLabel", where)
+                    dims = header.get("dimensions", header.get("dimension"))
+                    n_dims = int(dims) if dims is not None else None
+                    if n_dims is None and _flag(header.get("univariate", "false"), "univariate", where):
+                        n_dims = 1
+                    classes = tuple(header.get("classlabel", "").split()[1:]) if labelled else ()
+                    continue
+                header[tag] = value.strip()
+                continue
+            fields = line.split(":")
+            if labelled or regression:
+                if len(fields) < 2:
+                    raise ValueError(f"{where}: a case needs its channels and a label after the last ':'")
+                label, fields = fields[-1].strip(), fields[:-1]
+                labels.append(label)
+            if timestamps:  # a ':' may also appear inside a timestamp: rejoin and split between pairs
+                joined = ":".join(fields)
+                fields = re.split(r"(?<=\)):(?=\s*\()", joined) if joined else []
+            if n_dims is None:
+                n_dims = len(fields)
+            if len(fields) != n_dims:
+                raise ValueError(f"{where}: {len(fields)} channels, but the file declares {n_dims} "
+                                 "(@dimensions, or the first case)")
+            cases.append([_parse_values(f, timestamps, where) for f in fields])
+    if not in_data:
+        raise ValueError(f"{path.name}: no @data line; a .ts file lists its header tags, then @data, then the cases")
+    if not cases:
+        raise ValueError(f"{path.name}: no cases after @data")
+    lengths = np.array([max(len(ch) for ch in case) for case in cases], dtype=np.int64)
+    T = int(lengths.max())
+    if length is not None:
+        if int(length) < T:
+            i = int(np.argmax(lengths))
+            raise ValueError(f"{path.name}: case {i} has length {T}, longer than `length`={length}; pass "
+                             f"length >= {T} (or None: the longest series)")
+        T = int(length)
+    if header.get("equallength", "").lower().startswith("true"):
+        longest = int(lengths.max())
+        uneven = [i for i, case in enumerate(cases) if any(len(ch) != longest for ch in case)]
+        if uneven:
+            raise ValueError(f"{path.name}: @equalLength is true but case {uneven[0]} has series of lengths "
+                             f"{[len(ch) for ch in cases[uneven[0]]]} (longest {longest})")
+    fill = math.nan if missing is None else float(missing)
+    X = np.empty((len(cases), n_dims, T), dtype=np.float64)
+    for i, case in enumerate(cases):
+        for d, ch in enumerate(case):
+            v = np.asarray(ch, dtype=np.float64)
+            v[np.isnan(v)] = fill
+            X[i, d, : len(v)] = v
+            if pad == "last" and len(v):
+                X[i, d, len(v):] = v[-1]
+            elif pad == "zero":
+                X[i, d, len(v):] = 0.0
+            else:
+                X[i, d, len(v):] = math.nan if pad == "nan" else fill
+    y = None
+    if labelled:
+        if not classes:
+            classes = tuple(sorted(set(labels)))
+        index = {c: k for k, c in enumerate(classes)}
+        unknown = [lab for lab in labels if lab not in index]
+        if unknown:
+            raise ValueError(f"{path.name}: label {unknown[0]!r} is not among the classes of @classLabel {classes}")
+        y = np.array([index[lab] for lab in labels], dtype=np.int64)
+    elif regression:
+        try:
+            y = np.array([float(lab) for lab in labels], dtype=np.float64)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: @targetLabel is true but a target is not a number ({exc})") from None
+    name = header.get("problemname") or path.stem
+    return TimeSeriesSet(X.astype(dtype, copy=False), y, classes, lengths, name, header)
+
+
+def aeon_data_dir() -> Path:
+    """The folder of the data sets shipped with the installed ``aeon`` package (aeon is not imported).
+
+    Raises
+    ------
+    ModuleNotFoundError
+        aeon is not installed.
+    """
+    spec = importlib.util.find_spec("aeon")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the time-series data sets are read from the files shipped with the `aeon` package, which is not "
+            "installed: run `pip install aeon` (it is listed in requirements-dev.txt)", name="aeon")
+    return Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data"
+
+
+def load_aeon_dataset(name: str, split: str = "train", **kwargs) -> TimeSeriesSet:
+    """One split of a data set that ships inside the ``aeon`` package, read with :func:`load_ts`.
+
+    The file ``aeon/datasets/data/<name>/<name>_<SPLIT>.ts`` is located
+    through ``importlib.util.find_spec`` (aeon itself is never imported).
+
+    Parameters
+    ----------
+    name : str
+        E.g. ``"JapaneseVowels"`` (12 channels, 9 speakers, 270 train / 370
+        test cases of length 7 to 29) or ``"BasicMotions"`` (6 channels, 4
+        classes, 40 / 40 cases of length 100).
+    split : {"train", "test"}
+    **kwargs
+        Passed to :func:`load_ts` (``pad``, ``missing``, ``dtype``).
+
+    Raises
+    ------
+    ModuleNotFoundError
+        aeon is not installed (the message says how to install it).
+    FileNotFoundError
+        aeon ships no such data set (the message lists those it ships).
+    """
+    s = str(split).upper()
+    if s not in ("TRAIN", "TEST"):
+        raise ValueError(f"`split` must be 'train' or 'test', got {split!r}")
+    root = aeon_data_dir()
+    path = root / name / f"{name}_{s}.ts"
+    if not path.is_file():
+        shipped = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_TRAIN.ts"))) \
+            if root.is_dir() else []
+        raise FileNotFoundError(f"aeon ships no file {name}/{name}_{s}.ts; data sets with .ts files: "
+                                f"{', '.join(shipped) or 'none'}")
+    return load_ts(path, **kwargs)

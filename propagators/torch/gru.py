@@ -1,0 +1,664 @@
+"""``ParallelGRU``: a GRU whose recursion over the sequence is solved by MGRIT.
+
+The hidden state of one GRU layer obeys ``h_{i+1} = cell(x_i, h_i)``: a time
+stepper whose time steps are the sequence positions, whose forcing is the
+input ``x_i`` and whose parameters are the same at every step. The forward
+pass solves this recursion with MGRIT over the positions, and
+``loss.backward()`` solves the adjoint recursion
+``lam_i = J_i^T lam_{i+1} + dL/dh_i`` with MGRIT in reverse time, then forms
+the gradients of every weight and of the input from vector-Jacobian products
+at all steps at once. At convergence output and gradients equal
+``torch.nn.GRU``'s. See docs/gru.md (semantics, the coarse step, usage,
+limitations) and docs/theory.md (the adjoint).
+
+Every phase that involves several ranks (input checks, the solves, the ghost
+exchange, the gathers, the gradient reduction) runs inside a communicator
+session, so an exception on one rank makes every rank raise.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mgrit
+from mgrit.comm import Tag, as_communicator
+from mgrit.hierarchy import build_hierarchy, check_levels
+
+from .plan import DistributionPlan
+from .schemes import inject_layer
+
+__all__ = ["ParallelGRU", "GRUPropagator", "GRUAdjointPropagator"]
+
+COARSE_STEPS = ("frozen", "inject")
+
+
+def _positions(i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
+    """Rows ``i0[j] + 0..k-1 - offset`` of a window of precomputed input projections."""
+    return torch.as_tensor(np.asarray(i0, dtype=np.int64)[:, None] + np.arange(k) - offset)
+
+
+def _steps(t0, t1) -> tuple:
+    """Integer start positions and lengths of intervals on the integer time grid."""
+    a = np.rint(np.asarray(t0, dtype=np.float64)).astype(np.int64)
+    b = np.rint(np.asarray(t1, dtype=np.float64)).astype(np.int64)
+    return a, b - a
+
+
+class GRUPropagator(mgrit.Propagator):
+    """The forward propagator of one GRU layer; time points are sequence positions.
+
+    The fine step over ``[i, i + 1]`` is the GRU cell of ``torch.nn.GRU``::
+
+        r = sigmoid(gi_r[i] + W_hr h + b_hr)
+        z = sigmoid(gi_z[i] + W_hz h + b_hz)
+        n = tanh(gi_n[i] + r * (W_hn h + b_hn))
+        h' = n + z * (h - n)          # = (1 - z) n + z h
+
+    with the input projections ``gi[i] = W_i x_i + b_i`` computed beforehand.
+    A coarse step over ``[i0, i1]`` (``m = i1 - i0`` positions) is, with
+    ``coarse="frozen"`` (default), the same recursion over all ``m`` inputs of
+    the interval with the hidden-state feedback ``W_h h + b_h`` of the gates
+    frozen at the interval's start::
+
+        gh = W_h h_{i0} + b_h         # one matrix product per coarse step
+        h_{k+1} = n_k + z_k (h_k - n_k),   r_k, z_k, n_k from gi[i0 + k] and gh
+
+    With ``coarse="inject"`` it is one cell at the interval's first input.
+    Both are the fine step when ``m = 1``. See docs/gru.md.
+
+    Parameters
+    ----------
+    weight_hh : Tensor, shape (3H, H)
+    bias_hh : Tensor, shape (3H,), or None
+    gi : Tensor, shape (n, B, 3H)
+        Input projections of the positions ``offset .. offset + n - 1``.
+    offset : int
+    coarse : {"frozen", "inject"}
+    """
+
+    def __init__(self, weight_hh, bias_hh, gi, offset: int = 0, coarse: str = "frozen"):
+        if coarse not in COARSE_STEPS:
+            raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
+        self.W, self.b, self.gi = weight_hh, bias_hh, gi
+        self.offset, self.coarse = int(offset), coarse
+        self.H = int(weight_hh.shape[1])
+
+    def hidden(self, U):
+        """``W_h h + b_h`` for stacked states ``U`` (..., B, H): one matrix product."""
+        return F.linear(U, self.W, self.b)
+
+    def gates(self, gi, gh):
+        """``r, z, n`` from input projections ``gi`` and hidden projections ``gh`` (broadcast)."""
+        H = self.H
+        rz = torch.sigmoid(gi[..., :2 * H] + gh[..., :2 * H])
+        r, z = rz[..., :H], rz[..., H:]
+        n = torch.tanh(gi[..., 2 * H:] + r * gh[..., 2 * H:])
+        return r, z, n
+
+    def span(self, m: int) -> int:
+        """Inputs a step over ``m`` positions reads."""
+        return m if self.coarse == "frozen" else 1
+
+    def inputs(self, i0: np.ndarray, k: int):
+        """Input projections at positions ``i0 + 0..k-1``: shape (n, k, B, 3H)."""
+        return self.gi[_positions(i0, k, self.offset).to(self.gi.device)]
+
+    def advance(self, U, i0: np.ndarray, m: int):
+        """States ``U`` at positions ``i0`` advanced by ``m`` positions (all intervals alike)."""
+        k = self.span(m)
+        r, z, n = self.gates(self.inputs(i0, k), self.hidden(U)[:, None])
+        h = U
+        for j in range(k):
+            h = n[:, j] + z[:, j] * (h - n[:, j])
+        return h
+
+    def step_batch(self, U, t0, t1):
+        i0, m = _steps(t0, t1)
+        if len(m) and (m == m[0]).all():
+            return self.advance(U, i0, int(m[0]))
+        out = torch.empty_like(U)
+        for mm in np.unique(m):
+            sel = np.flatnonzero(m == mm)
+            out[torch.as_tensor(sel, device=U.device)] = self.advance(U[sel], i0[sel], int(mm))
+        return out
+
+    def step(self, u, t0, t1):
+        return self.step_batch(u[None], np.array([t0]), np.array([t1]))[0]
+
+
+class GRUAdjointPropagator(mgrit.Propagator):
+    """The adjoint of a :class:`GRUPropagator` with forcing, in reverse time.
+
+    Reverse point ``s`` is sequence point ``N - s``. A step covering the
+    forward interval ``[i0, i1]`` maps ``lam_{i1}`` to ::
+
+        lam_{i0} = g_{i0} + (d Phi / d h_{i0})^T [g_{i0+1}, ..., g_{i1-1}, lam_{i1}]
+
+    where ``Phi`` is the forward step over the interval (the GRU cell on the
+    fine level; the coarse step of the forward propagator on coarse levels,
+    whose intermediate states ``h_{i0+1..i1-1}`` receive the forcing ``g``),
+    linearised at the stored forward state ``h_{i0}``. On the fine level this
+    is the exact adjoint recursion ``lam_i = J_i^T lam_{i+1} + g_i``.
+
+    Parameters
+    ----------
+    forward : GRUPropagator
+    n_steps : int
+        ``N``, the sequence length.
+    U : Tensor, shape (n, B, H)
+        Forward states at the points ``g0 .. g0 + n - 1`` (the stepping rank's points).
+    GH : Tensor, shape (n, B, 3H)
+        ``forward.hidden(U)``.
+    g0 : int
+    forcing : Tensor, shape (N + 1, B, H), or None
+        ``g_i = dL/dh_i`` from outside the recursion at every point (None: none
+        but the terminal one, which is the solve's initial value).
+    """
+
+    def __init__(self, forward: GRUPropagator, n_steps: int, U, GH, g0: int, forcing=None):
+        self.fwd, self.N, self.U, self.GH, self.g0, self.g = forward, int(n_steps), U, GH, int(g0), forcing
+
+    def back(self, V, i0: np.ndarray, m: int):
+        f, H = self.fwd, self.fwd.H
+        rows = torch.as_tensor(np.asarray(i0) - self.g0, device=V.device)
+        gh = self.GH[rows][:, None]
+        k = f.span(m)
+        r, z, n = f.gates(f.inputs(i0, k), gh)
+        hs = [self.U[rows]]
+        for j in range(k - 1):
+            hs.append(n[:, j] + z[:, j] * (hs[-1] - n[:, j]))
+        mu = V
+        acc_r = acc_z = acc_n = None
+        for j in reversed(range(k)):
+            zj, nj, rj = z[:, j], n[:, j], r[:, j]
+            dz = mu * (hs[j] - nj) * zj * (1.0 - zj)  # gradients of the gates' pre-activations
+            dn = mu * (1.0 - zj) * (1.0 - nj * nj)
+            if acc_z is None:
+                acc_r, acc_z, acc_n = dn * rj * (1.0 - rj), dz, dn * rj
+            else:
+                acc_r, acc_z, acc_n = acc_r + dn * rj * (1.0 - rj), acc_z + dz, acc_n + dn * rj
+            mu = zj * mu
+            if j > 0 and self.g is not None:
+                mu = mu + self.g[torch.as_tensor(np.asarray(i0) + j, device=V.device)]
+        dgh = torch.cat([acc_r * gh[:, 0, ..., 2 * H:], acc_z, acc_n], dim=-1)
+        lam = mu + torch.matmul(dgh, f.W)
+        if self.g is not None:
+            lam = lam + self.g[torch.as_tensor(np.asarray(i0), device=V.device)]
+        return lam
+
+    def step_batch(self, V, tau0, tau1):
+        s0, m = _steps(tau0, tau1)
+        i0 = self.N - (s0 + m)
+        if len(m) and (m == m[0]).all():
+            return self.back(V, i0, int(m[0]))
+        out = torch.empty_like(V)
+        for mm in np.unique(m):
+            sel = np.flatnonzero(m == mm)
+            out[torch.as_tensor(sel, device=V.device)] = self.back(V[sel], i0[sel], int(mm))
+        return out
+
+    def step(self, v, tau0, tau1):
+        return self.step_batch(v[None], np.array([tau0]), np.array([tau1]))[0]
+
+
+class _Layout:
+    """How the positions of a sequence of length ``L`` are split over the ranks (cached per L)."""
+
+    def __init__(self, L: int, options: dict, size: int, rank: int):
+        self.L = L
+        self.t = np.arange(L + 1, dtype=np.float64)
+        self.hierarchy = build_hierarchy(self.t, **options)
+        self.plan = DistributionPlan.build(L, self.hierarchy, inject_layer, size)
+        self.lo, self.hi = self.plan.fine[rank]
+        self.left, self.right = self.plan.left[rank], self.plan.right[rank]
+        S = self.hierarchy[-1].stride  # longest interval of any level
+        if self.hi >= self.lo:
+            self.w_lo, self.w_hi = max(0, self.lo - S), min(L, self.hi + S)  # input positions a rank reads
+        else:
+            self.w_lo = self.w_hi = 0
+        self.steps = np.arange(max(self.lo - 1, 0), self.hi, dtype=np.int64)  # steps whose end point it owns
+
+
+class _GRULayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gru, layer, want_seq, anchor, x, h0, *weights):
+        ctx.set_materialize_grads(False)
+        out, hL, saved = gru._layer_forward(layer, x, h0, weights, want_seq, keep=True)
+        ctx.gru, ctx.layer, ctx.saved = gru, layer, saved
+        ctx.save_for_backward(x, *weights)  # autograd's own check: no in-place change before backward
+        if not want_seq:
+            ctx.mark_non_differentiable(out)
+        return out, hL
+
+    @staticmethod
+    def backward(ctx, g_out, g_hL):
+        gru = ctx.gru
+        with gru._session():  # a failure of these checks on one rank reaches every rank
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "ParallelGRU does not support double backward (backward with create_graph=True): its "
+                    "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
+                    "with the serial GRU (`model.to_gru()`)")
+            x, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
+                                          need_x=needs[4], need_h0=needs[5])
+        return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
+
+
+class ParallelGRU(nn.Module):
+    """A multi-layer GRU whose recursion over the sequence is solved by MGRIT.
+
+    Same constructor, call and parameters as :class:`torch.nn.GRU` (without
+    dropout and bidirectional): ``output, h_n = model(input, h0)`` with
+    ``input`` of shape ``(L, B, input_size)`` (``(B, L, input_size)`` with
+    ``batch_first=True``, or ``(L, input_size)`` unbatched), ``h0`` of shape
+    ``(num_layers, B, hidden_size)`` (zeros if None), ``output`` of shape
+    ``(L, B, hidden_size)`` (the last layer's hidden state at every position)
+    and ``h_n`` of shape ``(num_layers, B, hidden_size)``. Parameter names are
+    ``nn.GRU``'s (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
+    ``bias_hh_l0``, ...), so ``model.load_state_dict(gru.state_dict())`` works
+    both ways.
+
+    Layer by layer, the forward pass solves the hidden-state recursion with
+    MGRIT over the sequence positions (the layer's input sequence is its
+    forcing), and ``loss.backward()`` solves the adjoint recursion with MGRIT
+    in reverse order, then forms the gradients of the weights, the input and
+    ``h0`` at all positions at once. With ``fwd_tol``/``bwd_tol`` small the
+    output and all gradients equal ``nn.GRU``'s; with the defaults (2 forward,
+    1 adjoint cycle) they are approximations, as in layer-parallel training.
+
+    Parameters
+    ----------
+    input_size, hidden_size, num_layers, bias, batch_first
+        As in :class:`torch.nn.GRU`.
+    dropout, bidirectional
+        Only the defaults (0 and False) are supported.
+    device, dtype
+        Of the parameters, as in :class:`torch.nn.GRU`.
+    cf, max_levels, min_coarse, relax, cycle
+        MGRIT hierarchy and relaxation (see :func:`mgrit.solve`), the same
+        for every layer and for forward and adjoint.
+    coarse : {"frozen", "inject"}
+        The coarse step: "frozen" (default) runs the GRU update over every
+        input of a coarse interval with the gates' hidden-state feedback frozen
+        at its start (one matrix product per coarse step); "inject" applies the
+        cell once, to the interval's first input. See docs/gru.md.
+    fwd_iters, bwd_iters : int
+        Largest number of cycles of each forward and adjoint solve (defaults 2 and 1).
+    fwd_tol, bwd_tol : float or None
+        Residual tolerances (None: run the given number of cycles).
+    tol_type : {"abs", "rel"}
+    skip : bool
+        XBraid's skip for the first cycle of each solve.
+    exact_eval : bool
+        In eval mode (``model.eval()``) step through the positions in order
+        (a one-level solve, also across ranks): inference gives ``nn.GRU``'s output.
+    return_sequence : bool
+        False: ``forward`` returns ``(None, h_n)``; on several ranks the last
+        layer's output sequence is then never gathered (only ``h_n`` is
+        broadcast), the cheap path for classifiers of the last hidden state.
+    comm : None, mpi4py communicator or mgrit.Communicator
+        Splits the sequence positions over its ranks. Every rank passes the
+        same input and gets the same output, ``h_n`` and gradients (each rank
+        keeps a full copy of the weights; the weight gradients are summed over
+        the ranks, so optimizers stay in step without further communication).
+
+    Examples
+    --------
+    >>> import torch
+    >>> torch.manual_seed(0) and None
+    >>> gru = torch.nn.GRU(3, 5, num_layers=2).double()
+    >>> pgru = ParallelGRU(3, 5, num_layers=2, fwd_iters=30, fwd_tol=1e-13).double()
+    >>> pgru.load_state_dict(gru.state_dict())
+    <All keys matched successfully>
+    >>> x = torch.randn(20, 4, 3, dtype=torch.float64)
+    >>> out, h_n = pgru(x)
+    >>> ref, ref_n = gru(x)
+    >>> bool(torch.allclose(out, ref, atol=1e-11)), bool(torch.allclose(h_n, ref_n, atol=1e-11))
+    (True, True)
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 device=None, dtype=None, *, cf: int = 4, max_levels: int = 3, min_coarse: int = 2,
+                 relax=("F", "FCF"), cycle: str = "V", coarse: str = "frozen", fwd_iters: int = 2,
+                 bwd_iters: int = 1, fwd_tol: float | None = None, bwd_tol: float | None = None,
+                 tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
+                 return_sequence: bool = True, comm=None):
+        super().__init__()
+        for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
+                             ("num_layers", num_layers, 1), ("fwd_iters", fwd_iters, 1),
+                             ("bwd_iters", bwd_iters, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
+        if dropout:
+            raise ValueError("ParallelGRU does not support dropout between layers (MGRIT evaluates every "
+                             "step many times per pass, each time with a different mask): pass dropout=0 "
+                             "and apply nn.Dropout to the output instead")
+        if bidirectional:
+            raise ValueError("ParallelGRU is not bidirectional: run a second ParallelGRU on the flipped "
+                             "sequence (input.flip(0)) and concatenate the outputs")
+        if coarse not in COARSE_STEPS:
+            raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
+        if tol_type not in ("abs", "rel"):
+            raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
+        if cycle not in ("V", "F"):
+            raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
+        check_levels(cf, max_levels, min_coarse, relax, 1.0)
+        self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
+        self.bias, self.batch_first = bool(bias), bool(batch_first)
+        self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
+        self.cycle, self.coarse = cycle, coarse
+        self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
+        self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
+        self.skip, self.exact_eval, self.return_sequence = bool(skip), bool(exact_eval), bool(return_sequence)
+        factory = {"device": device, "dtype": dtype}
+        H = self.hidden_size
+        for l in range(self.num_layers):
+            n_in = self.input_size if l == 0 else H
+            self.register_parameter(f"weight_ih_l{l}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
+            self.register_parameter(f"weight_hh_l{l}", nn.Parameter(torch.empty(3 * H, H, **factory)))
+            if self.bias:
+                self.register_parameter(f"bias_ih_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
+                self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
+        self.reset_parameters()
+        self._comm = as_communicator(comm)
+        self._adj_comm = self._comm.reversed() if self._comm.size > 1 else self._comm
+        if self._comm.size > 1:  # free the reversed communicator with the module
+            weakref.finalize(self, _free_quietly, self._adj_comm)
+        self._layouts: dict = {}
+        #: mgrit.Result of the last forward and adjoint solve of every layer
+        self.last_forward: list = [None] * self.num_layers
+        self.last_backward: list = [None] * self.num_layers
+
+    def reset_parameters(self):
+        """``nn.GRU``'s initialisation: every parameter uniform in ``(-1/sqrt(H), 1/sqrt(H))``."""
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for p in self.parameters():
+            nn.init.uniform_(p, -stdv, stdv)
+
+    def flatten_parameters(self):
+        """No-op (kept for code written for ``nn.GRU``)."""
+
+    def layer_weights(self, l: int) -> tuple:
+        """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of layer ``l`` (biases None without bias)."""
+        g = lambda name: getattr(self, f"{name}_l{l}", None)  # noqa: E731
+        return g("weight_ih"), g("weight_hh"), g("bias_ih"), g("bias_hh")
+
+    def to_gru(self) -> nn.GRU:
+        """A ``torch.nn.GRU`` with a copy of the current weights (serial reference, inference, checkpoints)."""
+        p = next(self.parameters())
+        gru = nn.GRU(self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
+                     batch_first=self.batch_first, device=p.device, dtype=p.dtype)
+        gru.load_state_dict(self.state_dict())
+        return gru
+
+    # -- helpers ---------------------------------------------------------------------
+    def _session(self):
+        """A failure-aware communicator session on several ranks; nothing on one."""
+        return self._comm.session() if self._comm.size > 1 else contextlib.nullcontext()
+
+    def _layout(self, L: int) -> _Layout:
+        lay = self._layouts.get(L)
+        if lay is None:
+            lay = self._layouts[L] = _Layout(L, self.options, self._comm.size, self._comm.rank)
+        return lay
+
+    def _mgrit_options(self, exact: bool, forward: bool) -> dict:
+        if exact:
+            return dict(max_levels=1)
+        return dict(**self.options, cycle=self.cycle, tol=self.fwd_tol if forward else self.bwd_tol,
+                    tol_type=self.tol_type, max_iter=self.fwd_iters if forward else self.bwd_iters,
+                    skip=self.skip)
+
+    def _check(self, input, hx):
+        """Shapes, dtypes and devices as ``nn.GRU`` expects them; returns (x (L,B,in), h0, batched)."""
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"ParallelGRU expects a torch.Tensor input, got {type(input).__name__}")
+        if not input.is_floating_point():
+            raise TypeError(f"ParallelGRU expects a floating-point input, got dtype {input.dtype}; "
+                            "convert it, e.g. input.float()")
+        if input.dim() not in (2, 3):
+            raise ValueError(f"ParallelGRU expects a 2-D (unbatched) or 3-D (batched) input, got "
+                             f"{input.dim()}-D input of shape {tuple(input.shape)}")
+        if input.shape[-1] != self.input_size:
+            raise ValueError(f"input.size(-1) must equal input_size = {self.input_size}, got input of shape "
+                             f"{tuple(input.shape)}")
+        batched = input.dim() == 3
+        x = input.unsqueeze(1) if not batched else (input.transpose(0, 1) if self.batch_first else input)
+        L, B = int(x.shape[0]), int(x.shape[1])
+        if L < 1:
+            raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
+        p = self.weight_ih_l0
+        if x.dtype != p.dtype or x.device != p.device:
+            raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
+                            "convert one of them (model.to(input) or input.to(...))")
+        shape = (self.num_layers, B, self.hidden_size) if batched else (self.num_layers, self.hidden_size)
+        if hx is None:
+            h0 = x.new_zeros(self.num_layers, B, self.hidden_size)
+        else:
+            if not isinstance(hx, torch.Tensor):
+                raise TypeError(f"h0 must be a torch.Tensor or None, got {type(hx).__name__}")
+            if tuple(hx.shape) != shape:
+                raise ValueError(f"h0 must have shape {shape} (num_layers, {'batch, ' if batched else ''}"
+                                 f"hidden_size), got {tuple(hx.shape)}")
+            if hx.dtype != x.dtype or hx.device != x.device:
+                raise TypeError(f"h0 is {hx.dtype} on {hx.device}, the input {x.dtype} on {x.device}; "
+                                "give both the same dtype and device")
+            h0 = hx if batched else hx.unsqueeze(1)
+        return x, h0, batched
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, input, hx=None):
+        P = self._comm.size
+        with self._session():  # a bad input on one rank raises on every rank
+            x, h0, batched = self._check(input, hx)
+        params = list(self.parameters())
+        track = torch.is_grad_enabled() and (
+            P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
+        inp, last = x, []
+        for l in range(self.num_layers):
+            want = self.return_sequence or l < self.num_layers - 1
+            w = self.layer_weights(l)
+            w = [v for v in w if v is not None]
+            if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
+                anchor = torch.zeros((), requires_grad=P > 1)
+                out, hL = _GRULayerFunction.apply(self, l, want, anchor, inp, h0[l], *w)
+            else:
+                with torch.no_grad():
+                    out, hL, _ = self._layer_forward(l, inp, h0[l], w, want, keep=False)
+            last.append(hL)
+            inp = out
+        h_n = torch.stack(last)
+        output = inp if self.return_sequence else None
+        if not batched:
+            return (None if output is None else output.squeeze(1)), h_n.squeeze(1)
+        if output is not None and self.batch_first:
+            output = output.transpose(0, 1)
+        return output, h_n
+
+    def _split(self, l, weights):
+        w_ih, w_hh = weights[0], weights[1]
+        b_ih, b_hh = (weights[2], weights[3]) if self.bias else (None, None)
+        return w_ih, w_hh, b_ih, b_hh
+
+    def _layer_forward(self, l, x, h0, weights, want_seq: bool, keep: bool):
+        """Solve layer ``l``; returns (output sequence or an empty tensor, h_L, what backward needs)."""
+        P, r = self._comm.size, self._comm.rank
+        L, B = int(x.shape[0]), int(x.shape[1])
+        exact = self.exact_eval and not self.training
+        lay = self._layout(L)
+        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(l, weights))
+        xd = x.detach()
+        gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
+        prop = GRUPropagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
+        res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
+                          comm=self._comm, final_residual=True)
+        self.last_forward[l] = res
+        U, g0 = res.u, lay.lo
+        if P == 1:
+            out = U[1:].clone() if want_seq else x.new_zeros(0)
+            hL = U[-1].clone()
+        else:
+            with self._comm.session():
+                if keep:
+                    U, g0 = self._with_ghost(U, lay)
+                out = self._gather_points(U[max(1, lay.lo) - g0:] if lay.hi >= lay.lo else U[:0],
+                                          max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
+                root = lay.plan.owner_of_point(L)
+                hL = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
+        saved = (prop, U, g0, L, B, exact) if keep else None
+        return out, hL, saved
+
+    def _with_ghost(self, U, lay):
+        """Prepend the left neighbour's last state ``h_{lo-1}`` to this rank's states."""
+        c = self._comm
+        if len(U) and lay.right is not None:
+            c.send(U[-1], lay.right, Tag.GHOST)
+        if len(U) and lay.left is not None:
+            return torch.cat([c.recv(U[-1], lay.left, Tag.GHOST)[None], U]), lay.lo - 1
+        return U, lay.lo
+
+    def _gather_points(self, piece, start: int, L: int, like):
+        """Rows ``start ..`` of the sequence from every rank, as the full ``(L, ...)`` tensor on every rank.
+
+        ``piece`` holds this rank's points ``start .. start + len(piece) - 1`` (1-based
+        points: point ``i`` is output position ``i - 1``)."""
+        parts = self._comm.gather((start, piece.detach().cpu()), root=None)
+        parts = [p for s, p in sorted(parts, key=lambda sp: sp[0]) if len(p)]
+        full = torch.cat(parts).to(like.device)
+        if full.shape[0] != L:  # pragma: no cover - the blocks cover every point by construction
+            raise RuntimeError(f"gathered {full.shape[0]} positions, expected {L}")
+        return full
+
+    # -- backward --------------------------------------------------------------------
+    def _layer_backward(self, l, saved, x, weights, g_out, g_hL, need_x: bool, need_h0: bool):
+        prop, U, g0, L, B, exact = saved
+        P, r, H = self._comm.size, self._comm.rank, self.hidden_size
+        lay = self._layout(L)
+        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(l, weights))
+        zeros = U.new_zeros(B, H)
+        terminal = zeros
+        forcing = None
+        if g_out is not None and g_out.numel():
+            g_out = g_out.detach()
+            terminal = g_out[L - 1]
+            forcing = torch.cat([zeros[None], g_out])  # g_i at points 0..L (none at point 0)
+        if g_hL is not None:
+            terminal = terminal + g_hL.detach()
+        GH = prop.hidden(U)  # hidden projections at the stored states: one matrix product
+        adj = GRUAdjointPropagator(prop, L, U, GH, g0, forcing)
+        with torch.no_grad():
+            res = mgrit.solve(adj, terminal.contiguous(), lay.t, **self._mgrit_options(exact, False),
+                              initial_guess=0.0, comm=self._adj_comm,
+                              partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
+        self.last_backward[l] = res
+        lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
+        gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
+        if P == 1:
+            gx = gx_piece if need_x else None
+            gh0 = lam[0] if need_h0 else None
+            return gx, gh0, gw
+        with self._comm.session():
+            flat = torch.cat([g.reshape(-1) for g in gw])
+            flat = self._comm.allreduce_array(flat)  # the weights are shared by all steps of all ranks
+            sizes = [g.numel() for g in gw]
+            gw = [v.view_as(g) for v, g in zip(torch.split(flat, sizes), gw)]
+            gx = self._gather_points(gx_piece, int(lay.steps[0]) + 1 if len(lay.steps) else L + 1, L, x) \
+                if need_x else None
+            gh0 = None
+            if need_h0:
+                root = lay.plan.owner_of_point(0)
+                gh0 = self._comm.bcast(lam[0].cpu() if r == root else None, root=root).to(x.device)
+        return gx, gh0, gw
+
+    def _step_gradients(self, prop, U, GH, g0, lam, lay, x, w_ih, need_x: bool):
+        """Weight gradients (this rank's steps) and the input gradient at their positions.
+
+        For every fine step ``t`` this rank owns (the step ending at its point
+        ``t + 1``), the cell's vector-Jacobian product with ``lam_{t+1}``, all
+        steps at once: three matrix products in all.
+        """
+        H = self.hidden_size
+        t = lay.steps
+        n_in = x.shape[-1]
+        if not len(t):
+            gw = [torch.zeros_like(w) for w in self._detached_weights(prop, w_ih)]
+            return gw, x[:0]
+        rows = torch.as_tensor(t - g0, device=U.device)
+        h, gh = U[rows], GH[rows]
+        gi = prop.gi[torch.as_tensor(t - prop.offset, device=U.device)]
+        lm = lam[torch.as_tensor(t + 1 - lay.lo, device=U.device)]
+        rr, z, n = prop.gates(gi, gh)
+        dz = lm * (h - n) * z * (1.0 - z)
+        dn = lm * (1.0 - z) * (1.0 - n * n)
+        dr = dn * gh[..., 2 * H:] * rr * (1.0 - rr)
+        dgi = torch.cat([dr, dz, dn], dim=-1)  # (T, B, 3H)
+        dgh = torch.cat([dr, dz, dn * rr], dim=-1)
+        dgi2, dgh2 = dgi.reshape(-1, 3 * H), dgh.reshape(-1, 3 * H)
+        g_wih = dgi2.t() @ x[torch.as_tensor(t, device=x.device)].reshape(-1, n_in)
+        g_whh = dgh2.t() @ h.reshape(-1, H)
+        gw = [g_wih, g_whh]
+        if self.bias:
+            gw += [dgi2.sum(0), dgh2.sum(0)]
+        gx = torch.matmul(dgi, w_ih) if need_x else x[:0]
+        return gw, gx
+
+    def _detached_weights(self, prop, w_ih):
+        out = [w_ih, prop.W]
+        if self.bias:
+            out += [prop.W.new_zeros(prop.W.shape[0]), prop.W.new_zeros(prop.W.shape[0])]
+        return out
+
+    # -- diagnostics -----------------------------------------------------------------
+    @property
+    def forward_residuals(self) -> list:
+        """Residual history of the last forward solve of every layer."""
+        return [[] if res is None else list(res.residuals) for res in self.last_forward]
+
+    @property
+    def backward_residuals(self) -> list:
+        """Residual history of the last adjoint solve of every layer."""
+        return [[] if res is None else list(res.residuals) for res in self.last_backward]
+
+    @property
+    def forward_residual(self) -> float | None:
+        """Largest residual norm over the layers of the trajectories the last forward pass returned (0: exact)."""
+        vals = [res.final_residual for res in self.last_forward if res is not None]
+        return max(vals) if vals else None
+
+    @property
+    def backward_residual(self) -> float | None:
+        """Largest residual norm over the layers of the adjoints of the last backward pass (0: exact)."""
+        vals = [res.final_residual for res in self.last_backward if res is not None]
+        return max(vals) if vals else None
+
+    def extra_repr(self) -> str:
+        o = self.options
+        s = (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, bias={self.bias}, "
+             f"batch_first={self.batch_first}, cf={o['cf']}, max_levels={o['max_levels']}, relax={o['relax']}, "
+             f"coarse={self.coarse!r}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}")
+        if self._comm.size > 1:
+            s += f", ranks={self._comm.size}"
+        return s
+
+
+def _free_quietly(comm) -> None:
+    from mgrit.comm import MPIComm
+
+    if not isinstance(comm, MPIComm):
+        return
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        try:
+            comm.free()
+        except Exception:  # noqa: BLE001 - at interpreter exit, or in the middle of a failed session
+            pass

@@ -1,0 +1,120 @@
+"""ParallelGRU on several ranks against torch.nn.GRU (run under mpiexec).
+
+Usage: mpiexec -n P python gru_ranks.py
+Checks (every rank), float64, converged solves: output, h_n and the gradients of
+the input, h0 and every weight equal nn.GRU's with copied weights to 1e-10, for
+one and two layers, batch_first, no bias, h0 given or None, return_sequence=False,
+sequences shorter than the number of ranks, eval mode (exact stepping), and after
+optimizer steps (the weights stay equal on every rank); a bad input on one rank
+makes every rank raise. Prints "rank r OK" on success and exits 1 otherwise.
+"""
+import sys
+
+import torch
+from mpi4py import MPI
+
+import mgrit
+from propagators.torch import ParallelGRU
+
+torch.set_default_dtype(torch.float64)
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+TOL = 1e-10
+
+
+def fail(msg):
+    print(f"rank {rank} FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(name, a, b, tol=TOL):
+    if a is None or b is None:
+        fail(f"{name}: missing ({a is None}, {b is None})")
+    err = float((a.detach() - b.detach()).abs().max())
+    if not err < tol:
+        fail(f"{name}: max difference {err:.3e} >= {tol:.0e}")
+
+
+def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, relax, steps=1):
+    torch.manual_seed(1000 + L + 10 * layers)  # the same weights and data on every rank
+    I, H, B = 3, 4, 2
+    ref = torch.nn.GRU(I, H, num_layers=layers, bias=bias, batch_first=batch_first)
+    par = ParallelGRU(I, H, num_layers=layers, bias=bias, batch_first=batch_first, cf=cf, max_levels=levels,
+                      relax=relax, return_sequence=return_sequence, comm=world, **TIGHT)
+    par.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.5)
+    x = torch.randn(B, L, I) if batch_first else torch.randn(L, B, I)
+    h0 = torch.randn(layers, B, H) if with_h0 else None
+    wo = torch.randn(B, L, H) if batch_first else torch.randn(L, B, H)
+    wn = torch.randn(layers, B, H)
+    name = f"L={L} layers={layers} bias={bias} bf={batch_first} h0={with_h0} seq={return_sequence} cf={cf}"
+    for step in range(steps):
+        xs, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        hs = hp = None
+        if with_h0:
+            hs, hp = h0.clone().requires_grad_(True), h0.clone().requires_grad_(True)
+        o_ref, n_ref = ref(xs, hs)
+        o, n = par(xp, hp)
+        if return_sequence:
+            check(f"{name} step {step} output", o, o_ref)
+            loss_ref, loss = (o_ref * wo).sum() + (n_ref * wn).sum(), (o * wo).sum() + (n * wn).sum()
+        else:
+            if o is not None:
+                fail(f"{name}: output is not None with return_sequence=False")
+            loss_ref, loss = (n_ref * wn).sum(), (n * wn).sum()
+        check(f"{name} step {step} h_n", n, n_ref)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        loss_ref.backward()
+        loss.backward()
+        check(f"{name} step {step} input grad", xp.grad, xs.grad)
+        if with_h0:
+            check(f"{name} step {step} h0 grad", hp.grad, hs.grad)
+        for (k, p), q in zip(par.named_parameters(), ref.parameters()):
+            check(f"{name} step {step} grad {k}", p.grad, q.grad)
+        opt_ref.step()
+        opt.step()
+    # the weights after the steps are the same on every rank
+    for k, p in par.named_parameters():
+        every = world.allgather(p.detach().numpy())
+        if any(float(abs(e - every[0]).max()) != 0.0 for e in every):
+            fail(f"{name}: {k} differs between ranks after the optimizer steps")
+    # eval mode: exact stepping through the positions, no iterations
+    par.eval()
+    ref.eval()
+    with torch.no_grad():
+        o, n = par(x, h0)
+        o_ref, n_ref = ref(x, h0)
+    check(f"{name} eval h_n", n, n_ref, 1e-12)
+    if return_sequence:
+        check(f"{name} eval output", o, o_ref, 1e-12)
+
+
+def bad_input_raises_everywhere():
+    par = ParallelGRU(3, 4, comm=world, **TIGHT)
+    x = torch.randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
+    try:
+        par(x)
+    except mgrit.RemoteRankError as exc:
+        if rank == size - 1:
+            fail(f"the failing rank got RemoteRankError: {exc}")
+    except ValueError as exc:
+        if rank != size - 1 or "input_size" not in str(exc):
+            fail(f"unexpected ValueError: {exc}")
+    else:
+        fail("no rank raised for a bad input")
+    # the communicator is still usable
+    y, n = par(torch.randn(7, 2, 3))
+    if y.shape != (7, 2, 4):
+        fail(f"output shape {tuple(y.shape)} after a failure")
+
+
+case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
+case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
+case(11, 2, False, False, True, False, 2, 4, "F")
+case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2, "FCF")  # fewer points than ranks
+case(2, 1, True, True, True, True, 2, 2, "FCF")
+bad_input_raises_everywhere()
+print(f"rank {rank} OK", flush=True)

@@ -1,0 +1,368 @@
+"""ParallelGRU: a GRU whose recursion over the sequence is solved by MGRIT, forward and adjoint.
+
+Converged solves equal torch.nn.GRU with copied weights (output, h_n and the gradients
+of the input, h0 and every weight, float64, 1e-10) on one rank here and on 2 and 3
+ranks through mpiexec (tests/mpi_scripts/gru_ranks.py); the propagators' steps are
+the GRU cell and the exact vector-Jacobian products of the coarse step; bad inputs
+raise errors that say what to pass.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mgrit  # noqa: E402
+from propagators.torch import ParallelGRU  # noqa: E402
+from propagators.torch.gru import GRUAdjointPropagator, GRUPropagator  # noqa: E402
+
+TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+TOL = 1e-10
+I, H, B = 3, 5, 4
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def pair(num_layers=1, bias=True, batch_first=False, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = torch.nn.GRU(I, H, num_layers=num_layers, bias=bias, batch_first=batch_first)
+    par = ParallelGRU(I, H, num_layers=num_layers, bias=bias, batch_first=batch_first, **{**TIGHT, **kw})
+    par.load_state_dict(ref.state_dict())
+    return ref, par
+
+
+def maxdiff(a, b) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def run_both(ref, par, x, h0, wo, wn):
+    """Forward and backward of both with the same loss; returns (outputs, grads) of each."""
+    out = []
+    for m in (ref, par):
+        xs = x.clone().requires_grad_(True)
+        hs = None if h0 is None else h0.clone().requires_grad_(True)
+        m.zero_grad()
+        o, n = m(xs, hs)
+        loss = (n * wn).sum() + ((o * wo).sum() if o is not None else 0.0)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+        out.append((o, n, xs.grad, None if hs is None else hs.grad, grads))
+    return out
+
+
+@pytest.mark.parametrize("num_layers, bias, batch_first, with_h0", [
+    (1, True, False, True),
+    (1, True, True, False),
+    (2, True, False, False),
+    (2, True, True, True),
+    (1, False, False, True),
+    (2, False, True, False),
+])
+def test_converged_output_and_gradients_equal_nn_gru(num_layers, bias, batch_first, with_h0):
+    ref, par = pair(num_layers, bias, batch_first, seed=num_layers + 2 * bias, cf=2, max_levels=4)
+    L = 17
+    x = torch.randn(B, L, I) if batch_first else torch.randn(L, B, I)
+    h0 = torch.randn(num_layers, B, H) if with_h0 else None
+    wo = torch.randn_like(x[..., :1].expand(*x.shape[:2], H))
+    wn = torch.randn(num_layers, B, H)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, wo, wn)
+    assert o.shape == o_r.shape and n.shape == n_r.shape
+    assert maxdiff(o, o_r) < TOL and maxdiff(n, n_r) < TOL
+    assert maxdiff(gx, gx_r) < TOL
+    if with_h0:
+        assert maxdiff(gh, gh_r) < TOL
+    assert set(gw) == set(gw_r)  # the same parameter names
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+    assert par.forward_residual < 1e-12 and par.backward_residual < 1e-12
+
+
+def test_parameter_names_and_state_dicts_are_nn_grus():
+    ref, par = pair(num_layers=3, bias=True)
+    assert list(par.state_dict()) == list(ref.state_dict())
+    assert [tuple(p.shape) for p in par.parameters()] == [tuple(p.shape) for p in ref.parameters()]
+    back = torch.nn.GRU(I, H, num_layers=3)
+    back.load_state_dict(par.state_dict())
+    gru = par.to_gru()
+    x = torch.randn(6, 2, I)
+    assert maxdiff(gru(x)[0], ref(x)[0]) == 0.0 and maxdiff(back(x)[0], ref(x)[0]) == 0.0
+    nobias = ParallelGRU(I, H, num_layers=2, bias=False)
+    assert list(nobias.state_dict()) == list(torch.nn.GRU(I, H, num_layers=2, bias=False).state_dict())
+
+
+def test_default_initialisation_is_nn_grus_range():
+    torch.manual_seed(3)
+    par = ParallelGRU(I, 16, num_layers=2)
+    bound = 1.0 / np.sqrt(16)
+    for p in par.parameters():
+        a = float(p.detach().abs().max())
+        assert 0.5 * bound < a <= bound
+
+
+def test_unbatched_input_and_return_sequence_false():
+    ref, par = pair(num_layers=2, cf=2, max_levels=3)
+    x, h0 = torch.randn(9, I), torch.randn(2, H)
+    o_r, n_r = ref(x, h0)
+    o, n = par(x, h0)
+    assert o.shape == (9, H) and n.shape == (2, H)
+    assert maxdiff(o, o_r) < TOL and maxdiff(n, n_r) < TOL
+    last = ParallelGRU(I, H, num_layers=2, return_sequence=False, **TIGHT)
+    last.load_state_dict(ref.state_dict())
+    xs = torch.randn(9, B, I)
+    (_, n_r, gx_r, _, gw_r), (o, n, gx, _, gw) = run_both(ref, last, xs, None, torch.zeros(9, B, H),
+                                                          torch.randn(2, B, H))
+    assert o is None
+    assert maxdiff(n, n_r) < TOL and maxdiff(gx, gx_r) < TOL
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+
+
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_short_sequences(L):
+    ref, par = pair(num_layers=2, cf=2, max_levels=3)
+    x, h0 = torch.randn(L, B, I), torch.randn(2, B, H)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, torch.randn(L, B, H),
+                                                                torch.randn(2, B, H))
+    assert maxdiff(o, o_r) < TOL and maxdiff(gx, gx_r) < TOL and maxdiff(gh, gh_r) < TOL
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+
+
+def test_optimizer_steps_follow_nn_gru():
+    ref, par = pair(num_layers=2, cf=2, max_levels=3)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    x, target = torch.randn(12, B, I), torch.randn(B, H)
+    for _ in range(3):
+        for m, o in ((ref, opt_r), (par, opt)):
+            o.zero_grad()
+            loss = ((m(x)[1][-1] - target) ** 2).sum()
+            loss.backward()
+            o.step()
+    for (k, p), q in zip(par.named_parameters(), ref.parameters()):
+        assert maxdiff(p, q) < TOL, k
+
+
+def test_eval_mode_steps_exactly_without_iterations():
+    ref, par = pair(num_layers=2, fwd_iters=1, bwd_iters=1, fwd_tol=None, bwd_tol=None)
+    x = torch.randn(20, B, I)
+    par.eval()
+    with torch.no_grad():
+        o, n = par(x)
+    o_r, n_r = ref(x)
+    assert maxdiff(o, o_r) < 1e-12 and maxdiff(n, n_r) < 1e-12
+    assert all(res.status is mgrit.Status.SEQUENTIAL for res in par.last_forward)
+    par.train()
+    with torch.no_grad():
+        o1, _ = par(x)  # one inexact cycle in training mode
+    assert maxdiff(o1, o_r) > 1e-6
+
+
+@pytest.mark.parametrize("coarse", ["frozen", "inject"])
+def test_coarse_steps_converge_to_the_serial_gru(coarse):
+    """Both coarse steps converge; their residuals fall by a factor per cycle well below 1."""
+    torch.manual_seed(5)
+    ref = torch.nn.GRU(I, 8)
+    par = ParallelGRU(I, 8, cf=4, max_levels=3, relax="FCF", coarse=coarse, fwd_iters=30, bwd_iters=30,
+                      fwd_tol=1e-12, bwd_tol=1e-12)
+    par.load_state_dict(ref.state_dict())
+    x = torch.randn(64, B, I)
+    o, n = par(x)
+    n[-1].sum().backward()
+    for res in (par.last_forward[0], par.last_backward[0]):
+        assert res.status is mgrit.Status.CONVERGED
+        r = [v for v in res.residuals if v is not None]
+        assert r[-1] <= 1e-12
+        assert (r[-1] / r[0]) ** (1.0 / (len(r) - 1)) < 0.5
+    assert maxdiff(o, ref(x)[0]) < 1e-10
+
+
+def test_frozen_coarse_step_beats_injection_after_one_cycle():
+    """The frozen-feedback coarse step reads every input of its interval: after one forward
+    cycle its output is closer to the serial GRU than with the injected first input."""
+    torch.manual_seed(6)
+    ref = torch.nn.GRU(I, 8)
+    x = torch.randn(64, B, I)
+    err = {}
+    for coarse in ("frozen", "inject"):
+        par = ParallelGRU(I, 8, cf=4, max_levels=3, coarse=coarse, fwd_iters=1)
+        par.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            err[coarse] = maxdiff(par(x)[0], ref(x)[0])
+    assert err["frozen"] < 0.5 * err["inject"]
+
+
+def test_fewer_cycles_approximate_and_more_cycles_improve():
+    torch.manual_seed(7)
+    ref = torch.nn.GRU(I, 8)
+    x = torch.randn(48, B, I)
+    w = torch.randn(48, B, 8)
+    ref.zero_grad()
+    (ref(x)[0] * w).sum().backward()
+    g_ref = ref.weight_hh_l0.grad.clone()
+    errs = []
+    for k in (1, 2, 4):
+        par = ParallelGRU(I, 8, cf=4, max_levels=3, relax="FCF", fwd_iters=30, fwd_tol=1e-13, bwd_iters=k)
+        par.load_state_dict(ref.state_dict())
+        (par(x)[0] * w).sum().backward()
+        errs.append(float((par.weight_hh_l0.grad - g_ref).norm() / g_ref.norm()))
+    assert errs[0] < 1.0 and errs[1] < errs[0] and errs[2] < errs[1] and errs[2] < 1e-3
+
+
+def test_fine_step_is_the_gru_cell_and_step_batch_mixes_lengths():
+    torch.manual_seed(8)
+    cell = torch.nn.GRUCell(I, H)
+    x, h = torch.randn(6, B, I), torch.randn(B, H)
+    gi = torch.nn.functional.linear(x, cell.weight_ih, cell.bias_ih)
+    prop = GRUPropagator(cell.weight_hh.detach(), cell.bias_hh.detach(), gi.detach(), 0)
+    with torch.no_grad():
+        assert maxdiff(prop.step(h, 2.0, 3.0), cell(x[2], h)) < 1e-14
+        seq = h
+        for i in range(1, 4):
+            seq = prop.step(seq, float(i), float(i + 1))
+        U = torch.stack([h, h, h])
+        out = prop.step_batch(U, np.array([1.0, 0.0, 1.0]), np.array([2.0, 3.0, 4.0]))  # lengths 1, 3, 3
+        assert maxdiff(out[0], cell(x[1], h)) < 1e-14
+        assert maxdiff(out[0], prop.step(h, 1.0, 2.0)) == 0.0
+        assert maxdiff(out[1], prop.step(h, 0.0, 3.0)) == 0.0
+        assert maxdiff(out[2], prop.step(h, 1.0, 4.0)) == 0.0
+
+
+@pytest.mark.parametrize("coarse, m", [("frozen", 1), ("frozen", 4), ("inject", 3)])
+def test_adjoint_step_is_the_vjp_of_the_forward_step_with_forcing(coarse, m):
+    """lam_{i0} = g_{i0} + (dPhi/dh_{i0})^T [g_{i0+1..i1-1}, lam_{i1}], checked against autograd."""
+    torch.manual_seed(9)
+    L = 7
+    W, b = torch.randn(3 * H, H) * 0.5, torch.randn(3 * H)
+    gi = torch.randn(L, B, 3 * H)
+    prop = GRUPropagator(W, b, gi, 0, coarse)
+    i0 = 2
+    h0 = torch.randn(B, H, requires_grad=True)
+    k = prop.span(m)
+    # the forward step over [i0, i0 + m] written out with its intermediate states
+    gh = torch.nn.functional.linear(h0, W, b)
+    hs, h = [], h0
+    for j in range(k):
+        r, z, n = prop.gates(gi[i0 + j], gh)
+        h = n + z * (h - n)
+        hs.append(h)
+    forcing = torch.randn(L + 1, B, H)
+    lam1 = torch.randn(B, H)
+    cot = [forcing[i0 + j + 1] for j in range(k - 1)] + [lam1]
+    ref = torch.autograd.grad(hs, h0, cot)[0] + forcing[i0]
+    U = h0.detach()[None]
+    adj = GRUAdjointPropagator(prop, L, U, prop.hidden(U), i0, forcing)
+    tau1 = float(L - i0)
+    got = adj.step(lam1, tau1 - m, tau1)
+    assert maxdiff(got, ref) < 1e-13
+    assert maxdiff(prop.step(h0.detach(), float(i0), float(i0 + m)), hs[-1]) < 1e-14
+
+
+def test_double_backward_raises():
+    _, par = pair(cf=2, max_levels=2)
+    x = torch.randn(6, B, I, requires_grad=True)
+    out = par(x)[0].sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, x, create_graph=True)
+    par(x)[0].sum().backward()  # a plain backward still works afterwards
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("make_input, h0, exc, match", [
+    (lambda: torch.randn(5, B, I + 1), None, ValueError, "input_size"),
+    (lambda: torch.randn(5, I + 2), None, ValueError, "input_size"),
+    (lambda: torch.randn(2, 5, B, I), None, ValueError, "3-D"),
+    (lambda: torch.randn(I), None, ValueError, "3-D"),
+    (lambda: torch.randn(0, B, I), None, ValueError, "empty"),
+    (lambda: torch.ones(5, B, I, dtype=torch.int64), None, TypeError, "floating-point"),
+    (lambda: np.ones((5, B, I)), None, TypeError, "torch.Tensor"),
+    (lambda: torch.randn(5, B, I, dtype=torch.float32), None, TypeError, "parameters"),
+    (lambda: torch.randn(5, B, I), torch.randn(2, B, H), ValueError, r"h0 must have shape \(1, 4, 5\)"),
+    (lambda: torch.randn(5, B, I), torch.randn(1, B + 1, H), ValueError, "h0 must have shape"),
+    (lambda: torch.randn(5, I), torch.randn(1, B, H), ValueError, r"h0 must have shape \(1, 5\)"),
+    (lambda: torch.randn(5, B, I), torch.randn(1, B, H, dtype=torch.float32), TypeError, "same dtype"),
+])
+def test_bad_inputs_raise_and_say_what_to_pass(make_input, h0, exc, match):
+    par = ParallelGRU(I, H)
+    with pytest.raises(exc, match=match):
+        par(make_input(), h0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dropout=0.2), "dropout"),
+    (dict(bidirectional=True), "flipped"),
+    (dict(coarse="mean"), "coarse"),
+    (dict(fwd_iters=0), "fwd_iters"),
+    (dict(num_layers=0), "num_layers"),
+    (dict(hidden_size=True), "hidden_size"),
+    (dict(tol_type="max"), "tol_type"),
+    (dict(cf=1), "cf"),
+    (dict(relax="C"), "relax"),
+])
+def test_bad_settings_raise(kw, match):
+    args = dict(input_size=I, hidden_size=H)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        ParallelGRU(**args)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "gru.md"
+
+
+@pytest.mark.parametrize("k", range(2))
+def test_docs_examples_run(k):
+    """The one-rank examples of docs/gru.md run as printed (their asserts included)."""
+    import re
+
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "MPI" not in b]
+    assert len(blocks) == 2
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the examples build float32 models, as written
+    try:
+        exec(compile(blocks[k], f"docs/gru.md block {k}", "exec"), {})
+    finally:
+        torch.set_default_dtype(old)
+
+
+# -- several ranks ---------------------------------------------------------------------
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def launch(n, script, *args, timeout=240):
+    """Run ``script`` on ``n`` ranks; return (return code, output). A hang fails the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` did not return within {timeout} s (a rank hangs?)\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@pytest.mark.parametrize("n", [2, 3])
+def test_parallel_gru_on_ranks_equals_nn_gru(n):
+    pytest.importorskip("mpi4py")
+    rc, out = launch(n, "gru_ranks.py")
+    assert rc == 0, out[-6000:]
+    for r in range(n):
+        assert f"rank {r} OK" in out, out[-6000:]

@@ -1,0 +1,175 @@
+"""The .ts reader (propagators.timeseries) on small files written here, and on aeon's files."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from propagators import timeseries
+from propagators.timeseries import load_aeon_dataset, load_ts
+
+EQUAL = """# a comment
+#
+@problemName Tiny
+@timeStamps false
+@missing false
+@univariate true
+@equalLength true
+@seriesLength 4
+@classLabel true up down
+@data
+1,2,3,4:up
+4,3.5,2,-1e-1:down
+
+0.5,0.5,0.5,0.5:up
+"""
+
+UNEQUAL = """@problemName Ragged
+@timeStamps false
+@missing true
+@univariate false
+@dimensions 2
+@equalLength false
+@classLabel true a b c
+@data
+1,2,3:10,20,30:c
+4,?:5,6,7,8,9:a
+?,2,?,4,?:1:b
+:7,8:a
+"""
+
+TIMESTAMPS = """@problemName Stamped
+@timeStamps true
+@missing false
+@univariate false
+@dimensions 2
+@equalLength false
+@targetLabel true
+@data
+(2007-01-01 00:00:00,1.5),(2007-01-02 00:00:00,2.5):\
+(2007-01-01 00:00:00,-1),(2007-01-02 00:00:00,-2),(2007-01-03 00:00:00,-3):0.25
+(2007-01-01 00:00:00,7):(2007-01-01 00:00:00,8):-3
+"""
+
+
+def write(tmp_path, text, name="t.ts"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_equal_length_univariate_with_labels(tmp_path):
+    ds = load_ts(write(tmp_path, EQUAL))
+    assert ds.name == "Tiny" and ds.classes == ("up", "down")
+    assert ds.X.shape == (3, 1, 4) and ds.X.dtype == np.float64
+    np.testing.assert_array_equal(ds.X[:, 0], [[1, 2, 3, 4], [4, 3.5, 2, -0.1], [0.5, 0.5, 0.5, 0.5]])
+    np.testing.assert_array_equal(ds.y, [0, 1, 0])
+    np.testing.assert_array_equal(ds.lengths, [4, 4, 4])
+    assert ds.n_channels == 1 and ds.n_classes == 2
+    seq = ds.sequences()
+    assert seq.shape == (3, 4, 1) and seq[1, 1, 0] == 3.5
+    assert ds.sequences(batch_first=False).shape == (4, 3, 1)
+
+
+def test_unequal_lengths_and_missing_values_default_last_value_and_zero(tmp_path):
+    ds = load_ts(write(tmp_path, UNEQUAL))
+    assert ds.X.shape == (4, 2, 5)
+    nan_free = ds.X
+    assert not np.isnan(nan_free).any()
+    np.testing.assert_array_equal(ds.X[0], [[1, 2, 3, 3, 3], [10, 20, 30, 30, 30]])
+    np.testing.assert_array_equal(ds.X[1], [[4, 0, 0, 0, 0], [5, 6, 7, 8, 9]])  # '?' -> 0, then the last value
+    np.testing.assert_array_equal(ds.X[2], [[0, 2, 0, 4, 0], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(ds.X[3], [[0, 0, 0, 0, 0], [7, 8, 8, 8, 8]])  # an empty channel: the fill
+    np.testing.assert_array_equal(ds.lengths, [3, 5, 5, 2])
+    np.testing.assert_array_equal(ds.y, [2, 0, 1, 0])
+
+
+def test_padding_and_missing_options(tmp_path):
+    p = write(tmp_path, UNEQUAL)
+    z = load_ts(p, pad="zero", missing=-1.0)
+    np.testing.assert_array_equal(z.X[1], [[4, -1, 0, 0, 0], [5, 6, 7, 8, 9]])
+    n = load_ts(p, pad="nan", missing=None, dtype=np.float32)
+    assert n.X.dtype == np.float32
+    row = n.X[2, 0]
+    assert np.isnan(row[[0, 2, 4]]).all() and row[1] == 2 and row[3] == 4
+    assert np.isnan(n.X[0, 0, 3:]).all() and n.X[0, 0, 2] == 3
+    kept = load_ts(p, missing=None)  # NaN kept, padding with the last value (which may be NaN)
+    assert np.isnan(kept.X[2, 0, 4]) and kept.X[2, 1, 4] == 1
+    with pytest.raises(ValueError, match="pad"):
+        load_ts(p, pad="mean")
+    longer = load_ts(p, length=7)
+    assert longer.X.shape == (4, 2, 7) and (longer.X[1, 1, 4:] == 9).all()
+    with pytest.raises(ValueError, match="longer than `length`=4"):
+        load_ts(p, length=4)
+
+
+def test_timestamps_dropped_and_regression_targets(tmp_path):
+    ds = load_ts(write(tmp_path, TIMESTAMPS))
+    assert ds.classes == () and ds.y.dtype == np.float64
+    np.testing.assert_array_equal(ds.y, [0.25, -3.0])
+    np.testing.assert_array_equal(ds.X[0], [[1.5, 2.5, 2.5], [-1, -2, -3]])
+    np.testing.assert_array_equal(ds.X[1], [[7, 7, 7], [8, 8, 8]])
+
+
+@pytest.mark.parametrize("text, match", [
+    ("@problemName x\n1,2:a\n", "header tag"),
+    ("@problemName x\n@classLabel true a\n", "no @data"),
+    ("@classLabel true a\n@data\n", "no cases"),
+    ("@dimensions 2\n@classLabel true a\n@data\n1,2:a\n", "1 channels, but the file declares 2"),
+    ("@classLabel true a b\n@data\n1,2:a\n1,2,3:1,2:b\n", "2 channels"),
+    ("@classLabel true a b\n@data\n1,2:z\n", "label 'z'"),
+    ("@classLabel true a\n@data\n1,x,3:a\n", "'x' is not a number"),
+    ("@equalLength true\n@classLabel true a\n@data\n1,2:a\n1,2,3:a\n", "equalLength"),
+    ("@classLabel maybe a\n@data\n1:a\n", "classLabel must be"),
+    ("@classLabel true a\n@data\n1,2,3\n", "label after the last"),
+])
+def test_format_errors_name_the_problem(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_ts(write(tmp_path, text))
+
+
+def test_unlabelled_file_and_classes_from_the_data(tmp_path):
+    ds = load_ts(write(tmp_path, "@classLabel false\n@data\n1,2:3\n4:5,6\n"))
+    assert ds.y is None and ds.X.shape == (2, 2, 2) and ds.name == "t"
+    np.testing.assert_array_equal(ds.X[1], [[4, 4], [5, 6]])
+    ds = load_ts(write(tmp_path, "@classLabel true\n@data\n1,2:b\n3,4:a\n"))
+    assert ds.classes == ("a", "b")
+    np.testing.assert_array_equal(ds.y, [1, 0])
+
+
+def test_missing_aeon_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(timeseries.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install aeon"):
+        load_aeon_dataset("JapaneseVowels")
+    with pytest.raises(ValueError, match="split"):
+        load_aeon_dataset("JapaneseVowels", "validation")
+
+
+needs_aeon = pytest.mark.skipif(importlib.util.find_spec("aeon") is None, reason="aeon is not installed")
+
+
+@needs_aeon
+def test_japanese_vowels_from_aeon_without_importing_it():
+    code = (
+        "import sys; from propagators.timeseries import load_aeon_dataset as f\n"
+        "tr, te = f('JapaneseVowels', 'train'), f('JapaneseVowels', 'test')\n"
+        "print(tr.X.shape, te.X.shape, tr.n_classes, int(tr.lengths.min()), int(tr.lengths.max()),\n"
+        "      repr(float(tr.X[0, 0, 0])), sorted(set(tr.y.tolist())) == list(range(9)), 'aeon' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert " ".join(out) == "(270, 12, 26) (370, 12, 29) 9 7 26 1.860936 True False"
+    tr = load_aeon_dataset("JapaneseVowels", "train", length=29)  # both splits at one length
+    assert tr.X.shape == (270, 12, 29) and (tr.X[:, :, 26:] == tr.X[:, :, 25:26]).all()
+
+
+@needs_aeon
+def test_basic_motions_and_unknown_names():
+    ds = load_aeon_dataset("BasicMotions", "TEST")
+    assert ds.X.shape == (40, 6, 100) and ds.classes == ("Standing", "Running", "Walking", "Badminton")
+    assert np.bincount(ds.y).tolist() == [10, 10, 10, 10] and not math.isnan(float(ds.X.sum()))
+    with pytest.raises(FileNotFoundError, match="BasicMotions"):
+        load_aeon_dataset("NoSuchSet")
