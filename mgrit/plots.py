@@ -34,34 +34,48 @@ def _axes(ax):
     return plt.subplots(figsize=(6, 3.5))[1]
 
 
-def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bool = True):
+def _is_history(x) -> bool:
+    """One residual history (numbers or None), as opposed to a collection of solves."""
+    if isinstance(x, np.ndarray):
+        return x.ndim == 1
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(
+        v is None or isinstance(v, (int, float, np.floating, np.integer)) for v in x)
+
+
+def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bool = True,
+              floor: float = 0.0, **style):
     """Residual norm per cycle (log scale) of one or several solves.
 
     Parameters
     ----------
-    results : Result, list of Result, or list of residual lists
-        Skipped cycles (``None`` entries) are left out.
+    results : Result, residual history, or a list of them
+        A history is a list or 1-D array of norms; skipped cycles (``None``
+        entries) are left out.
     labels : sequence of str, optional
     factors : bool
         Annotate the mean convergence factor ``(r_last / r_first)^(1/k)`` in the legend.
+    floor : float
+        Leave out residuals at or below ``floor`` (a round-off plateau would
+        dilute the mean factor).
+    **style
+        Passed to ``ax.semilogy`` for every line (``color``, ``linestyle``, ...).
 
     Returns
     -------
     matplotlib.axes.Axes
     """
     ax = _axes(ax)
-    if isinstance(results, Result) or (isinstance(results, Sequence) and results
-                                       and not isinstance(results[0], (Result, Sequence))):
+    if isinstance(results, Result) or _is_history(results):
         results = [results]
     for k, res in enumerate(results):
         hist = list(res.residuals) if isinstance(res, Result) else list(res)
-        its = [i for i, r in enumerate(hist) if r is not None and r > 0]
-        vals = [hist[i] for i in its]
+        its = [i for i, r in enumerate(hist) if r is not None and r > max(floor, 0.0)]
+        vals = [float(hist[i]) for i in its]
         label = labels[k] if labels is not None else f"solve {k}"
         if factors and len(vals) > 1:
             rate = (vals[-1] / vals[0]) ** (1.0 / (its[-1] - its[0]))
-            label += f" (factor {rate:.3f})"
-        ax.semilogy(its, vals, "o-", label=label)
+            label += f" (factor {rate:.3g})"
+        ax.semilogy(its, vals, **{"marker": "o", "label": label, **style})
     ax.set_xlabel("cycle")
     ax.set_ylabel("residual norm")
     ax.legend()

@@ -75,7 +75,7 @@ def test_kernel_runs_this_interpreter(kernel_env, tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_env):
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(path, as_version=4)  # executed in memory: the committed file is not changed
     t0 = time.monotonic()
     try:
         execute(nb, path.parent, TIMEOUT)
@@ -89,11 +89,15 @@ def test_notebook_runs(path, kernel_env):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_is_committed_clean(path):
-    """Notebooks are committed without outputs; they start with a markdown statement."""
+def test_notebook_is_committed_executed(path):
+    """Notebooks are committed with the outputs of one complete run, in order and without errors
+    (so that readers see the plots), start with a markdown statement and stay small."""
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.cells and nb.cells[0].cell_type == "markdown"
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, f"{path.name}: clear the outputs"
+    counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]
+    assert counts and all(c is not None for c in counts), f"{path.name}: run every cell before committing"
+    assert counts == sorted(counts) and len(set(counts)) == len(counts), f"{path.name}: run the cells in order"
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: committed with an error output"
+    assert path.stat().st_size < 2_000_000, f"{path.name}: {path.stat().st_size} bytes; lower the figures' dpi"

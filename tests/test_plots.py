@@ -52,3 +52,13 @@ def test_cycle_paths_match_the_solver_recursion(levels, kind, visits):
 def test_training_curve_with_residuals():
     ax = plots.training([1.0, 0.5, 0.25], [1e-1, None, 1e-3])
     assert list(ax.get_lines()[0].get_ydata()) == [1.0, 0.5, 0.25]
+
+
+def test_residual_plot_takes_arrays_a_floor_and_styles():
+    hist = np.array([1.0, 1e-2, 1e-4, 1e-16, 1e-16])
+    ax = plots.residuals(hist, labels=["a"], floor=1e-14, color="k", linestyle="--")
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [0, 1, 2] and line.get_linestyle() == "--"
+    assert "factor 0.01)" in ax.get_legend().get_texts()[0].get_text()  # plateau left out
+    ax = plots.residuals([hist, [None, 1.0, 0.5]])
+    assert len(ax.get_lines()) == 2
