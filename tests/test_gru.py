@@ -8,14 +8,11 @@ raise errors that say what to pass.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launch import assert_all_ok, launch, needs_mpiexec
 
 torch = pytest.importorskip("torch")
 
@@ -338,31 +335,10 @@ def test_docs_examples_run(k):
 
 
 # -- several ranks ---------------------------------------------------------------------
-SCRIPTS = Path(__file__).parent / "mpi_scripts"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-
-
-def launch(n, script, *args, timeout=240):
-    """Run ``script`` on ``n`` ranks; return (return code, output). A hang fails the test."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"`{' '.join(cmd)}` did not return within {timeout} s (a rank hangs?)\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 @pytest.mark.mpi
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
+@needs_mpiexec
 @pytest.mark.parametrize("n", [2, 3])
 def test_parallel_gru_on_ranks_equals_nn_gru(n):
     pytest.importorskip("mpi4py")
     rc, out = launch(n, "gru_ranks.py")
-    assert rc == 0, out[-6000:]
-    for r in range(n):
-        assert f"rank {r} OK" in out, out[-6000:]
+    assert_all_ok(n, rc, out)

@@ -12,13 +12,7 @@ is fine for these small problems).
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mgrit
+from launch import launch as _launch
 from mgrit.comm import SerialComm, args_signature, bins_value, exact_bins
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,35 +29,9 @@ SCRIPTS = Path(__file__).parent / "mpi_scripts"
 TIMEOUT = 120  # seconds per launch
 
 
-def _mpiexec() -> str | None:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
-
-
 def launch(n: int, script: str | Path, *args: str, timeout: float = TIMEOUT):
-    """Run ``script`` (in mpi_scripts/ unless a path) on ``n`` ranks; return
-    (return code, combined output, seconds).
-
-    On timeout the whole process group of the launcher is killed and the test fails.
-    """
-    pytest.importorskip("mpi4py")
-    mpiexec = _mpiexec()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [mpiexec, "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
-    if script == "--python":  # run the Python executable itself (args are its arguments)
-        cmd = [mpiexec, "-n", str(n), sys.executable, *args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"`{' '.join(cmd)}` did not return within {timeout} s (a rank hangs?)\n{out[-3000:]}")
-    return proc.returncode, out, time.perf_counter() - start
+    """(return code, combined output, seconds) of ``script`` on ``n`` ranks (tests/launch.py)."""
+    return _launch(n, script, *args, timeout=timeout, timed=True)
 
 
 # --------------------------------------------------------------------------- serial == parallel
