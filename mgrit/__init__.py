@@ -11,6 +11,7 @@ from .result import IterationInfo, Result, Status
 from .solver import gather, solve
 from .spatial import SpatialTransfer
 from . import model, partition, theory
+from .tune import Settings, choose_settings
 
 try:  # the installed distribution's version (pyproject.toml is the one source)
     from importlib.metadata import PackageNotFoundError, version as _version
@@ -37,4 +38,6 @@ __all__ = [
     "RemoteRankError",
     "split_comm",
     "Tag",
+    "choose_settings",
+    "Settings",
 ]

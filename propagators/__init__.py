@@ -12,5 +12,7 @@ The torch propagators (ODE-net layers, ``LayerParallel``) live in
 from .dahlquist import Dahlquist
 from .heat import Heat1D, HeatTransfer, heat_hierarchy
 from .nonlinear import Brusselator, Lorenz
+from .validation import AdvectionDiffusion1D, VanDerPol
 
-__all__ = ["Dahlquist", "Heat1D", "HeatTransfer", "heat_hierarchy", "Lorenz", "Brusselator"]
+__all__ = ["Dahlquist", "Heat1D", "HeatTransfer", "heat_hierarchy", "Lorenz", "Brusselator",
+           "AdvectionDiffusion1D", "VanDerPol"]

@@ -1,0 +1,1564 @@
+"""Settings from theory: choose ``cf``, levels, relaxation and C-weight for a propagator.
+
+:func:`choose_settings` linearizes the propagator, estimates the eigenvalues
+of the fine step ``Phi`` and of the rediscretized coarse steps ``Psi_l``
+(the same propagator over ``stride_l`` fine intervals), pairs them mode by
+mode, predicts the residual reduction factor of one V-cycle for every
+candidate setting with the linear, time-invariant theory of
+docs/theory.md §6 (extended to per-level relaxation and weighted
+C-relaxation), rejects settings whose coarse steps are unstable, and picks the
+cheapest of the rest under the critical-path cost model
+(:func:`mgrit.model.predict`). docs/tuning.md describes the method, its
+assumptions, and where the prediction is a bound and where an estimate.
+
+Building blocks, usable on their own:
+
+* :func:`jacobian` -- the dense Jacobian of one step (finite differences for
+  numpy states, ``torch.func.jvp`` for torch tensors);
+* :func:`step_spectrum` -- paired eigenvalues of the fine step, of coarse steps
+  and of compositions of steps at one state (dense eigenvalues for small
+  states, Arnoldi Ritz values for large ones);
+* :func:`cycle_factors` (:func:`residual_matrices`, :func:`error_matrices`) --
+  the V-cycle's residual reduction factor per scalar mode, with per-level
+  factors, relaxation and C-weight.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from . import _backend as B
+from . import theory
+from .hierarchy import build_hierarchy, check_time_grid, is_integer, parse_relax, per_level
+from .model import StepCost, predict, sequential_time
+from .propagator import Propagator
+
+__all__ = [
+    "choose_settings",
+    "Settings",
+    "Candidate",
+    "Spectrum",
+    "jacobian",
+    "step_spectrum",
+    "cycle_factors",
+    "residual_matrices",
+    "error_matrices",
+    "power_cycles",
+    "predict_options",
+]
+
+#: Most basis columns (modes times fine C-points) of one candidate's scalar-mode evaluation.
+MAX_COLUMNS = 2048
+#: Default candidate coarsening factors (uniform); see :func:`choose_settings`.
+DEFAULT_CF = (2, 4, 8, 16)
+#: Default candidate relaxations: F everywhere, FCF everywhere, F on the finest and FCF below.
+DEFAULT_RELAX = ("F", "FCF", ("F", "FCF"))
+#: Default C-relaxation weights tried on levels that relax with FCF.
+DEFAULT_WEIGHTS = (1.0, 1.3)
+#: A coarse level is unstable when its step amplifies some mode more than the steps it
+#: replaces, by more than this factor over the level's whole horizon (docs/tuning.md §3).
+STABILITY_GROWTH = 10.0
+
+
+# --------------------------------------------------------------------------------------
+# Jacobian-vector products
+# --------------------------------------------------------------------------------------
+
+
+class _Linearization:
+    """Jacobian-vector products of ``u -> propagator.step(u, t0, t1)`` at one state."""
+
+    def __init__(self, propagator: Propagator, u, jvp: str):
+        if jvp not in ("auto", "fd", "torch"):
+            raise ValueError(f"`jvp` must be 'auto', 'fd' or 'torch', got {jvp!r}")
+        self.prop = propagator
+        self.torch = B.is_torch(u)
+        if jvp == "torch" and not self.torch:
+            raise ValueError("jvp='torch' needs a torch tensor state; pass jvp='fd' (or 'auto') for numpy states")
+        self.mode = ("torch" if self.torch else "fd") if jvp == "auto" else jvp
+        if self.torch:
+            self.u = u.detach()
+            import torch
+
+            self.u_np = self.u.reshape(-1).cpu().numpy()
+            eps = float(torch.finfo(self.u.dtype).eps)
+        else:
+            self.u = np.asarray(u)
+            self.u_np = self.u.reshape(-1)
+            eps = float(np.finfo(self.u.dtype).eps) if self.u.dtype.kind in "fc" else float(np.finfo(float).eps)
+        self.shape = tuple(self.u.shape)
+        self.d = int(self.u_np.size)
+        # central differences: error O(h^2) + rounding O(eps / h); h ~ eps^(1/3) balances them
+        self.fd_step = eps ** (1.0 / 3.0) * max(1.0, float(np.linalg.norm(self.u_np)))
+
+    def apply(self, times, V: np.ndarray) -> np.ndarray:
+        """``J V`` for real directions ``V`` of shape (d, k); returns (d, k).
+
+        ``J`` is the Jacobian of the composition of the steps ``times[0] -> times[1]
+        -> ... -> times[-1]`` (one step for two times).
+        """
+        V = np.asarray(V)
+        if np.iscomplexobj(V):
+            return self.apply(times, V.real) + 1j * self.apply(times, V.imag)
+        times = [float(x) for x in times]
+        if V.shape[1] == 0:
+            return np.zeros((self.d, 0))
+        return self._torch_jvp(times, V) if self.mode == "torch" else self._fd(times, V)
+
+    def _fd(self, times, V):
+        norms = np.linalg.norm(V, axis=0)
+        norms[norms == 0] = 1.0
+        h = self.fd_step / norms  # per column: the perturbation has norm fd_step
+        k = V.shape[1]
+        P = (V * h).T  # (k, d)
+        if self.torch:
+            import torch
+
+            D = torch.as_tensor(P, dtype=self.u.dtype, device=self.u.device).reshape((k,) + self.shape)
+            U = torch.cat([self.u[None] + D, self.u[None] - D])
+        else:
+            D = P.reshape((k,) + self.shape).astype(np.result_type(self.u, np.float64))
+            U = np.concatenate([self.u[None] + D, self.u[None] - D])
+        with np.errstate(all="ignore"):  # an unstable step overflows: the caller sees non-finite values
+            for t0, t1 in zip(times[:-1], times[1:]):
+                U = self.prop.step_batch(U, np.full(2 * k, t0), np.full(2 * k, t1))
+            out = _to_numpy(U).reshape(2 * k, -1)
+            return ((out[:k] - out[k:]) / (2.0 * h)[:, None]).T
+
+    def _torch_jvp(self, times, V):
+        """Forward mode through ``step_batch`` on ``k`` copies of ``u`` (one tangent each): one call.
+
+        Falls back to one ``torch.func.jvp`` through ``step`` per column when the
+        batched call cannot be differentiated.
+        """
+        import torch
+
+        k = V.shape[1]
+        T = torch.as_tensor(V.T.copy(), dtype=self.u.dtype, device=self.u.device).reshape((k,) + self.shape)
+        steps = list(zip(times[:-1], times[1:]))
+
+        def batched(X):
+            for t0, t1 in steps:
+                X = self.prop.step_batch(X, np.full(k, t0), np.full(k, t1))
+            return X
+
+        def single(x):
+            for t0, t1 in steps:
+                x = self.prop.step(x, t0, t1)
+            return x
+
+        U = self.u[None].expand((k,) + self.shape).clone()
+        try:
+            _, tangent = torch.func.jvp(batched, (U,), (T,))
+            return _to_numpy(tangent).reshape(k, -1).T
+        except Exception:  # noqa: BLE001 - the per-column path below reports a persistent failure
+            pass
+        cols = []
+        for i in range(k):
+            try:
+                _, tangent = torch.func.jvp(single, (self.u,), (T[i],))
+            except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+                raise RuntimeError(
+                    f"torch.func.jvp through the propagator's step failed ({type(exc).__name__}: {exc}); "
+                    "pass jvp='fd' to use finite differences instead") from exc
+            cols.append(_to_numpy(tangent).reshape(-1))
+        return np.stack(cols, axis=1)
+
+
+def _to_numpy(x) -> np.ndarray:
+    if B.is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def jacobian(propagator: Propagator, u, t0: float, t1: float, *, jvp: str = "auto") -> np.ndarray:
+    """Dense Jacobian of one step ``u -> propagator.step(u, t0, t1)`` at ``u``.
+
+    Built from Jacobian-vector products, all columns in one batched call:
+    central finite differences through ``step_batch`` (perturbations of norm
+    ``eps^(1/3) max(1, |u|)``) for numpy states; for torch tensors
+    (``jvp="auto"``) forward mode, ``torch.func.jvp`` through ``step_batch`` on
+    copies of ``u`` (through ``step`` column by column if that fails).
+    ``jvp="fd"`` forces finite differences. A state of any shape is flattened.
+
+    Returns
+    -------
+    numpy.ndarray, shape (d, d), ``d = u.size``
+
+    Examples
+    --------
+    >>> import numpy as np, mgrit
+    >>> class Decay(mgrit.Propagator):
+    ...     def step(self, u, t0, t1):
+    ...         return u / (1.0 + (t1 - t0))
+    >>> np.round(jacobian(Decay(), np.ones(2), 0.0, 1.0), 10)
+    array([[0.5, 0. ],
+           [0. , 0.5]])
+    """
+    _check_propagator(propagator)
+    lin = _Linearization(propagator, _check_state(u), jvp)
+    return lin.apply((t0, t1), np.eye(lin.d))
+
+
+# --------------------------------------------------------------------------------------
+# Paired spectra of the fine and coarse steps
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Spectrum:
+    """Eigenvalues of the fine step and of coarse steps at one state, paired by mode.
+
+    A *step* ``(s, c)`` is ``c`` consecutive steps of the propagator, each over
+    ``s`` fine intervals: ``(s, 1)`` is one step of the level with stride ``s``
+    (``(1, 1)`` is the fine step ``Phi``), ``(s, m)`` the ``m`` steps of that
+    level that one step of the next coarser level replaces.
+
+    Attributes
+    ----------
+    index : int
+        Fine grid index of the state.
+    steps : tuple of (int, int)
+        The steps, ``steps[0] == (1, 1)``.
+    values : numpy.ndarray, shape (n_modes, len(steps)), complex
+        Row ``j`` holds mode ``j``'s eigenvalue of every step: column 0 is the
+        fine step's eigenvalue ``lam_j``, column ``i`` the paired eigenvalue of
+        the Jacobian of ``steps[i]``.
+    method : {"dense", "arnoldi"}
+        Full eigendecomposition, or Ritz values of an Arnoldi process (large states).
+    jvp : {"fd", "torch"}
+        How the Jacobian-vector products were computed.
+    pairing_defect : float
+        How far the other steps' Jacobians are from diagonal in the fine step's
+        eigenvectors (0 when they commute: a linear, autonomous problem).
+    normal : bool
+        The fine step's Jacobian is normal (orthogonal eigenvectors), to
+        rounding. Always False for Arnoldi, which does not check it.
+    """
+
+    index: int
+    steps: tuple
+    values: np.ndarray
+    method: str
+    jvp: str
+    pairing_defect: float
+    normal: bool
+
+    @property
+    def strides(self) -> tuple:
+        """The strides of the single steps ``(s, 1)``."""
+        return tuple(s for s, c in self.steps if c == 1)
+
+    def step(self, stride: int, count: int = 1) -> np.ndarray:
+        """The eigenvalues of ``count`` steps over ``stride`` fine intervals each, one per mode."""
+        key = (int(stride), int(count))
+        if key not in self.steps:
+            raise KeyError(f"step {key} was not computed; available: {self.steps}")
+        return self.values[:, self.steps.index(key)]
+
+    def __getitem__(self, stride: int) -> np.ndarray:
+        """The eigenvalues of one step over ``stride`` fine intervals, one per mode."""
+        return self.step(stride, 1)
+
+
+def _window(index: int, span: int, n: int) -> int:
+    """Start of the interval of ``span`` fine intervals (aligned to ``span``) that holds fine point ``index``."""
+    return min((index // span) * span, n - span)
+
+
+def _finite_jacobian(J):
+    if not np.all(np.isfinite(J)):
+        raise FloatingPointError("the linearized fine step is not finite (NaN or Inf in Jacobian-vector products); "
+                                 "check that the propagator is stable on the fine grid at this state")
+    return J
+
+
+def _arnoldi(matvec, d: int, k: int, rng) -> tuple:
+    """``k`` steps of Arnoldi with full reorthogonalization: returns ``Q`` (d, j), ``H`` (j, j)."""
+    Q = np.zeros((d, k + 1))
+    H = np.zeros((k + 1, k))
+    q = rng.standard_normal(d)
+    Q[:, 0] = q / np.linalg.norm(q)
+    j = k
+    for i in range(k):
+        w = matvec(Q[:, i : i + 1])[:, 0]
+        if np.iscomplexobj(w):
+            raise ValueError("Arnoldi needs a real Jacobian; complex states need dense_max >= their size")
+        for _ in range(2):  # classical Gram-Schmidt, twice
+            c = Q[:, : i + 1].T @ w
+            w = w - Q[:, : i + 1] @ c
+            H[: i + 1, i] += c
+        H[i + 1, i] = np.linalg.norm(w)
+        if H[i + 1, i] <= 1e-12 * max(1.0, np.abs(H[: i + 1, : i + 1]).max()):
+            j = i + 1  # an invariant subspace: the Ritz values are exact eigenvalues
+            break
+        Q[:, i + 1] = w / H[i + 1, i]
+    return Q[:, :j], H[:j, :j]
+
+
+def step_spectrum(
+    propagator: Propagator,
+    u,
+    t,
+    *,
+    index: int = 0,
+    strides: Sequence[int] = (1,),
+    composites: Sequence = (),
+    jvp: str = "auto",
+    dense_max: int = 100,
+    krylov: int = 24,
+    seed: int = 0,
+) -> Spectrum:
+    """Paired eigenvalues of the fine step and of rediscretized coarse steps at state ``u``.
+
+    A step ``(s, c)`` (``c`` steps over ``s`` fine intervals each, see
+    :class:`Spectrum`) is linearized at ``u`` over the grid points
+    ``t[k], t[k + s], ..., t[k + c s]``, where ``k`` is the start of the
+    interval of ``c s`` fine intervals (aligned to ``c s``, clipped to the grid)
+    that holds ``i = index``: the interval one step of the level with stride
+    ``c s`` covers.
+
+    States with ``d <= dense_max`` values: the dense Jacobians (:func:`jacobian`)
+    give the fine eigenpairs ``J_1 V = V Lam``; mode ``j``'s eigenvalue of a
+    step with Jacobian ``J`` is ``(V^{-1} J V)_{jj}``, exact when ``J`` commutes
+    with ``J_1`` (the same one-step method with a larger step on a linear,
+    autonomous problem; ``pairing_defect`` measures the rest). Larger states:
+    ``krylov`` Arnoldi steps on ``J_1`` give Ritz pairs ``(theta_j, Q y_j)``,
+    and the other steps' eigenvalues are the Rayleigh quotients
+    ``y_j^H (Q^T J Q) y_j / |y_j|^2``.
+
+    Parameters
+    ----------
+    propagator : Propagator
+    u : array or tensor
+        State at ``t[index]``.
+    t : array_like
+        The fine time grid.
+    index : int
+        Fine grid index of ``u``.
+    strides : sequence of int
+        Single steps over this many fine intervals (1 is always included).
+    composites : sequence of (int, int)
+        Steps ``(s, c)``: ``c`` steps over ``s`` fine intervals each.
+    jvp : {"auto", "fd", "torch"}
+        See :func:`jacobian`.
+    dense_max : int
+        Largest state size that gets dense eigenvalues.
+    krylov : int
+        Arnoldi steps (Krylov vectors) for larger states.
+    seed : int
+        Seed of the Arnoldi start vector.
+
+    Returns
+    -------
+    Spectrum
+
+    Examples
+    --------
+    Backward Euler on ``u' = -u`` with step ``h = 1/4``: one step ``1 / (1 + h)``,
+    one step over two intervals ``1 / (1 + 2 h)``, two fine steps ``1 / (1 + h)^2``:
+
+    >>> import numpy as np, mgrit
+    >>> class Decay(mgrit.Propagator):
+    ...     def step(self, u, t0, t1):
+    ...         return u / (1.0 + (t1 - t0))
+    >>> sp = step_spectrum(Decay(), np.ones(1), np.linspace(0, 1, 5), strides=(2,), composites=[(1, 2)])
+    >>> sp.steps, np.round(sp.values.real, 8)
+    (((1, 1), (2, 1), (1, 2)), array([[0.8       , 0.66666667, 0.64      ]]))
+    """
+    _check_propagator(propagator)
+    u = _check_state(u)
+    t = check_time_grid(t)
+    n = t.shape[0] - 1
+    if not is_integer(index) or not 0 <= index <= n:
+        raise ValueError(f"`index` must be an integer in 0..{n} (a point of `t`), got {index!r}")
+    steps = _check_steps(strides, composites, n)
+    _check_positive_int(dense_max, "dense_max", 1)
+    _check_positive_int(krylov, "krylov", 2)
+    lin = _Linearization(propagator, u, jvp)
+
+    def times(step):
+        s, c = step
+        k = _window(int(index), s * c, n)
+        return t[k : k + s * c + 1 : s]
+
+    if lin.d <= dense_max:
+        J1 = _finite_jacobian(lin.apply(times((1, 1)), np.eye(lin.d)))
+        lam, V = np.linalg.eig(J1)
+        scale = max(np.linalg.norm(J1) ** 2, 1e-300)
+        normal = bool(np.linalg.norm(J1 @ J1.conj().T - J1.conj().T @ J1) <= 1e-8 * scale)
+        well_conditioned = np.linalg.cond(V) < 1e10
+        cols, defect = [lam], 0.0
+        for step in steps[1:]:
+            J = lin.apply(times(step), np.eye(lin.d))
+            if not np.all(np.isfinite(J)):  # the step blew up: an unstable step
+                cols.append(np.full(lin.d, np.inf, dtype=complex))
+                continue
+            with np.errstate(all="ignore"):  # a huge (unstable) step may overflow the norms: no defect then
+                if well_conditioned:
+                    M = np.linalg.solve(V, J @ V)
+                else:  # (nearly) defective: Rayleigh quotients with the normalized eigenvectors
+                    M = V.conj().T @ J @ V / np.sum(np.abs(V) ** 2, axis=0)[:, None]
+                mu = np.diag(M).copy()
+                rel = np.linalg.norm(M - np.diag(mu)) / max(np.linalg.norm(M), 1e-300)
+            defect = max(defect, float(rel)) if np.isfinite(rel) else defect
+            cols.append(mu)
+        method = "dense"
+    else:
+        rng = np.random.default_rng(seed)
+        Q, H = _arnoldi(lambda X: _finite_jacobian(lin.apply(times((1, 1)), X)), lin.d, min(int(krylov), lin.d),
+                        rng)
+        lam, Y = np.linalg.eig(H)
+        Y = Y / np.linalg.norm(Y, axis=0)
+        cols, defect, normal = [lam], 0.0, False
+        for step in steps[1:]:
+            JQ = lin.apply(times(step), Q)
+            if not np.all(np.isfinite(JQ)):  # the step blew up: an unstable step
+                cols.append(np.full(lam.shape[0], np.inf, dtype=complex))
+                continue
+            with np.errstate(all="ignore"):
+                C = Q.T @ JQ
+                CY = C @ Y
+                mu = np.einsum("ij,ij->j", Y.conj(), CY)
+                rel = np.linalg.norm(CY - Y * mu, axis=0).max() / max(np.linalg.norm(C, 2), 1e-300)
+            defect = max(defect, float(rel)) if np.isfinite(rel) else defect
+            cols.append(mu)
+        method = "arnoldi"
+    values = np.stack([np.asarray(c, dtype=complex) for c in cols], axis=1)
+    return Spectrum(int(index), steps, values, method, lin.mode, defect, normal)
+
+
+# --------------------------------------------------------------------------------------
+# The V-cycle on scalar modes (vectorized over modes and columns)
+# --------------------------------------------------------------------------------------
+# Level l has sizes[l] intervals; x has shape (sizes[l] + 1, B): B columns (a basis
+# vector per column, for every mode), lam has shape (B,). g is the right-hand side
+# (None: zero). The operations are those of mgrit.cycle's schedule on errors, with
+# weighted C-relaxation (docs/theory.md §2-§4).
+
+
+def _f_relax(x, g, lam, m):
+    n = x.shape[0] - 1
+    for j in range(1, min(m, n + 1)):
+        cnt = (n - j) // m + 1
+        new = lam * x[j - 1 : j - 1 + m * (cnt - 1) + 1 : m]
+        x[j::m] = new if g is None else new + g[j::m]
+
+
+def _c_relax(x, g, lam, m, w):
+    c = (x.shape[0] - 1) // m
+    if c == 0:
+        return
+    new = lam * x[m - 1 : m * c : m]
+    if g is not None:
+        new = new + g[m::m]
+    x[m::m] = new if w == 1.0 else (1.0 - w) * x[m::m] + w * new
+
+
+def _c_residual(x, g, lam, m):
+    c = (x.shape[0] - 1) // m
+    r = lam * x[m - 1 : m * c : m] - x[m::m]
+    return r if g is None else r + g[m::m]
+
+
+def _relax(x, g, lam, m, nrelax, w):
+    for _ in range(nrelax):
+        _f_relax(x, g, lam, m)
+        _c_relax(x, g, lam, m, w)
+    _f_relax(x, g, lam, m)
+
+
+def _approximate_solve(l, g, lams, sizes, cfs, nrelax, weights):
+    """Level ``l``'s system from a zero guess: one V-cycle ending with F-relaxation, exact on the coarsest."""
+    lam = lams[l]
+    y = np.zeros_like(g)
+    if l == len(sizes) - 1:
+        for i in range(1, sizes[l] + 1):
+            y[i] = lam * y[i - 1] + g[i]
+        return y
+    m = cfs[l]
+    _relax(y, g, lam, m, nrelax[l], weights[l])
+    _correct(y, _c_residual(y, g, lam, m), l, lams, sizes, cfs, nrelax, weights)
+    _f_relax(y, g, lam, m)  # the up-sweep's F-relaxation of this level
+    return y
+
+
+def _correct(x, res, l, lams, sizes, cfs, nrelax, weights):
+    """Coarse-grid correction of level ``l`` from its C-point residuals ``res``."""
+    g = np.zeros((sizes[l + 1] + 1, x.shape[1]), dtype=x.dtype)
+    g[1:] = res
+    x[cfs[l] :: cfs[l]] += _approximate_solve(l + 1, g, lams, sizes, cfs, nrelax, weights)[1:]
+
+
+def _level_setup(lams, n, cf, relax, c_weight):
+    lams = [np.atleast_1d(np.asarray(v)) for v in lams]
+    real = all(v.dtype.kind in "biuf" or np.all(v.imag == 0) for v in lams)
+    lams = [(v.real if np.iscomplexobj(v) else v).astype(float) if real else v.astype(complex) for v in lams]
+    L = len(lams)
+    if L < 2:
+        raise ValueError("`lams` needs at least two levels (one level is sequential stepping)")
+    K = lams[0].shape[0]
+    if any(v.shape != (K,) for v in lams):
+        raise ValueError("every level of `lams` needs one value per mode (equal 1-D shapes)")
+    cfs = [int(c) for c in per_level(cf, L - 1, "cf")]
+    if any(c < 2 for c in cfs):
+        raise ValueError(f"`cf` must be integers >= 2, got {cf!r}")
+    nrelax = [parse_relax(r) for r in per_level(relax, L - 1, "relax")]
+    weights = [float(w) for w in per_level(c_weight, L - 1, "c_weight")]
+    sizes = [int(n)]
+    for c in cfs:
+        sizes.append(sizes[-1] // c)
+    if sizes[-1] < 1:
+        raise ValueError(f"{L} levels with cf {cfs} need more than n = {n} fine intervals")
+    return lams, K, cfs, nrelax, weights, sizes
+
+
+def _columns(lams, K, c):
+    """Every mode's factor repeated for its ``c`` basis columns, and the identity blocks."""
+    return [np.repeat(v, c) for v in lams], np.tile(np.eye(c, dtype=lams[0].dtype), (1, K))
+
+
+def residual_matrices(lams, n: int, cf, relax="FCF", c_weight=1.0) -> np.ndarray:
+    """Per scalar mode: the matrix mapping one cycle's fine C-point residuals to the next cycle's.
+
+    Between two residual measurements the solver does the coarse-grid correction
+    of a V-cycle and the next cycle's relaxation (docs/theory.md §4); on a
+    linear problem the residuals ``r`` at the fine C-points then change by
+    ``r <- P r``. Mode ``k`` steps with ``lams[l][k]`` on level ``l``.
+
+    Parameters
+    ----------
+    lams : sequence of array_like, one per level (>= 2), each of shape (K,)
+        One-step factors per level and mode, finest first.
+    n : int
+        Fine intervals.
+    cf, relax, c_weight
+        Per level (last repeats), as in :func:`mgrit.solve`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (K, N_c, N_c), ``N_c = n // cf[0]``
+    """
+    lams, K, cfs, nrelax, weights, sizes = _level_setup(lams, n, cf, relax, c_weight)
+    m, c = cfs[0], sizes[1]
+    cols, R = _columns(lams, K, c)
+    x = np.zeros((sizes[0] + 1, K * c), dtype=lams[0].dtype)
+    # the F-relaxed iterate whose C-point residuals are the unit vectors R
+    lm, prev = cols[0] ** m, np.zeros(K * c, dtype=lams[0].dtype)
+    for i in range(c):
+        prev = lm * prev - R[i]
+        x[(i + 1) * m] = prev
+    _f_relax(x, None, cols[0], m)
+    _correct(x, _c_residual(x, None, cols[0], m), 0, cols, sizes, cfs, nrelax, weights)
+    _relax(x, None, cols[0], m, nrelax[0], weights[0])
+    out = _c_residual(x, None, cols[0], m)
+    return out.reshape(c, K, c).transpose(1, 0, 2)
+
+
+def error_matrices(lams, n: int, cf, relax="FCF", c_weight=1.0) -> np.ndarray:
+    """Per scalar mode: the C-point error propagation of one V-cycle (relax, coarse correction).
+
+    The quantity of :func:`mgrit.theory.multilevel_matrix`, which it equals for
+    one ``cf``, one relaxation and weight 1; here ``cf``, ``relax`` and
+    ``c_weight`` may differ per level. Shapes as in :func:`residual_matrices`.
+    """
+    lams, K, cfs, nrelax, weights, sizes = _level_setup(lams, n, cf, relax, c_weight)
+    m, c = cfs[0], sizes[1]
+    cols, R = _columns(lams, K, c)
+    x = np.zeros((sizes[0] + 1, K * c), dtype=lams[0].dtype)
+    x[m::m] = R
+    _relax(x, None, cols[0], m, nrelax[0], weights[0])
+    _correct(x, _c_residual(x, None, cols[0], m), 0, cols, sizes, cfs, nrelax, weights)
+    return x[m::m].reshape(c, K, c).transpose(1, 0, 2)
+
+
+def cycle_factors(lams, n: int, cf, relax="FCF", c_weight=1.0) -> np.ndarray:
+    """Residual reduction factor of one V-cycle per scalar mode: ``||P_k||_2``.
+
+    ``P_k`` from :func:`residual_matrices`. For a propagator that is diagonal
+    in an orthonormal basis shared by all levels (a normal fine step and
+    commuting coarse steps), the solver's level-0 residual norm shrinks by at
+    most ``max_k ||P_k||_2`` in every cycle after the first measured one.
+
+    Examples
+    --------
+    Two levels: the residual and the error propagate alike, with the norm of
+    docs/theory.md §6 (backward Euler, ``z = -0.1``, ``m = 4``, ``N_c = 8``, F):
+
+    >>> from mgrit import theory
+    >>> lam, mu = theory.dahlquist_factors(-0.1, 4)
+    >>> round(float(cycle_factors([[lam], [mu]], 32, 4, "F")[0]), 10)
+    0.0800035592
+    """
+    P = residual_matrices(lams, n, cf, relax, c_weight)
+    if P.shape[1] == 0:
+        return np.zeros(P.shape[0])
+    return np.linalg.svd(P, compute_uv=False)[:, 0]  # theory.matrix_norm of every mode's matrix
+
+
+def _cheap_norms(M):
+    """Upper bounds of the 2-norms of a stack of matrices: ``min(||M||_F, sqrt(||M||_1 ||M||_inf))``."""
+    A = np.abs(M)
+    fro = np.sqrt(np.sum(A * A, axis=(1, 2)))
+    return np.minimum(fro, np.sqrt(A.sum(axis=1).max(axis=1) * A.sum(axis=2).max(axis=1)))
+
+
+def _exact_norm(M) -> float:
+    """The largest 2-norm in a stack of matrices: SVDs in the order of the cheap bounds, while they can matter."""
+    if M.shape[0] == 0 or M.shape[1] == 0:
+        return 0.0
+    cheap = _cheap_norms(M)
+    best = 0.0
+    for k in np.argsort(-cheap, kind="stable"):
+        if cheap[k] <= best:
+            break
+        best = max(best, float(np.linalg.svd(M[k], compute_uv=False)[0]))
+    return best
+
+
+def _below(M, bound: float) -> bool:
+    """Every matrix of the stack has 2-norm ``<= bound`` (cheap bounds first, SVDs only where they fail)."""
+    if not np.all(np.isfinite(M)):
+        return False
+    cheap = _cheap_norms(M)
+    for k in np.argsort(-cheap, kind="stable"):
+        if cheap[k] <= bound:
+            return True
+        if float(np.linalg.svd(M[k], compute_uv=False)[0]) > bound:
+            return False
+    return True
+
+
+def power_cycles(P, reduction: float, qmax: int = 1000, growth: float = 1.0):
+    """Smallest ``q`` with ``max_k ||P_k^q||_2 growth^q <= reduction``, and the rate ``(that bound)^(1/q)``.
+
+    ``P`` is a stack of residual matrices (:func:`residual_matrices`): after
+    ``q`` cycles the residual has shrunk by at most ``max_k ||P_k^q||_2``, which
+    can be far below ``||P||^q`` (one cycle may even amplify the residual of a
+    convergent iteration). ``growth >= 1`` scales every cycle (an
+    extrapolation factor). Powers by repeated squaring, a doubling and a
+    binary search; the norms are checked mode by mode with cheap upper bounds
+    and exact 2-norms where those do not suffice.
+
+    Returns ``(q, rate)``, or ``(None, rate over qmax cycles)`` when ``qmax``
+    cycles do not suffice (``inf`` when the powers overflow). A mode whose
+    one-cycle bound ``f_k`` already gives ``f_k^q <= reduction`` is dropped
+    from the powers; it enters the rate with ``f_k``.
+
+    >>> P = np.array([[[0.0, 0.0], [2.0, 0.0]]])  # norm 2, but P^2 = 0
+    >>> power_cycles(P, 1e-8)
+    (2, 0.0)
+    """
+    if P.shape[1] == 0:
+        return 1, 0.0
+    f1 = _exact_norm(P) * growth
+    if f1 == 0.0:
+        return 1, 0.0
+    qcap = None  # ||P^q|| growth^q <= f1^q: q = qcap cycles certainly suffice
+    if f1 < 1.0:
+        qcap = max(1, math.ceil(math.log(reduction) / math.log(f1) - 1e-12))
+        if qcap == 1:
+            return 1, f1
+    powers = [(1, P)]  # P^(2^i)
+
+    def power(q):
+        while 2 * powers[-1][0] <= q:  # every P^(2^i) with 2^i <= q
+            with np.errstate(over="ignore", invalid="ignore"):
+                powers.append((2 * powers[-1][0], powers[-1][1] @ powers[-1][1]))
+        M, rest = None, q
+        for e, Pe in reversed(powers):
+            if e <= rest:
+                M = Pe if M is None else M @ Pe
+                rest -= e
+        return M
+
+    def bound(q):
+        return reduction / growth**q
+
+    def rate_of(M, q):
+        nrm = _exact_norm(M) if np.all(np.isfinite(M)) else math.inf
+        return 0.0 if nrm == 0.0 else nrm ** (1.0 / q) * growth
+
+    fk = np.minimum(_cheap_norms(P), f1 / growth) * growth  # per-mode bounds of one cycle
+
+    pruned = [0.0]  # the largest per-cycle bound of a dropped mode: its rate is at most that
+
+    def prune(q):
+        """Drop the modes with fk^q <= bound(q): they meet the bound for every q' >= q."""
+        nonlocal fk, powers
+        with np.errstate(divide="ignore"):
+            alive = q * np.log(np.maximum(fk, 1e-300)) > math.log(reduction)
+        if not np.all(alive):
+            pruned[0] = max(pruned[0], float(fk[~alive].max()))
+            fk = fk[alive]
+            powers = [(e, Pe[alive]) for e, Pe in powers]
+
+    lo = 1  # P^lo does not meet the bound (f1 > reduction)
+    while True:
+        if lo + 1 <= qmax:
+            prune(lo + 1)  # (every q still considered is > lo)
+            if powers[0][1].shape[0] == 0:  # every mode meets the bound from lo + 1 on
+                hi, Mhi = lo + 1, powers[0][1]
+                break
+        if qcap is not None and qcap <= min(2 * lo, qmax):
+            hi, Mhi = qcap, power(qcap)
+            break
+        if 2 * lo > qmax:
+            Mq = power(qmax)
+            if qmax > lo and _below(Mq, bound(qmax)):
+                hi, Mhi = qmax, Mq
+                break
+            return None, max(rate_of(Mq, qmax) if Mq.shape[0] else 0.0, pruned[0])
+        M = power(2 * lo)
+        if not np.all(np.isfinite(M)):
+            return None, math.inf
+        if _below(M, bound(2 * lo)):
+            hi, Mhi = 2 * lo, M
+            break
+        lo *= 2
+    while hi - lo > 1:
+        prune(lo + 1)
+        mid = (lo + hi) // 2
+        Mm = power(mid)
+        if Mm.shape[0] == 0 or _below(Mm, bound(mid)):
+            hi, Mhi = mid, Mm
+        else:
+            lo = mid
+    return hi, max(rate_of(Mhi, hi) if Mhi.shape[0] else 0.0, pruned[0])
+
+
+# --------------------------------------------------------------------------------------
+# Candidates and the chosen settings
+# --------------------------------------------------------------------------------------
+
+
+def _short(values) -> str:
+    """Per-level values joined by "/", a repeated last value shown once: (16, 2, 2) -> "16/2"."""
+    v = [str(x) for x in values]
+    while len(v) > 1 and v[-1] == v[-2]:
+        v.pop()
+    return "/".join(v)
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """One setting the chooser evaluated.
+
+    Attributes
+    ----------
+    cf : tuple of int
+        Coarsening factor of every level but the coarsest.
+    levels : int
+        Number of levels.
+    relax : tuple of str
+        Relaxation of every level but the coarsest.
+    c_weight : float
+        C-relaxation weight (1.0 when no level relaxes with C-points).
+    min_coarse : int
+    factor : float
+        Predicted bound of one cycle's residual reduction, ``max ||P||_2``
+        (``inf`` when unstable; it may exceed 1 for a convergent setting).
+    rate : float
+        Predicted average reduction per cycle over the cycles needed:
+        ``max ||P^q||_2^(1/q)`` (``inf`` when it does not converge).
+    cycles : int or None
+        Predicted cycles to reduce the residual by the chooser's ``reduction``,
+        ``2 + q`` (XBraid's skipped first cycle and the cycle that measures the
+        first residual included); None when it does not converge.
+    time : float
+        Predicted time to that tolerance on the chooser's ``ranks``
+        (:func:`mgrit.model.predict`); ``inf`` when it does not converge.
+    stable : bool
+        Every coarse level's step is stable (docs/tuning.md §3).
+    meets_target : bool
+        Stable and ``rate <= target``.
+    note : str
+        Why it was rejected, if it was.
+    exact : bool
+        The factor comes from every mode on the full grid (no screening, no
+        reduced grid).
+    """
+
+    cf: tuple
+    levels: int
+    relax: tuple
+    c_weight: float
+    min_coarse: int
+    factor: float
+    rate: float
+    cycles: int | None
+    time: float
+    stable: bool
+    meets_target: bool
+    note: str = ""
+    exact: bool = True
+
+    @property
+    def options(self) -> dict:
+        """Keyword arguments for :func:`mgrit.solve` that build exactly this hierarchy."""
+        cf = self.cf[0] if len(set(self.cf)) == 1 else tuple(self.cf)
+        relax = self.relax[0] if len(set(self.relax)) == 1 else tuple(self.relax)
+        return {"cf": cf, "max_levels": self.levels, "min_coarse": self.min_coarse, "relax": relax,
+                "c_weight": self.c_weight, "cycle": "V"}
+
+    def describe(self) -> str:
+        """One line: factors, levels, relaxation and weight (a repeated last entry is shown once).
+
+        >>> Candidate((16, 2, 2), 4, ("F", "FCF", "FCF"), 1.3, 2, 0.1, 0.05, 9, 1.0, True, True).describe()
+        'cf 16/2, 4 levels, F/FCF w=1.3'
+        """
+        w = f" w={self.c_weight:g}" if self.c_weight != 1.0 else ""
+        return f"cf {_short(self.cf)}, {self.levels} levels, {_short(self.relax)}{w}"
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    """What :func:`choose_settings` returns.
+
+    Attributes
+    ----------
+    choice : Candidate
+        The chosen setting.
+    candidates : tuple of Candidate
+        Every setting evaluated, cheapest predicted time first.
+    target : float
+    ranks : int
+    reduction : float
+    cost : StepCost
+        Step cost used by the model (measured or unit).
+    sequential_time : float
+        Model time of sequential stepping (``N`` single steps).
+    spectra : tuple of Spectrum
+        The linearizations (one per sampled state).
+    bound : bool
+        The chosen factor is a rigorous bound on the residual reduction per
+        cycle: one linearization for the whole run (a linear, time-invariant
+        step), dense spectra with a normal fine step and commuting coarse steps,
+        no growing modes, every mode and the full grid evaluated. Otherwise it
+        is an estimate (docs/tuning.md §4).
+    meets_target : bool
+        The choice reaches the target; when no stable setting did, the choice
+        is the fastest stable one that converges.
+    """
+
+    choice: Candidate
+    candidates: tuple
+    target: float
+    ranks: int
+    reduction: float
+    cost: StepCost
+    sequential_time: float
+    spectra: tuple
+    bound: bool
+    meets_target: bool
+
+    @property
+    def options(self) -> dict:
+        """Keyword arguments for ``mgrit.solve(propagator, u0, t, **settings.options)`` (a fresh dict)."""
+        return self.choice.options
+
+    @property
+    def predicted_factor(self) -> float:
+        """Predicted bound of one cycle's residual reduction (``Candidate.factor``) of the chosen setting."""
+        return self.choice.factor
+
+    @property
+    def predicted_rate(self) -> float:
+        """Predicted average reduction per cycle over the predicted cycles (``Candidate.rate``)."""
+        return self.choice.rate
+
+    @property
+    def predicted_cycles(self) -> int:
+        """Predicted cycles to ``tol=reduction, tol_type="rel"`` (the skipped first cycle included)."""
+        return self.choice.cycles
+
+    @property
+    def predicted_time(self) -> float:
+        """Model time to that tolerance on ``ranks`` ranks."""
+        return self.choice.time
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates as a text table, cheapest first (``limit`` rows, all by default)."""
+        rows = [f"{'cf':>9} {'levels':>6} {'relax':>9} {'w':>4} {'factor':>10} {'rate':>10} {'cycles':>6} "
+                f"{'time':>11} {'speedup':>8}  note"]
+        for c in self.candidates[: limit if limit is not None else len(self.candidates)]:
+            cf, rx = _short(c.cf), _short(c.relax)
+            fac = "unstable" if not c.stable else f"{c.factor:10.3e}"
+            rate = "-" if not math.isfinite(c.rate) else f"{c.rate:10.3e}"
+            cyc = "-" if c.cycles is None else str(c.cycles)
+            tm = "-" if not math.isfinite(c.time) else f"{c.time:11.4g}"
+            sp = "-" if not math.isfinite(c.time) or c.time <= 0 else f"{self.sequential_time / c.time:8.3f}"
+            mark = "  <- chosen" if c is self.choice else ""
+            rows.append(f"{cf:>9} {c.levels:>6} {rx:>9} {c.c_weight:>4g} {fac:>10} {rate:>10} {cyc:>6} {tm:>11} {sp:>8}"
+                        f"  {c.note}{mark}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        c = self.choice
+        kind = "bound" if self.bound else "estimate"
+        head = (f"chosen: {c.describe()}; predicted factor {c.factor:.3e}, rate {c.rate:.3e} ({kind}), "
+                f"{c.cycles} cycles to {self.reduction:g} relative, model time {c.time:.4g} on {self.ranks} "
+                f"rank(s) (sequential {self.sequential_time:.4g})")
+        if not self.meets_target:
+            head += f"; no stable setting reaches the target {self.target:g}"
+        return head + "\n" + self.table(limit=10)
+
+
+# --------------------------------------------------------------------------------------
+# choose_settings
+# --------------------------------------------------------------------------------------
+
+
+def _check_propagator(p) -> None:
+    if not isinstance(p, Propagator):
+        raise TypeError(f"`propagator` must be an mgrit.Propagator, got {type(p).__name__}; "
+                        "subclass mgrit.Propagator and implement step(u, t0, t1)")
+
+
+def _check_state(u):
+    if B.requires_grad(u):
+        raise ValueError("`u0` requires grad; pass u0.detach()")
+    u = B.as_state(u)
+    if not B.is_torch(u) and u.dtype.kind not in "fc":
+        raise TypeError(f"`u0` must be a numeric array, got dtype {u.dtype}")
+    if not B.all_finite(u):
+        raise ValueError("`u0` contains NaN or Inf")
+    return u
+
+
+def _check_positive_int(v, name, low):
+    if not is_integer(v) or v < low:
+        raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
+
+
+def _check_steps(strides, composites, n):
+    """``(1, 1)``, then the single steps ``(s, 1)``, then the composites ``(s, c)``; all within the grid."""
+    def bad():
+        return ValueError(f"`strides` must be integers >= 1 and `composites` pairs (stride, count) of them, "
+                          f"each spanning at most the grid's {n} intervals; got strides={strides!r}, "
+                          f"composites={composites!r}")
+
+    try:
+        singles = [(s, 1) for s in strides]
+        pairs = [tuple(p) for p in composites]
+    except TypeError:
+        raise bad() from None
+    out = [(1, 1)]
+    for p in singles + pairs:
+        if len(p) != 2 or not all(is_integer(x) and x >= 1 for x in p) or p[0] * p[1] > n:
+            raise bad()
+        p = (int(p[0]), int(p[1]))
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def _check_fraction(v, name):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not 0.0 < v < 1.0:
+        raise ValueError(f"`{name}` must be a number in (0, 1), got {v!r}")
+    return float(v)
+
+
+def _cf_schedules(cf):
+    if cf is None:
+        cf = DEFAULT_CF
+    if is_integer(cf):
+        cf = (cf,)
+    out = []
+    for c in cf:
+        sched = (int(c),) if is_integer(c) else tuple(c) if isinstance(c, (tuple, list)) else None
+        if not sched or not all(is_integer(x) and x >= 2 for x in sched):
+            raise ValueError(f"`cf` must be a sequence of candidate factors: integers >= 2 or per-level tuples "
+                             f"of them, e.g. (2, 4, 8) or (4, (8, 2)); got {cf!r}")
+        out.append(tuple(int(x) for x in sched))
+    return out
+
+
+def _relax_candidates(relax):
+    if relax is None:
+        relax = DEFAULT_RELAX
+    if isinstance(relax, str):
+        relax = (relax,)
+    out = []
+    for r in relax:
+        sched = (r,) if isinstance(r, str) else tuple(r) if isinstance(r, (tuple, list)) else None
+        if not sched:
+            raise ValueError(f"`relax` must be a sequence of candidates: 'F', 'FCF', ... or per-level tuples "
+                             f"such as ('F', 'FCF'); got {relax!r}")
+        for s in sched:
+            parse_relax(s)
+        out.append(tuple(s.upper() for s in sched))
+    return out
+
+
+def _weights(c_weights):
+    if c_weights is None:
+        c_weights = DEFAULT_WEIGHTS
+    if isinstance(c_weights, (int, float)):
+        c_weights = (c_weights,)
+    out = []
+    for w in c_weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not 0.0 < w <= 2.0:
+            raise ValueError(f"`c_weights` must be numbers in (0, 2], got {c_weights!r}")
+        out.append(float(w))
+    return sorted(set(out))
+
+
+def _measure_cost(propagator, u0, t, repeats: int = 5, batch: int = 32) -> StepCost:
+    """StepCost from timing ``step`` and ``step_batch`` on the first fine intervals (medians)."""
+    n = t.shape[0] - 1
+    nb = max(2, min(batch, n))
+    t0, t1 = t[:nb].copy(), t[1 : nb + 1].copy()
+    if nb > n:  # fewer intervals than 2: repeat the first one
+        t0, t1 = np.full(nb, t[0]), np.full(nb, t[1])
+    U = B.empty_stack(nb, u0)
+    U[:] = u0
+
+    def timed(f):
+        ts = []
+        for _ in range(repeats):
+            a = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - a)
+        return float(np.median(ts))
+
+    propagator.step(u0, float(t[0]), float(t[1]))  # warm up (caches, lazy setup)
+    propagator.step_batch(U, t0, t1)
+    single = timed(lambda: propagator.step(u0, float(t[0]), float(t[1])))
+    one = timed(lambda: propagator.step_batch(U[:1], t0[:1], t1[:1]))
+    many = timed(lambda: propagator.step_batch(U, t0, t1))
+    per_state = max((many - one) / (nb - 1), 0.0)
+    return StepCost(single=single, per_state=per_state, per_call=max(one - per_state, 0.0))
+
+
+#: A fine-step eigenvalue counts as growing when its modulus exceeds 1 by more than this
+#: (a neutral mode, ``|lam| = 1``, is measured with finite-difference noise).
+GROWTH_TOL = 1e-7
+
+
+def _sample_states(propagator, u0, t, spectrum0, samples):
+    """``samples`` states along a cheap coarse sequential run (``u0`` first).
+
+    The run uses the largest stride (of ``spectrum0``'s single steps) that
+    leaves at least ``4 samples`` steps and amplifies no mode that the fine
+    step does not amplify at ``u0``; a run that blows up is repeated with half
+    the stride.
+    """
+    n = t.shape[0] - 1
+    if samples <= 1:
+        return [(0, u0)]
+    decaying = np.abs(spectrum0[1]) <= 1.0 + GROWTH_TOL
+    stride = 1
+    for s in spectrum0.strides:
+        if n // s >= 4 * samples and np.all(np.abs(spectrum0[s][decaying]) <= 1.0 + 1e-6):
+            stride = max(stride, s)
+    scale = float(np.max(np.abs(_to_numpy(u0)))) + 1.0
+    while True:
+        idx = list(range(0, n + 1, stride))
+        states, u, ok = [u0], u0, True
+        with np.errstate(all="ignore"):  # a run that blows up is detected below
+            for a, b in zip(idx[:-1], idx[1:]):
+                u = propagator.step(u, float(t[a]), float(t[b]))
+                if not B.all_finite(u) or float(np.max(np.abs(_to_numpy(u)))) > 1e6 * scale:
+                    ok = False
+                    break
+                states.append(u)
+        if ok or stride == 1:
+            break
+        stride //= 2
+    picks = np.unique(np.linspace(0, len(states) - 1, samples).round().astype(int))
+    return [(idx[k], states[k]) for k in picks]
+
+
+def _unique_modes(spectra, rtol: float = 1e-7):
+    """All modes of all samples as rows (one column per step), conjugate pairs and repeats merged.
+
+    Two modes are repeats when all their values agree to ``rtol`` (relative to
+    the larger modulus): the same linearization sampled twice differs only by
+    the finite-difference noise.
+    """
+    rows = []
+    for sp in spectra:
+        cols = sp.values.copy()
+        flip = cols[:, 0].imag < 0
+        cols[flip] = cols[flip].conj()  # a conjugate mode has conjugate cycle matrices: equal norms
+        rows.append(cols)
+    allrows = np.concatenate(rows)
+    keep = []
+    with np.errstate(invalid="ignore", over="ignore"):  # unstable steps hold inf: such rows never match
+        for i, row in enumerate(allrows):
+            if keep:
+                kept = allrows[keep]
+                scale = np.maximum(np.abs(kept), np.abs(row)[None, :])
+                close = np.all(np.abs(kept - row[None, :]) <= rtol * np.maximum(scale, 1e-300), axis=1)
+                if np.any(close):
+                    continue
+            keep.append(i)
+    return allrows[keep]
+
+
+def _root(x, m, near):
+    """The ``m``-th root of ``x`` (per mode) nearest to ``near``."""
+    k = np.arange(m)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.abs(x)[:, None] ** (1.0 / m) * np.exp(1j * (np.angle(x)[:, None] + 2 * np.pi * k[None, :]) / m)
+    best = np.argmin(np.abs(r - near[:, None]), axis=1)
+    return r[np.arange(x.shape[0]), best]
+
+
+#: Composite eigenvalues below this modulus are at the level of finite-difference noise:
+#: the levels below them use their single-step eigenvalues (docs/tuning.md §2).
+COMPOSITE_FLOOR = 1e-6
+
+
+def _level_factors(modes, col, cfs):
+    """Per-level one-step factors of every mode: the frozen chain of docs/tuning.md §2.
+
+    With ``Y_l`` the eigenvalue of one step of level ``l`` and ``X_l`` that of
+    the ``m_l`` steps of level ``l`` that one step of level ``l + 1`` replaces:
+    ``lam_0 = X_0^(1/m_0)`` (the root nearest ``Y_0``) and
+    ``lam_{l+1} = lam_l^{m_l} Y_{l+1} / X_l``. Every pair of levels keeps its
+    own mismatch ``Y_{l+1} / X_l``; for a linear, autonomous problem
+    ``X_l = Y_l^{m_l}`` and ``lam_l = Y_l``. Where ``|X_l|`` is below
+    :data:`COMPOSITE_FLOOR`, ``Y`` is used instead.
+
+    Returns ``(strides, singles, composites, lams)``.
+    """
+    strides = [1]
+    for c in cfs:
+        strides.append(strides[-1] * c)
+    singles = [modes[:, col[(s, 1)]] for s in strides]
+    comps = [modes[:, col[(s, m)]] for s, m in zip(strides[:-1], cfs)]
+    with np.errstate(all="ignore"):
+        ok = np.abs(comps[0]) > COMPOSITE_FLOOR
+        lams = [np.where(ok, _root(comps[0], cfs[0], singles[0]), singles[0])]
+        for l, m in enumerate(cfs):
+            ok = np.isfinite(comps[l]) & (np.abs(comps[l]) > COMPOSITE_FLOOR)
+            safe = np.where(ok, comps[l], 1.0)
+            lams.append(np.where(ok, lams[l] ** m * singles[l + 1] / safe, singles[l + 1]))
+    return strides, singles, comps, lams
+
+
+def _discount_growth(lams, strides, fine):
+    """``lam_l / rho^{s_l}``, ``rho = max(|lam_0|, |Y_0|)``, for modes growing under the fine step (docs/tuning.md §3).
+
+    The factors in the time-weighted norm that discounts the growth ``rho``
+    per fine step (``Y_0`` is the single fine step's eigenvalue, ``lam_0`` the
+    root of the fine composite); decaying modes are unchanged.
+    """
+    a0 = np.maximum(np.abs(lams[0]), np.abs(fine))
+    logrho = np.where(a0 > 1.0 + GROWTH_TOL, np.log(np.maximum(a0, 1.0)), 0.0)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return [v * np.exp(-logrho * s) for v, s in zip(lams, strides)]
+
+
+def _evaluate(modes, col, h_sizes, cfs, relaxes, weight, n_modes, max_points, min_coarse, reduction):
+    """Stability, predicted factor and cycles of one candidate (docs/tuning.md §2-§3).
+
+    Returns ``(stable, note, factor, q, rate, exact)``: ``factor`` bounds one
+    cycle's residual reduction, ``q`` cycles reduce it by ``reduction`` at an
+    average ``rate`` (None and inf when they do not); ``exact`` is False when
+    the numbers came from a subset of modes or from a reduced grid.
+    """
+    L = len(h_sizes)
+    strides, singles, comps, lams = _level_factors(modes, col, cfs)
+    # stability: one step of level l + 1 may not amplify a mode more than the m_l steps of level l
+    # it replaces (their composite, or level l's single step to the m_l-th power), by more than
+    # STABILITY_GROWTH over level l + 1's whole horizon
+    for l in range(L - 1):
+        if not (np.all(np.isfinite(singles[l + 1])) and np.all(np.isfinite(comps[l]))):
+            return False, f"unstable on level {max(l, 1)} (its steps blow up)", math.inf, None, math.inf, True
+        with np.errstate(divide="ignore"):
+            log_x = np.log(np.abs(comps[l]) + 1e-300)
+            log_y = cfs[l] * np.log(np.abs(singles[l]) + 1e-300)
+            ref = np.maximum(np.maximum(log_x, log_y), 0.0)
+            excess = np.log(np.abs(singles[l + 1]) + 1e-300) - ref
+        worst = float(np.max(h_sizes[l + 1] * excess))
+        if worst > math.log(STABILITY_GROWTH):
+            amp = math.exp(min(worst, 700.0))
+            return (False, f"unstable on level {l + 1} (error x{amp:.2g} over its {h_sizes[l + 1]} intervals)",
+                    math.inf, None, math.inf, True)
+    lams = _discount_growth(lams, strides, singles[0])
+    # screening: Southworth's upper two-level bound for every pair of levels (docs/theory.md §6)
+    uppers = []
+    for l in range(L - 1):
+        _, up = theory.sharp_bounds(lams[l], lams[l + 1], cfs[l], h_sizes[l + 1], relaxes[l])
+        uppers.append(np.nan_to_num(np.asarray(up, dtype=float), nan=np.inf))
+    K = modes.shape[0]
+    exact = True
+    if n_modes is not None and K > n_modes:
+        order = np.argsort(-np.max(uppers, axis=0), kind="stable")
+        pick = [int(i) for i in order[: max(n_modes - L + 1, 1)]]
+        pick += [int(np.argmax(up)) for up in uppers]  # the worst mode of every pair of levels
+        sel = np.array(sorted(set(pick)))
+        exact = False
+    else:
+        sel = np.arange(K)
+    # deep hierarchies: the levels below the first L levels whose grid fits 4 max_points fine intervals
+    # are left out (the last kept level is solved exactly)
+    note = ""
+    L_all = L
+    while L > 2 and int(np.prod(cfs[: L - 1])) * min_coarse > 4 * max_points:
+        L -= 1
+    if L < L_all:
+        cfs, relaxes, h_sizes, lams = cfs[: L - 1], relaxes[: L - 1], h_sizes[:L], lams[:L]
+        which = f"level {L}" if L == L_all - 1 else f"levels {L}..{L_all - 1}"
+        note, exact = f"{which} not modelled (estimate)", False
+    # the reduced grid: same levels and factors, at most max_points fine intervals (or min_coarse coarsest ones)
+    P = int(np.prod(cfs))
+    n_full = h_sizes[0]
+    if n_full <= max_points:
+        n_red = n_full
+    else:
+        n_red = P * min(h_sizes[-1], max(min_coarse, max_points // P))
+        exact = False
+    if len(sel) * (n_red // cfs[0]) > MAX_COLUMNS:  # keep the worst modes within the column budget
+        keep = max(2, MAX_COLUMNS // (n_red // cfs[0]))
+        worst = np.argsort(-np.max(uppers, axis=0)[sel], kind="stable")[:keep]
+        sel, exact = np.sort(sel[worst]), False
+    sub = [v[sel] for v in lams]
+    P = residual_matrices(sub, n_red, cfs, relaxes, weight)
+    ratio = 1.0
+    if n_red < n_full:  # extrapolate with the two-level bounds' growth from the reduced to the full grid
+        red_sizes = [n_red]
+        for c in cfs:
+            red_sizes.append(red_sizes[-1] // c)
+        for l in range(L - 1):
+            _, hi = theory.sharp_bounds(sub[l], sub[l + 1], cfs[l], h_sizes[l + 1], relaxes[l])
+            _, lo = theory.sharp_bounds(sub[l], sub[l + 1], cfs[l], red_sizes[l + 1], relaxes[l])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                r = np.where(np.asarray(lo) > 0, np.asarray(hi) / np.asarray(lo), 1.0)
+            ratio = max(ratio, float(np.nanmax(r)))
+    fac = _exact_norm(P) * ratio
+    if n_red == n_full:  # the whole grid: the powers are the iteration's (exactness included)
+        q, rate = power_cycles(P, reduction)
+    else:  # a reduced grid: powers only as far as its exactness front stays far away, then extrapolated
+        qs = max(1, (n_red // cfs[0]) // (4 * (parse_relax(relaxes[0]) + 1)))
+        q, rate = power_cycles(P, reduction, qmax=qs, growth=ratio)
+        if q is None and rate < 1.0:
+            q = 1 if rate == 0.0 else max(1, math.ceil(math.log(reduction) / math.log(rate) - 1e-12))
+        elif q is None:
+            rate = math.inf
+    return True, note, fac, q, rate, exact
+
+
+def _time_to_tolerance(h, ranks, cycles, cost, latency):
+    """Model time of ``cycles`` cycles: two replays (the schedule repeats after the second cycle)."""
+    if cycles <= 3:
+        return predict(h, ranks, cycles, cost=cost, latency=latency).time
+    t2 = predict(h, ranks, 2, cost=cost, latency=latency).time
+    t3 = predict(h, ranks, 3, cost=cost, latency=latency).time
+    return t2 + (cycles - 2) * (t3 - t2)
+
+
+def choose_settings(
+    propagator: Propagator,
+    u0,
+    t,
+    *,
+    target: float = 0.1,
+    ranks: int = 1,
+    cf=None,
+    max_levels: int = 30,
+    min_coarse: int = 2,
+    relax=None,
+    c_weights=None,
+    reduction: float = 1e-8,
+    measure: bool = True,
+    cost: StepCost | Sequence[StepCost] | None = None,
+    latency: float = 0.0,
+    samples: int = 5,
+    jvp: str = "auto",
+    dense_max: int = 100,
+    krylov: int = 24,
+    modes: int | None = 16,
+    max_points: int = 128,
+    seed: int = 0,
+) -> Settings:
+    """Choose MGRIT settings for ``mgrit.solve(propagator, u0, t)`` from convergence theory.
+
+    1. **Spectrum.** The fine step, one step of every candidate level
+       (rediscretization: the propagator over ``stride_l`` fine intervals) and
+       the ``cf_l`` steps of level ``l`` that one step of level ``l + 1``
+       replaces are linearized at ``u0`` and at ``samples - 1`` more states
+       along a cheap coarse sequential run, and their eigenvalues paired mode
+       by mode (:func:`step_spectrum`; docs/tuning.md §1-§2).
+    2. **Prediction.** For every candidate -- a coarsening schedule from ``cf``,
+       2 to ``max_levels`` levels, a relaxation from ``relax`` and a C-weight
+       from ``c_weights`` -- no coarse step may amplify a mode much more than
+       the steps it replaces (docs/tuning.md §3). The two-level bounds of
+       :mod:`mgrit.theory` pick the worst ``modes`` modes; their V-cycle
+       residual matrices ``P`` (:func:`residual_matrices`, on a grid of at most
+       ``max_points`` fine intervals) give the one-cycle factor ``max ||P||``,
+       the cycles ``2 + q`` with ``max ||P^q|| <= reduction``
+       (:func:`power_cycles`) and the rate ``max ||P^q||^(1/q)``, worst case
+       over all samples (docs/tuning.md §2).
+    3. **Cost.** The stable candidates with rate ``<= target`` are ranked by
+       the critical-path model (:func:`mgrit.model.predict` on ``ranks`` ranks)
+       for those cycles (docs/tuning.md §6).
+
+    Parameters
+    ----------
+    propagator : Propagator
+        One propagator for all levels (rediscretization).
+    u0 : array or tensor
+        Initial state.
+    t : array_like
+        Fine time grid.
+    target : float
+        Largest acceptable predicted rate (average residual reduction per
+        cycle over the predicted cycles), in (0, 1).
+    ranks : int
+        Ranks of the solve, for the cost model.
+    cf : sequence, optional
+        Candidate coarsening factors: integers (one for all levels) or per-level
+        tuples (last repeats). Default ``(2, 4, 8, 16)``.
+    max_levels : int
+        Most levels tried (>= 2).
+    min_coarse : int
+        As in :func:`mgrit.solve`: a level is only made with at least this
+        many intervals; the returned options keep it.
+    relax : sequence, optional
+        Candidate relaxations: strings or per-level tuples. Default
+        ``("F", "FCF", ("F", "FCF"))``.
+    c_weights : sequence of float, optional
+        C-weights tried when some level relaxes with C-points. Default ``(1.0, 1.3)``.
+    reduction : float
+        Relative residual reduction the time is predicted for (``tol=reduction,
+        tol_type="rel"`` in :func:`mgrit.solve`).
+    measure : bool
+        Time ``step`` and ``step_batch`` for the cost model; False uses unit
+        costs (the model time then counts propagator calls).
+    cost : StepCost or sequence of StepCost, optional
+        Use these costs instead (``measure`` is then ignored).
+    latency : float
+        Message latency of the cost model (seconds).
+    samples : int
+        States linearized (``u0`` included); 1 for a linear, time-invariant step.
+    jvp : {"auto", "fd", "torch"}
+        Jacobian-vector products, see :func:`jacobian`.
+    dense_max, krylov, seed
+        See :func:`step_spectrum`.
+    modes : int or None
+        Modes evaluated exactly per candidate (None: all).
+    max_points : int
+        Largest fine grid of the exact evaluation; larger grids are reduced
+        (fewer coarsest intervals) and the factor extrapolated.
+
+    Returns
+    -------
+    Settings
+        ``settings.options`` goes to ``mgrit.solve(propagator, u0, t, **settings.options)``.
+
+    Raises
+    ------
+    ValueError
+        Invalid arguments, or no candidate is stable and convergent (the message
+        says what to try).
+
+    Examples
+    --------
+    >>> import numpy as np, mgrit
+    >>> from propagators import Heat1D
+    >>> heat = Heat1D(17, forcing=False)
+    >>> t = np.linspace(0.0, 1.0, 129)
+    >>> s = mgrit.choose_settings(heat, heat.initial(), t, target=0.1, measure=False, samples=1)
+    >>> s.bound, s.predicted_rate <= 0.1
+    (True, True)
+    >>> res = mgrit.solve(heat, heat.initial(), t, tol=1e-8, tol_type="rel", **s.options)
+    >>> res.converged and res.iterations <= s.predicted_cycles
+    True
+    """
+    _check_propagator(propagator)
+    u0 = _check_state(u0)
+    t = check_time_grid(t)
+    n = t.shape[0] - 1
+    target = _check_fraction(target, "target")
+    _check_positive_int(max_levels, "max_levels", 2)
+    _check_positive_int(min_coarse, "min_coarse", 1)
+    _check_positive_int(ranks, "ranks", 1)
+    schedules = _cf_schedules(cf)
+    relaxes = _relax_candidates(relax)
+    weights = _weights(c_weights)
+    if n < 2 * min_coarse:
+        raise ValueError(f"the grid has {n} intervals: too few for two levels with min_coarse={min_coarse}; "
+                         "pass more time points or a smaller `min_coarse`")
+    # the hierarchies to evaluate (distinct realized factor schedules)
+    hierarchies = {}
+    for sched in schedules:
+        for L in range(2, max_levels + 1):
+            h = build_hierarchy(t, cf=list(sched), max_levels=L, min_coarse=min_coarse)
+            if len(h) < L:
+                break
+            hierarchies.setdefault(tuple(lv.cf for lv in h[:-1]), h)
+    if not hierarchies:
+        raise ValueError(f"no candidate factor {schedules} gives two levels on {n} intervals with "
+                         f"min_coarse={min_coarse}; pass smaller `cf` values or more time points")
+    an = _Analysis(propagator, u0, t, list(hierarchies), reduction=reduction, measure=measure, cost=cost,
+                   latency=latency, samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
+                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse)
+    cands, seen = [], set()
+    for key, h in hierarchies.items():
+        L = len(h)
+        for rx in relaxes:
+            level_relax = tuple(per_level(list(rx), L - 1, "relax"))
+            has_c = any(parse_relax(r) > 0 for r in level_relax)
+            for w in weights if has_c else [1.0]:
+                if (key, level_relax, w) in seen:
+                    continue
+                seen.add((key, level_relax, w))
+                cands.append(an.candidate(key, level_relax, w, target))
+    cands.sort(key=lambda c: (not c.meets_target, c.time, c.rate))
+    meeting = [c for c in cands if c.meets_target]
+    if meeting:
+        choice, meets = meeting[0], True
+    else:
+        convergent = sorted([c for c in cands if c.cycles is not None], key=lambda c: (c.time, c.rate))
+        if not convergent:
+            raise ValueError(
+                "no candidate setting is stable and predicted to converge "
+                f"({sum(not c.stable for c in cands)} of {len(cands)} have unstable coarse steps); "
+                "try smaller `cf` values, fewer levels (`max_levels`), a larger `min_coarse`, "
+                "or a finer time grid")
+        choice, meets = convergent[0], False
+    return an.settings(choice, cands, target, meets)
+
+
+def predict_options(
+    propagator: Propagator,
+    u0,
+    t,
+    *,
+    cf=2,
+    max_levels: int = 30,
+    min_coarse: int = 2,
+    relax="FCF",
+    c_weight: float = 1.0,
+    cycle: str = "V",
+    target: float = 0.1,
+    ranks: int = 1,
+    reduction: float = 1e-8,
+    measure: bool = True,
+    cost: StepCost | Sequence[StepCost] | None = None,
+    latency: float = 0.0,
+    samples: int = 5,
+    jvp: str = "auto",
+    dense_max: int = 100,
+    krylov: int = 24,
+    modes: int | None = 16,
+    max_points: int = 128,
+    seed: int = 0,
+    **ignored,
+) -> Settings:
+    """Predict the factor, stability, cycles and model time of given :func:`mgrit.solve` options.
+
+    The same analysis as :func:`choose_settings` for one setting: pass the
+    options you would pass to :func:`mgrit.solve` (the defaults are its
+    defaults; options that do not shape the hierarchy, such as ``tol``, are
+    ignored). Returns a :class:`Settings` whose ``choice`` is that setting;
+    ``meets_target`` says whether it is stable with a factor ``<= target``.
+    Only V-cycles are modelled.
+
+    >>> import numpy as np
+    >>> from propagators import Heat1D
+    >>> heat = Heat1D(17, forcing=False)
+    >>> p = predict_options(heat, heat.initial(), np.linspace(0, 1, 65), cf=4, max_levels=2, relax="F",
+    ...                     measure=False, samples=1)
+    >>> p.choice.describe(), p.bound, round(p.predicted_factor, 4)
+    ('cf 4, 2 levels, F', True, 0.198)
+    """
+    if cycle != "V":
+        raise ValueError(f"only V-cycles are modelled, got cycle={cycle!r}; pass cycle='V'")
+    _check_propagator(propagator)
+    u0 = _check_state(u0)
+    t = check_time_grid(t)
+    target = _check_fraction(target, "target")
+    _check_positive_int(ranks, "ranks", 1)
+    h = build_hierarchy(t, cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, c_weight=c_weight)
+    if len(h) < 2:
+        raise ValueError("these options give one level (sequential stepping): nothing to predict; "
+                         "pass more time points, a smaller `cf` or `min_coarse`, or `max_levels` >= 2")
+    key = tuple(lv.cf for lv in h[:-1])
+    level_relax = tuple(lv.relax for lv in h[:-1])
+    weight = float(h[0].c_weight)
+    if any(lv.c_weight != weight for lv in h[:-1]):
+        raise ValueError("per-level `c_weight` values are not modelled; pass one weight for all levels")
+    an = _Analysis(propagator, u0, t, [key], reduction=reduction, measure=measure, cost=cost, latency=latency,
+                   samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
+                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse)
+    c = an.candidate(key, level_relax, weight, target)
+    return an.settings(c, [c], target, c.meets_target)
+
+
+class _Analysis:
+    """Spectra, costs and the evaluation of candidates for one problem (internal)."""
+
+    def __init__(self, propagator, u0, t, keys, *, reduction, measure, cost, latency, samples, jvp, dense_max,
+                 krylov, modes, max_points, seed, ranks, min_coarse):
+        self.reduction = _check_fraction(reduction, "reduction")
+        _check_positive_int(samples, "samples", 1)
+        _check_positive_int(max_points, "max_points", 8)
+        if modes is not None:
+            _check_positive_int(modes, "modes", 1)
+        if not isinstance(measure, (bool, np.bool_)):
+            raise ValueError(f"`measure` must be True or False, got {measure!r}")
+        if isinstance(latency, bool) or not (isinstance(latency, (int, float)) and latency >= 0):
+            raise ValueError(f"`latency` must be a number >= 0, got {latency!r}")
+        self.t, self.ranks, self.min_coarse, self.latency = t, int(ranks), int(min_coarse), float(latency)
+        self.modes, self.max_points = modes, int(max_points)
+        singles, composites = set(), set()
+        for key in keys:
+            st = 1
+            for c in key:
+                composites.add((st, c))
+                st *= c
+                singles.add(st)
+        spec_args = dict(strides=sorted(singles), composites=sorted(composites), jvp=jvp, dense_max=dense_max,
+                         krylov=krylov, seed=seed)
+        # spectra at u0 and along a coarse run
+        sp0 = step_spectrum(propagator, u0, t, index=0, **spec_args)
+        spectra = [sp0]
+        if samples > 1:
+            for k, u in _sample_states(propagator, u0, t, sp0, samples)[1:]:
+                spectra.append(step_spectrum(propagator, u, t, index=k, **spec_args))
+        self.spectra = tuple(spectra)
+        self.all_modes = _unique_modes(spectra)
+        self.col = {step: i for i, step in enumerate(sp0.steps)}
+        growing = bool(np.any(np.abs(self.all_modes[:, 0]) > 1.0 + GROWTH_TOL))
+        one_linearization = all(np.allclose(sp.values, sp0.values, rtol=1e-7, atol=1e-12) for sp in spectra)
+        self.bound_possible = (one_linearization and not growing and all(
+            sp.method == "dense" and sp.normal and sp.pairing_defect <= 1e-8 for sp in spectra))
+        # costs
+        if cost is None:
+            cost = _measure_cost(propagator, u0, t) if measure else StepCost()
+        self.cost = tuple(cost) if isinstance(cost, (list, tuple)) else cost
+        h = build_hierarchy(t, cf=list(keys[0]), max_levels=len(keys[0]) + 1, min_coarse=min_coarse)
+        self.seq_time = sequential_time(h, list(self.cost) if isinstance(self.cost, tuple) else self.cost)
+
+    def candidate(self, key, level_relax, w, target) -> Candidate:
+        t, L = self.t, len(key) + 1
+        h = build_hierarchy(t, cf=list(key), max_levels=L, min_coarse=self.min_coarse, relax=list(level_relax),
+                            c_weight=w)
+        sizes = [lv.n for lv in h]
+        stable, note, fac, q, rate, exact = _evaluate(self.all_modes, self.col, sizes, list(key),
+                                                      list(level_relax), w, self.modes, self.max_points,
+                                                      self.min_coarse, self.reduction)
+        cycles = None if q is None else 2 + q
+        if stable and cycles is None:
+            note = "; ".join(x for x in ("does not converge (predicted)", note) if x)
+        elif stable and rate > target:
+            note = "; ".join(x for x in (f"rate above target {target:g}", note) if x)
+        tm = math.inf
+        if cycles is not None:
+            cost = list(self.cost) if isinstance(self.cost, tuple) else self.cost
+            tm = _time_to_tolerance(h, self.ranks, cycles, cost, self.latency)
+        return Candidate(tuple(key), L, tuple(level_relax), float(w), self.min_coarse, fac, rate, cycles, tm,
+                         stable, stable and rate <= target, note, exact)
+
+    def settings(self, choice, cands, target, meets) -> Settings:
+        return Settings(choice, tuple(cands), float(target), self.ranks, self.reduction, self.cost,
+                        self.seq_time, self.spectra, bool(self.bound_possible and choice.exact), bool(meets))

@@ -1,0 +1,290 @@
+"""Settings from theory (mgrit.tune, docs/tuning.md): spectra, predictions against the solver, choices.
+
+The predictions are checked against the mathematics they rest on: known
+eigenvalues of backward Euler, the dense iteration matrices of mgrit.theory,
+and the residual histories of mgrit.solve on the same grid. Nothing here
+asserts a timing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mgrit
+from mgrit import theory as th
+from mgrit import tune
+from mgrit.model import predict
+from propagators import AdvectionDiffusion1D, Heat1D, VanDerPol
+
+FAST = dict(measure=False, samples=1)
+
+
+def heat_eigenvalues(nx: int) -> np.ndarray:
+    """Eigenvalues of the Dirichlet second difference on ``nx`` points (``nx - 2`` interior ones)."""
+    dx = 1.0 / (nx - 1)
+    k = np.arange(1, nx - 1)
+    return -4.0 / dx**2 * np.sin(k * np.pi / (2 * (nx - 1))) ** 2
+
+
+def residual_history(prop, u0, t, options, tol=1e-10, max_iter=200):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = mgrit.solve(prop, u0, t, tol=tol, tol_type="rel", max_iter=max_iter, **options)
+    return res, [r for r in res.residuals if r is not None]
+
+
+# --------------------------------------------------------------------------------------
+# spectra
+# --------------------------------------------------------------------------------------
+
+
+def test_heat_spectrum_matches_backward_euler():
+    """Heat1D (forced: an affine step) has the fine eigenvalues 1 / (1 - h lam_k), paired with 1 / (1 - 4 h lam_k)."""
+    nx, n = 33, 64
+    heat = Heat1D(nx)
+    t = np.linspace(0.0, 1.0, n + 1)
+    h = t[1] - t[0]
+    sp = tune.step_spectrum(heat, heat.initial(), t, index=5, strides=(4,), composites=[(1, 4)])
+    assert sp.method == "dense" and sp.jvp == "fd" and sp.normal and sp.pairing_defect < 1e-8
+    lam_d2 = heat_eigenvalues(nx)
+    exact = np.sort(1.0 / (1.0 - h * lam_d2))
+    assert np.allclose(np.sort(sp[1].real), exact, rtol=1e-8, atol=1e-12)
+    assert np.max(np.abs(sp[1].imag)) < 1e-10
+    # mode-wise pairing: invert the fine factor to the Laplacian eigenvalue, predict the coarse one
+    lam = (1.0 - 1.0 / sp[1]) / h
+    assert np.allclose(sp[4], 1.0 / (1.0 - 4 * h * lam), rtol=1e-8, atol=1e-12)
+    assert np.allclose(sp.step(1, 4), sp[1] ** 4, rtol=1e-7, atol=1e-8)  # (finite-difference noise ~1e-8)
+
+
+def test_large_state_arnoldi_finds_the_extreme_heat_eigenvalues():
+    nx = 203  # 201 unknowns > dense_max
+    heat = Heat1D(nx, forcing=False)
+    t = np.linspace(0.0, 1.0, 65)
+    h = t[1] - t[0]
+    sp = tune.step_spectrum(heat, heat.initial(), t, strides=(2,), dense_max=100, krylov=24)
+    assert sp.method == "arnoldi" and sp.values.shape == (24, 2)
+    exact = 1.0 / (1.0 - h * heat_eigenvalues(nx))
+    ritz = sp[1].real
+    assert ritz.max() == pytest.approx(exact.max(), rel=1e-10)  # the smoothest mode converges first
+    assert exact.min() - 1e-12 <= ritz.min() and ritz.max() <= exact.max() + 1e-12
+    top = int(np.argmax(ritz))
+    lam = (1.0 - 1.0 / sp[1][top]) / h
+    assert sp[2][top] == pytest.approx(1.0 / (1.0 - 2 * h * lam), rel=1e-8)
+
+
+def test_finite_differences_and_torch_jvp_agree_for_an_ode_net():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from propagators.torch import ODEPropagator
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(8)]
+    prop = ODEPropagator(layers, h=0.25)
+    u = torch.randn(2, 4, dtype=torch.float64)
+    t = np.arange(9) * 0.25
+    J_torch = tune.jacobian(prop, u, t[2], t[3])  # auto: torch.func.jvp
+    J_fd = tune.jacobian(prop, u, t[2], t[3], jvp="fd")
+    assert J_torch.shape == (8, 8)
+    assert np.allclose(J_torch, J_fd, rtol=0, atol=1e-8)
+    # compositions of steps (different layers) and coarse steps agree too
+    kw = dict(index=2, strides=(2, 4), composites=[(1, 2), (2, 2)])
+    a = tune.step_spectrum(prop, u, t, **kw)
+    b = tune.step_spectrum(prop, u, t, jvp="fd", **kw)
+    assert a.jvp == "torch" and b.jvp == "fd"
+    assert np.allclose(a.values, b.values, rtol=0, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------
+# the cycle on scalar modes against mgrit.theory
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("levels", [2, 3, 4])
+@pytest.mark.parametrize("relax", ["F", "FCF"])
+@pytest.mark.parametrize("m", [2, 4])
+def test_error_matrices_equal_theory_multilevel_matrix(levels, relax, m):
+    z = -0.3 + 0.4j
+    ops = th.level_factors(z, m, levels)
+    n = m ** (levels - 1) * 5 + 1  # trailing F-points on the fine level
+    E = th.multilevel_matrix(ops, n, m, relax, "V")
+    E2 = tune.error_matrices([[o] for o in ops], n, m, relax)[0]
+    assert np.allclose(E2, E, rtol=0, atol=1e-14)
+
+
+def test_two_level_residual_factor_is_the_theory_norm():
+    for relax in ("F", "FCF"):
+        lam, mu = th.dahlquist_factors(-1.0, 8)
+        f = tune.cycle_factors([[lam], [mu]], 8 * 16, 8, relax)[0]
+        assert f == pytest.approx(th.two_level_norm(lam, mu, 8, 16, relax), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# predictions against the solver
+# --------------------------------------------------------------------------------------
+
+BOUND_CASES = {
+    "heat-be": (Heat1D(17), 128),
+    "advection-diffusion-periodic": (AdvectionDiffusion1D(24, c=1.0, nu=0.02), 128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOUND_CASES))
+def test_predictions_bound_the_solver(case):
+    """Normal fine step, commuting coarse steps, all modes, full grid: the factor bounds every
+    cycle's residual reduction and the predicted cycles bound the iterations to 1e-8 (relative)."""
+    prop, n = BOUND_CASES[case]
+    t = np.linspace(0.0, 1.0, n + 1)
+    u0 = prop.initial()
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, cf=(2, 4, 16), max_levels=3, modes=None, max_points=n,
+                              **FAST)
+    assert s.bound and s.meets_target and s.predicted_rate <= 0.1
+    checked = 0
+    for c in s.candidates:
+        if c.cycles is None:
+            continue
+        res, r = residual_history(prop, u0, t, c.options, tol=1e-8)
+        assert res.converged and res.iterations <= c.cycles, (c.describe(), res.iterations, c.cycles)
+        ratios = [b / a for a, b in zip(r[:-1], r[1:]) if a > 1e-13 * r[0]]
+        average = (r[-1] / r[0]) ** (1.0 / (len(r) - 1))
+        assert average <= 1.05 * c.factor, (c.describe(), average, c.factor)
+        assert max(ratios) <= 1.05 * c.factor, (c.describe(), max(ratios), c.factor)
+        checked += 1
+    assert checked >= 10
+
+
+def test_non_normal_advection_diffusion_is_an_estimate():
+    """Dirichlet upwind advection-diffusion: a non-normal step, so no bound is claimed; the
+    estimate stays within a factor 1.5 of the measured average reduction."""
+    prop = AdvectionDiffusion1D(33, c=1.0, nu=0.02, boundary="dirichlet")
+    assert not prop.matrix().T.tolist() == prop.matrix().tolist()
+    t = np.linspace(0.0, 1.0, 129)
+    s = mgrit.choose_settings(prop, prop.initial(), t, target=0.1, cf=(2, 4), max_levels=3, max_points=128, **FAST)
+    assert not s.bound and not s.spectra[0].normal
+    _, r = residual_history(prop, prop.initial(), t, s.options)
+    average = (r[-1] / r[0]) ** (1.0 / (len(r) - 1))
+    assert average <= 1.5 * s.predicted_factor
+
+
+def test_van_der_pol_rejects_unstable_coarse_rk4_and_converges():
+    """RK4 on Van der Pol (mu = 3): the stiff eigenvalue near -3 mu makes coarse steps over 64 or more
+    fine intervals (h = 10/1024) unstable; the defaults coarsen to 2 intervals and blow up."""
+    prop, u0 = VanDerPol(mu=3.0), np.array([2.0, 0.0])
+    t = np.linspace(0.0, 10.0, 1025)
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, measure=False)
+    assert s.meets_target and not s.bound  # nonlinear: an estimate
+    for c in s.candidates:
+        coarsest = int(np.prod(c.cf))
+        if coarsest >= 64:
+            assert not c.stable and "unstable" in c.note, c.describe()
+        if coarsest <= 16:
+            assert c.stable, (c.describe(), c.note)
+    res, r = residual_history(prop, u0, t, s.options, tol=1e-8)
+    assert res.converged and res.iterations <= s.predicted_cycles + 2
+    default = tune.predict_options(prop, u0, t, **FAST)
+    assert not default.choice.stable and not default.meets_target
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            bad = mgrit.solve(prop, u0, t, tol=1e-8, tol_type="rel", max_iter=30)
+        except mgrit.DivergenceError:
+            bad = None
+    assert bad is None or not bad.converged or bad.iterations > 3 * res.iterations
+
+
+# --------------------------------------------------------------------------------------
+# the returned settings
+# --------------------------------------------------------------------------------------
+
+
+def test_options_build_the_chosen_hierarchy_and_the_model_time():
+    heat = Heat1D(17, forcing=False)
+    t = np.linspace(0.0, 1.0, 257)
+    s = mgrit.choose_settings(heat, heat.initial(), t, ranks=8, latency=0.5, cf=(2, 4), **FAST)
+    opts = s.options
+    assert set(opts) == {"cf", "max_levels", "min_coarse", "relax", "c_weight", "cycle"}
+    opts["cf"] = 99  # a fresh dict each time
+    assert s.options["cf"] != 99
+    res = mgrit.solve(heat, heat.initial(), t, tol=1e-8, tol_type="rel", **s.options)
+    assert res.converged and len(res.hierarchy) == s.choice.levels
+    assert tuple(lv.cf for lv in res.hierarchy[:-1]) == s.choice.cf
+    assert tuple(lv.relax for lv in res.hierarchy[:-1]) == s.choice.relax
+    # the model time is mgrit.model.predict for the predicted cycles, on 8 ranks
+    h = mgrit.build_hierarchy(t, **{k: v for k, v in s.options.items() if k != "cycle"})
+    direct = predict(h, 8, s.predicted_cycles, latency=0.5).time
+    assert s.predicted_time == pytest.approx(direct, rel=1e-12)
+    assert "chosen" in str(s) and "<- chosen" in s.table()
+    # every candidate meeting the target is at least as slow (model) as the choice
+    assert all(c.time >= s.predicted_time for c in s.candidates if c.meets_target)
+
+
+def test_power_cycles_use_exactness():
+    P = np.array([[[0.0, 0.0, 0.0], [3.0, 0.0, 0.0], [0.0, 3.0, 0.0]]])  # nilpotent, norm 3
+    assert tune.power_cycles(P, 1e-8) == (3, 0.0)
+    q, rate = tune.power_cycles(np.array([[[0.5]]]), 1e-3)
+    assert q == 10 and rate == pytest.approx(0.5)
+
+
+def test_invalid_inputs_give_clear_errors():
+    heat = Heat1D(9, forcing=False)
+    u0, t = heat.initial(), np.linspace(0.0, 1.0, 33)
+    with pytest.raises(TypeError, match="mgrit.Propagator"):
+        mgrit.choose_settings(object(), u0, t)
+    cases = [
+        (dict(target=0.0), "`target`"),
+        (dict(target=1.5), "`target`"),
+        (dict(ranks=0), "`ranks`"),
+        (dict(cf=(1,)), "`cf`"),
+        (dict(cf="4"), "`cf`"),
+        (dict(relax=("FCX",)), "`relax`"),
+        (dict(c_weights=(3.0,)), "`c_weights`"),
+        (dict(reduction=2.0), "`reduction`"),
+        (dict(samples=0), "`samples`"),
+        (dict(jvp="torch"), "torch tensor state"),
+        (dict(jvp="ad"), "`jvp`"),
+        (dict(max_levels=1), "`max_levels`"),
+        (dict(min_coarse=20), "too few for two levels"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            mgrit.choose_settings(heat, u0, t, **{**FAST, **kwargs})
+    with pytest.raises(ValueError, match="NaN"):
+        mgrit.choose_settings(heat, u0 * np.nan, t, **FAST)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        mgrit.choose_settings(heat, u0, t[::-1], **FAST)
+    with pytest.raises(ValueError, match="V-cycles"):
+        tune.predict_options(heat, u0, t, cycle="F", **FAST)
+    with pytest.raises(ValueError, match="`strides`"):
+        tune.step_spectrum(heat, u0, t, strides=(64,))
+    # no stable candidate: the message says what to try
+    vdp = VanDerPol(mu=3.0)
+    with pytest.raises(ValueError, match="smaller `cf`"):
+        mgrit.choose_settings(vdp, np.array([2.0, 0.0]), np.linspace(0.0, 10.0, 513), cf=(64,), max_levels=2,
+                              measure=False)
+
+
+def test_benchmark_quick_run_prints_the_table():
+    """Smoke run of benchmarks/tune_settings.py --quick (no timing asserted)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_settings.py"
+    args = [sys.executable, str(script), "--quick", "--repeat", "1"]
+    if not _has_torch():
+        args += ["--problems", "heat,advdiff,vdp"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("default (") >= 3 and "sequential stepping" in out
+    vdp = [line for line in out.splitlines() if "default (" in line and "unstable" in line]
+    assert vdp, out  # the defaults' coarse RK4 steps are predicted unstable
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
