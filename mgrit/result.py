@@ -23,9 +23,10 @@ class Status(enum.Enum):
     CONVERGED = "converged: residual norm below tolerance"
     MAX_ITER = "stopped after max_iter cycles without reaching the tolerance"
     DIVERGED = (
-        "diverged: the residual norm grew more than 1e3-fold; try more relaxation "
-        "(relax='FCF'), a smaller `cf`, fewer levels (`max_levels`, a larger `min_coarse`) "
-        "or a smaller time step"
+        "diverged: the residual norm grew more than 1e3-fold. A coarse step that is unstable "
+        "(an explicit scheme over too long a step) is the usual cause: use fewer levels "
+        "(`max_levels`, a larger `min_coarse`), then more relaxation (relax='FCF') or a smaller "
+        "`cf`; mgrit.choose_settings(propagator, u0, t) checks every level's stability and picks them"
     )
     SEQUENTIAL = "one level: solved by sequential stepping (exact)"
 

@@ -160,7 +160,7 @@ def test_growing_residual_is_reported_as_divergence():
     r = [x for x in res.residuals if x is not None]
     assert all(np.isfinite(r)) and r[-1] > 1e3 * r[0]
     assert res.status is mgrit.Status.DIVERGED and not res.converged
-    for hint in ("FCF", "`cf`", "`max_levels`", "`min_coarse`", "time step"):
+    for hint in ("FCF", "`cf`", "`max_levels`", "`min_coarse`", "unstable", "choose_settings"):
         assert hint in mgrit.Status.DIVERGED.value
     assert "diverged" in str(res)
 
