@@ -3,43 +3,13 @@ ranks and a 2 x 2 layer x data grid, any layers, split memory, checkpoints, and 
 in any phase of a step reaching every rank within seconds."""
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from launch import assert_all_ok, launch, needs_mpiexec
 
 pytest.importorskip("torch")
 pytest.importorskip("mpi4py")
-
-SCRIPTS = Path(__file__).parent / "mpi_scripts"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to python")
-
-
-def launch(n, script, *args, timeout=300):
-    """Run ``script`` on ``n`` ranks; return (return code, output). A hang fails the test."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"`{' '.join(cmd)}` did not return within {timeout} s (a rank hangs?)\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def assert_all_ok(n, rc, out):
-    assert rc == 0, out[-6000:]
-    for r in range(n):
-        assert f"rank {r} OK" in out, out[-6000:]
-
 
 @pytest.mark.mpi
 @needs_mpiexec
@@ -59,6 +29,13 @@ def test_layer_by_data_grid_matches_full_batch():
 @pytest.mark.parametrize("n", [2, 3])
 def test_any_layers_split_memory_and_checkpoints_on_ranks(n):
     assert_all_ok(n, *launch(n, "torch_any_layers.py"))
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+@pytest.mark.parametrize("n", [2, 3])
+def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
+    assert_all_ok(n, *launch(n, "norm_dropout.py"))
 
 
 CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",

@@ -14,6 +14,7 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.data_parallel` -- :func:`allreduce_gradients` over data ranks.
 """
 from .adjoint import AdjointPropagator, parameter_vjp
+from .coarsening import FeatureMapTransfer, SpatialCoarsening, galerkin_weight, rediscretized_weight
 from .data_parallel import allreduce_gradients
 from .gru import ParallelGRU
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
@@ -29,4 +30,5 @@ __all__ = [
     "DistributionPlan", "LayerParallel", "LayerDict", "ODENet", "serial_forward",
     "allreduce_gradients",
     "ParallelGRU",
+    "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
 ]

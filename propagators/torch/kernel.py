@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 
 # attributes of nn.Module that are registries, not configuration
 _REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
@@ -236,6 +237,91 @@ def _elementwise(node, prev, subs):
     return None
 
 
+# -- dropout: masks drawn once per pass ------------------------------------------------
+#: the dropout functions whose mask is multiplicative (``out = input * mask``), by name
+_DROPOUTS = {"dropout": F.dropout, "dropout1d": F.dropout1d, "dropout2d": F.dropout2d,
+             "dropout3d": F.dropout3d}
+_DROPOUT_NAMES = {f: n for n, f in _DROPOUTS.items()}
+_ALPHA = (F.alpha_dropout, F.feature_alpha_dropout)
+#: key under which a layer's masks travel with its buffers through vmap
+MASKS = "\0masks"
+
+
+def _dropout_call(func, args, kwargs):
+    """``(input, p, training)`` of a call of a dropout function (positional or keyword)."""
+    names = ("input", "p", "training", "inplace")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound["input"], float(bound.get("p", 0.5)), bool(bound.get("training", True))
+
+
+def _alpha_error() -> LayerError:
+    return LayerError("alpha dropout (nn.AlphaDropout, nn.FeatureAlphaDropout) in training mode is not supported "
+                      "by LayerParallel: its mask is not a plain multiplication. Use nn.Dropout, or put the "
+                      "layer in eval mode")
+
+
+class DropoutRecorder(TorchFunctionMode):
+    """Records the active dropout calls of one step (name, input shape, p) and returns the
+    input unchanged: the structure from which a pass draws its masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_NAMES:
+            u, p, training = _dropout_call(func, args, kwargs)
+            if training and p > 0:
+                self.calls.append((_DROPOUT_NAMES[func], tuple(u.shape), p))
+                return u
+        elif func in _ALPHA and _dropout_call(func, args, kwargs)[2]:
+            raise _alpha_error()
+        return func(*args, **kwargs)
+
+
+class DropoutMasks(TorchFunctionMode):
+    """Applies the masks drawn for one layer, in call order: ``dropout(u) = u * mask``.
+
+    The masks are what the dropout function itself returns for an input of
+    ones (drawn once per forward pass, in serial layer order), so a layer
+    evaluated any number of times sees the same mask, and the pass equals the
+    serial network evaluated from the same random state.
+    """
+
+    def __init__(self, masks):
+        super().__init__()
+        self.masks = masks
+        self.k = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_NAMES:
+            u, p, training = _dropout_call(func, args, kwargs)
+            if training and p > 0:
+                if self.k >= len(self.masks):
+                    raise LayerError(
+                        f"the layer calls dropout more often ({self.k + 1}+) than when its masks were drawn "
+                        f"({len(self.masks)}): LayerParallel needs the dropout calls of a layer to be the same "
+                        "for every input (no data-dependent dropout)")
+                m = self.masks[self.k]
+                self.k += 1
+                if m.shape != u.shape:
+                    raise LayerError(f"dropout input of shape {tuple(u.shape)} but its mask was drawn for shape "
+                                     f"{tuple(m.shape)}: the layer's dropout calls depend on its input")
+                return u * m
+        elif func in _ALPHA and _dropout_call(func, args, kwargs)[2]:
+            raise _alpha_error()
+        return func(*args, **kwargs)
+
+
+def draw_masks(calls, dtype, device) -> list:
+    """Draw the masks of one layer: each dropout function applied to ones of the recorded shape
+    (consumes the random generator exactly as the serial layer does)."""
+    return [_DROPOUTS[name](torch.ones(shape, dtype=dtype, device=device), p, True) for name, shape, p in calls]
+
+
 @dataclass(eq=False)
 class LayerClass:
     """Interchangeable layers (equal :func:`layer_signature`) and how they are stepped."""
@@ -346,6 +432,20 @@ class KernelPass:
         self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
+        #: dropout masks of this pass by layer (a list per layer, in call order); None: no dropout
+        self.masks: dict | None = None
+
+    def record_dropout(self, j: int, u, dt) -> list:
+        """The active dropout calls ``(name, input shape, p)`` of one step of layer ``j`` at ``u``."""
+        p, b = self._detached(j)
+        with torch.no_grad(), self._named(j), DropoutRecorder() as rec:
+            self._single(self.k.modules[j], p, b, u, dt)
+        return rec.calls
+
+    def _masked(self, j: int, buffers: dict) -> dict:
+        if self.masks is None or j not in self.masks:
+            return buffers
+        return {**buffers, MASKS: tuple(self.masks[j])}
 
     def value(self, j: int):
         """``(params, buffers)`` of layer ``j`` as dicts by name (the tensors at bind time)."""
@@ -385,6 +485,9 @@ class KernelPass:
                     f"the parameters of layers {c.members.tolist()} no longer have equal shapes, dtypes "
                     f"or devices ({exc}); rebuild the LayerParallel module after changing layer structure"
                 ) from exc
+            if self.masks is not None and int(c.members[0]) in self.masks:
+                ms = [self.masks[int(j)] for j in c.members]
+                hit[1][MASKS] = tuple(torch.stack([m[q] for m in ms]) for q in range(len(ms[0])))
             self._stacked[cid] = hit
         return hit
 
@@ -395,7 +498,8 @@ class KernelPass:
             p, b = self._stack(cid)
             pos = torch.as_tensor(self.k.position[idx], device=device)
             hit = self._gathered[key] = ({n: v.index_select(0, pos) for n, v in p.items()},
-                                         {n: v.index_select(0, pos) for n, v in b.items()})
+                                         {n: (tuple(m.index_select(0, pos) for m in v) if n == MASKS
+                                              else v.index_select(0, pos)) for n, v in b.items()})
         return hit
 
     # -- grouping --------------------------------------------------------------
@@ -428,6 +532,9 @@ class KernelPass:
     # -- one layer, functionally ----------------------------------------------
     def _single(self, module, params, buffers, u, dt):
         scheme = self.k.scheme
+        masks = buffers.get(MASKS)
+        if masks is not None:
+            buffers = {n: v for n, v in buffers.items() if n != MASKS}
 
         def f(*args):
             out = functional_call(module, {**params, **buffers}, args)
@@ -435,10 +542,14 @@ class KernelPass:
                 raise TypeError(f"the layer returned a {type(out).__name__}; a layer must return one tensor")
             return out
 
-        return scheme(f, u, dt)
+        if masks is None:
+            return scheme(f, u, dt)
+        with DropoutMasks(masks):
+            return scheme(f, u, dt)
 
     def _call_layer(self, j: int, u, dt, params=None):
         p, b = self._detached(j) if params is None else (params, self.value(j)[1])
+        b = self._masked(j, b)
         with self._named(j):
             out = self._single(self.k.modules[j], p, b, u, dt)
             if not isinstance(out, torch.Tensor):
@@ -681,9 +792,10 @@ def _inplace_error() -> LayerError:
 
 def _random_error(c: LayerClass) -> LayerError:
     return LayerError(
-        f"layer {int(c.members[0])} ({type(c.template).__name__}) draws random numbers (for example "
-        "dropout in training mode). MGRIT evaluates every layer many times per pass, and each call would "
-        "draw a different mask; put the layer in eval mode (`.eval()`) or remove the randomness"
+        f"layer {int(c.members[0])} ({type(c.template).__name__}) draws random numbers other than through "
+        "dropout (torch.nn.functional.dropout / dropout1d-3d, which LayerParallel supports: their masks are "
+        "drawn once per pass). MGRIT evaluates every layer many times per pass, and each call would draw "
+        "again; draw such noise outside the layers, or put the layer in eval mode"
     )
 
 

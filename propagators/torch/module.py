@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
+import zlib
 import weakref
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import mgrit
 from mgrit.comm import MPIComm, Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
-from .kernel import LayerError, LayerKernel, _random_error
+from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -73,6 +76,33 @@ _STATEFUL = (nn.modules.batchnorm._BatchNorm,)
 _RANDOM = (nn.modules.dropout._DropoutNd,)
 
 
+@contextlib.contextmanager
+def _pass_modes(subs, modes, batch_stats, current: bool = False):
+    """The layers as they were at the forward pass: the training flags of ``subs`` as recorded in
+    ``modes`` (:func:`_modes`), and the BatchNorm modules ``batch_stats`` normalising with batch
+    statistics without updating their running ones (``current``: the modes are known to be current)."""
+    old = None
+    if not current and list(map(_TRAINING, subs)) != modes[0]:  # train() / eval() between forward and backward
+        old = [s.training for s in subs]
+        for s, t in zip(subs, modes[0]):
+            s.training = t
+    for b in batch_stats:
+        b.track_running_stats = False
+    try:
+        yield
+    finally:
+        for b in batch_stats:
+            b.track_running_stats = True
+        if old is not None:
+            for s, t in zip(subs, old):
+                s.training = t
+
+
+def _rng_digest(device) -> int:
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+    return zlib.crc32(state.cpu().numpy().tobytes())
+
+
 class _LayerParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, kp, anchor, x, *params):
@@ -94,7 +124,9 @@ class _LayerParallelFunction(torch.autograd.Function):
                         "(`lp.to_serial()` or `lp.serial(x)`)"
                     )
                 params = ctx.saved_tensors  # raises if a parameter was modified in place since forward
-            gx, grads = lp._adjoint(ctx.saved, gy, params)
+            kp = ctx.saved[0].kernel
+            with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
+                gx, grads = lp._adjoint(ctx.saved, gy, params)
         except BaseException as exc:
             lp._alarm(exc)
             raise
@@ -117,9 +149,25 @@ def _layout(m: nn.Module) -> tuple:
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
 
 
-def _modes(subs) -> list:
-    """Training flags and hook counts of the submodules (cheap; read at every forward pass)."""
-    return [s.training + 2 * (len(s._forward_hooks) + len(s._forward_pre_hooks)) for s in subs]
+_TRAINING = operator.attrgetter("training")
+_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
+_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
+
+
+def _modes(subs, prev: tuple | None = None) -> tuple:
+    """Training flags and forward (pre-)hook counts of the submodules, read at every forward pass.
+
+    ``(training flags, hook-handle counter, hook counts)``. Every hook registration takes a new id
+    from torch's handle counter, so the hook counts of ``prev`` are reused (not recounted) when
+    no hook was registered anywhere since: a C-level map over the flags remains (about 0.2 ms for
+    3,000 submodules).
+    """
+    hid = RemovableHandle.next_id
+    if prev is not None and prev[1] == hid:
+        hooks = prev[2]
+    else:
+        hooks = (list(map(len, map(_FORWARD_HOOKS, subs))), list(map(len, map(_PRE_HOOKS, subs))))
+    return list(map(_TRAINING, subs)), hid, hooks
 
 
 class LayerParallel(nn.Module):
@@ -133,9 +181,13 @@ class LayerParallel(nn.Module):
 
     Any layers work: layers proven interchangeable (same class, same
     non-tensor state, same parameter names and shapes, no hooks) are
-    evaluated batched; all others one by one. Layers must be deterministic and
-    must not change their buffers during the forward pass (dropout and
-    BatchNorm in training mode raise a :class:`LayerError` that says what to do).
+    evaluated batched; all others one by one. BatchNorm and dropout work in
+    training mode with the serial network's semantics (docs/norm_dropout.md):
+    each layer normalises with the batch statistics of its own input state and
+    its running statistics advance once per pass, from the returned trajectory;
+    each layer's dropout masks are drawn once per pass, in serial layer order,
+    and reused by every relaxation and by the adjoint. Other randomness and
+    other changes of buffers during the forward pass raise a :class:`LayerError`.
 
     Parameters
     ----------
@@ -185,6 +237,9 @@ class LayerParallel(nn.Module):
         :func:`allreduce_gradients` raise instead of hanging.
     callback : callable, optional
         Passed to the forward solve (called after every cycle).
+    spatial : SpatialCoarsening, optional
+        Coarse time levels work on coarser feature maps (conv ODE-nets,
+        docs/cnn_spatial.md); the layers themselves are unchanged.
 
     Examples
     --------
@@ -207,7 +262,7 @@ class LayerParallel(nn.Module):
                  bwd_tol: float | None = None, tol_type: str = "abs", skip: bool = True, warm_start: bool = False,
                  exact_eval: bool = True,
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
-                 comm=None, data_comm=None, callback=None):
+                 comm=None, data_comm=None, callback=None, spatial=None):
         super().__init__()
         factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
         if factory:
@@ -242,6 +297,7 @@ class LayerParallel(nn.Module):
         self.callback = callback
         self.t = np.arange(N + 1, dtype=np.float64) * self.h
         self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
+        self.spatial = self._checked_spatial(spatial)
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         P, r = self._comm.size, self._comm.rank
@@ -278,6 +334,7 @@ class LayerParallel(nn.Module):
         self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
                          if isinstance(s, _STATEFUL + _RANDOM)]
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
+        self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
 
     def refresh(self):
         """Re-inspect the layers: call after changing attributes or submodules of layers.
@@ -327,16 +384,82 @@ class LayerParallel(nn.Module):
     # -- checks ----------------------------------------------------------------
     def _check_layers(self):
         for j, s in self._special:
-            if not s.training:
-                continue
-            if isinstance(s, _STATEFUL) and s.track_running_stats:
+            if s.training and isinstance(s, nn.SyncBatchNorm):
                 raise LayerError(
-                    f"layer {j} contains {type(s).__name__} in training mode: it would update its running "
-                    "statistics on every one of the many evaluations MGRIT makes per pass. Put it in eval "
-                    "mode (`.eval()`), use track_running_stats=False, or a normalisation without running "
-                    "statistics (LayerNorm, GroupNorm)")
-            if isinstance(s, _RANDOM) and s.p > 0:
-                raise _random_error(self.kernel.classes[int(self.kernel.class_of[j])])
+                    f"layer {j} contains SyncBatchNorm in training mode: LayerParallel computes every layer's "
+                    "batch statistics itself (over this process's batch); use nn.BatchNorm1d/2d/3d")
+
+    def _batch_stat_layers(self) -> list:
+        """BatchNorm modules in training mode that track running statistics: during the solves they
+        normalise with the batch statistics of their input and leave the running ones alone."""
+        return [s for _, s in self._special if isinstance(s, _STATEFUL) and s.training and s.track_running_stats]
+
+    def _dropout_plan(self, kp, x):
+        """The dropout calls of every layer for inputs like ``x`` (collective on several ranks):
+        ``{layer: [(function name, input shape, p), ...]}`` for the layers that drop out.
+
+        Recorded again whenever the input's shape, the dropout rates or the layers' modes changed on
+        any rank; on several ranks the random states of all ranks must agree when there are masks.
+        """
+        key = (tuple(x.shape), x.dtype, str(x.device),
+               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)))
+        stale, digests = key != self._dropout_key, None
+        if self._comm.size > 1:
+            digests = self._comm.gather((self._comm.rank, stale, _rng_digest(x.device)), root=None)
+            stale = any(f for _, f, _ in digests)
+        if stale:
+            self._record_dropout(kp, x, key)
+        if self._dropout_calls and digests is not None and len({d for _, _, d in digests}) > 1:
+            raise ValueError(
+                "the layers use dropout, and the ranks of the layer communicator have different torch random "
+                f"states (rank, digest: {[(r, d) for r, _, d in digests]}): every rank draws the masks of all "
+                "layers, as the serial network would, so seed every rank alike (torch.manual_seed(s) on each) "
+                "and draw other random numbers equally on all of them")
+        return self._dropout_calls
+
+    def _record_dropout(self, kp, x, key):
+        dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
+        owned, mine = set(self.owned_layers), {}
+        for c in self.kernel.classes:
+            js = [int(j) for j in c.members if int(j) in owned]
+            if js:
+                calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
+                mine.update({j: calls for j in js if calls})
+        calls = mine
+        if self._comm.size > 1:
+            calls = {}
+            for part in self._comm.gather(mine, root=None):
+                calls.update(part)
+        self._dropout_key, self._dropout_calls = key, calls
+
+    def _draw_masks(self, kp, calls, x):
+        """Each layer's masks, drawn once per pass in serial layer order (every rank draws all,
+        keeping those of the layers it holds)."""
+        held, masks = kp.k.modules, {}
+        for j in sorted(calls):
+            m = draw_masks(calls[j], x.dtype, x.device)
+            if j in held:
+                masks[j] = m
+        kp.masks = masks or None
+
+    def _update_running_stats(self, kp, U, g0, x):
+        """One plain evaluation of every owned layer that holds BatchNorm, at its input state of the
+        returned trajectory: the running statistics advance once per pass, as in the serial network."""
+        dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
+        ids = {id(b) for b in kp.batch_stats}
+        for b in kp.batch_stats:
+            b.track_running_stats = True
+        try:
+            with torch.no_grad():
+                for j, m in self.layers.items():
+                    if not any(id(s) in ids for s in m.modules()):
+                        continue
+                    masks = kp.masks.get(j) if kp.masks else None
+                    with DropoutMasks(masks) if masks else contextlib.nullcontext():
+                        self.scheme(m, U[j - g0], dt)
+        finally:
+            for b in kp.batch_stats:
+                b.track_running_stats = False
 
     @staticmethod
     def _check_input(x):
@@ -349,8 +472,11 @@ class LayerParallel(nn.Module):
     # -- forward --------------------------------------------------------------
     def forward(self, x):
         try:
-            if _modes(self._subs) != self._modes:
+            modes = _modes(self._subs, self._modes)
+            if modes != self._modes:
                 self._build_kernel()  # train/eval or hooks changed for some layers: regroup them
+            else:
+                self._modes = modes  # the new hook-handle counter
             kp = self.kernel.bind()
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
@@ -390,12 +516,20 @@ class LayerParallel(nn.Module):
         return guess
 
     def _forward_solve(self, kp, x):
+        kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
+        with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
+            return self._forward_solve_in_modes(kp, x)
+
+    def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
         with self._session():  # every check that may fail on one rank only happens inside a session
             self._check_input(x)
             self._check_layers()
             if P > 1:
                 self._exchange_halo(kp)
+            calls = self._dropout_plan(kp, x)
+            if calls:
+                self._draw_masks(kp, calls, x)
             if not self._probed:
                 self._probe(kp, x)
         prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
@@ -406,19 +540,24 @@ class LayerParallel(nn.Module):
             if self.exact_eval and not self.training:  # inference: the serial network's output
                 res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
             else:
-                res = mgrit.solve(prop, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
+                res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
                                   tol_type=self.tol_type, max_iter=self.fwd_iters, skip=self.skip and guess is None,
                                   initial_guess=guess, comm=self._comm, callback=self.callback,
-                                  final_residual=True)
+                                  final_residual=True, spatial=transfers)
         self.last_forward = res
         U, g0 = res.u, self.lo
         if P == 1:
             self._check_side_effects(kp, versions, rng)
+            if kp.batch_stats:
+                self._update_running_stats(kp, U, g0, x)
             y = U[-1].clone()
         else:
             with self._comm.session():
                 self._check_side_effects(kp, versions, rng)
                 U, g0 = self._with_ghost(U)
+                if kp.batch_stats:
+                    self._update_running_stats(kp, U, g0, x)
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
         if self.warm_start:
@@ -444,9 +583,10 @@ class LayerParallel(nn.Module):
         if not torch.equal(rng[0], torch.random.get_rng_state()) or state[2] != rng[1][2] \
                 or not np.array_equal(state[1], rng[1][1]):
             raise LayerError(
-                "a layer drew random numbers during the forward pass (for example dropout in training "
-                "mode). MGRIT evaluates every layer many times per pass, each time with a different draw; "
-                "put such layers in eval mode or remove the randomness")
+                "a layer drew random numbers during the forward pass other than through dropout "
+                "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass). "
+                "MGRIT evaluates every layer many times per pass, each time with a different draw; draw such "
+                "noise outside the layers, or put the layers in eval mode")
 
     def _probe(self, kp, x):
         """Evaluate one layer of every class with autograd once, and reject layers that use
@@ -500,11 +640,12 @@ class LayerParallel(nn.Module):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
 
         adj = AdjointPropagator(prop, states, N)
+        adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         with torch.no_grad():
-            res = mgrit.solve(adj, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
+            res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
                               tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
-                              final_residual=True)
+                              final_residual=True, spatial=transfers)
         self.last_backward = res
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
         if P == 1:
@@ -567,6 +708,11 @@ class LayerParallel(nn.Module):
 
     # -- diagnostics ----------------------------------------------------------
     @property
+    def comm(self):
+        """The layer communicator (an :class:`mgrit.Communicator`; serial on one process)."""
+        return self._comm
+
+    @property
     def forward_residuals(self) -> list:
         """Residual history of the last forward solve."""
         return [] if self.last_forward is None else list(self.last_forward.residuals)
@@ -604,6 +750,40 @@ class LayerParallel(nn.Module):
         return (f"n_layers={self.n_layers}, T={self.T}, cf={o['cf']}, max_levels={o['max_levels']}, "
                 f"relax={o['relax']}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}, "
                 f"skip={self.skip}, ranks={self._comm.size}")
+
+    # -- spatial coarsening (propagators/torch/coarsening.py, docs/cnn_spatial.md) --------------
+    def _checked_spatial(self, spatial):
+        from .coarsening import SpatialCoarsening
+
+        if spatial is None:
+            return None
+        if not isinstance(spatial, SpatialCoarsening):
+            raise TypeError(f"`spatial` must be None or a propagators.torch.SpatialCoarsening, got "
+                            f"{type(spatial).__name__}")
+        spatial.check_relax(self.hierarchy)
+        return spatial
+
+    def _spatial_forward(self, prop, x):
+        """``(propagators, transfers)`` of the forward solve; the levels travel with ``prop`` to the adjoint."""
+        from .coarsening import CoarseLayers, spatial_levels
+
+        prop.spatial_levels = None
+        if self.spatial is None or len(self.hierarchy) < 2:
+            return prop, None
+        if getattr(self, "_coarse_layers", None) is None:
+            self._coarse_layers = CoarseLayers()  # copies of the coarse-level layers, kept between passes
+        with self._session():  # a layer that cannot be coarsened on one rank raises on every rank
+            levels = spatial_levels(self.spatial, self._coarse_layers, prop, self._held(), self.hierarchy,
+                                    self.n_layers, x, self.scheme, self.batched, self.streams)
+        prop.spatial_levels = levels
+        return levels.propagators, levels.transfers
+
+    def _spatial_adjoint(self, prop, adj, states):
+        """``(propagators, transfers)`` of the adjoint solve of the pass that made ``prop``."""
+        levels = getattr(prop, "spatial_levels", None)
+        if levels is None:
+            return adj, None
+        return levels.adjoint(adj, states, self.n_layers)
 
 
 def _foreign_leaves(out, allowed: set) -> list:

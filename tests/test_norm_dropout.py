@@ -1,0 +1,206 @@
+"""BatchNorm and dropout inside LayerParallel layers, against the plain serial network.
+
+Semantics (docs/norm_dropout.md):
+
+* BatchNorm in training mode normalises every layer with the batch statistics of
+  its own input states; its running statistics advance once per forward pass,
+  from the returned trajectory. At convergence output, every gradient and the
+  running statistics equal the serial network's.
+* Dropout draws each layer's masks once per forward pass, in serial layer order,
+  from the global generator; every relaxation, cycle and the adjoint reuse them.
+  ``torch.manual_seed(s); lp(x)`` equals ``torch.manual_seed(s); serial(x)`` and
+  leaves the generator in the same state.
+
+Every comparison is float64 at 1e-9 relative (converged solves).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from propagators.torch import LayerError, LayerParallel, ODENet, heun
+
+TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+REL = 1e-9
+
+
+def rel(a, b) -> float:
+    """Largest difference relative to the reference's largest entry, or absolute below 1
+    (the bias of a Linear before BatchNorm has an exactly zero gradient: rounding only)."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1.0))
+
+
+class FunctionalDropout(nn.Module):
+    """Calls F.dropout itself (no nn.Dropout submodule), twice, on different shapes."""
+
+    def __init__(self, width, p=0.25):
+        super().__init__()
+        self.up, self.down, self.p = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), p
+
+    def forward(self, u):
+        z = F.dropout(torch.tanh(self.up(u)), self.p, self.training)
+        return F.dropout(self.down(z), self.p / 2, training=self.training)
+
+
+def dense_bn(width=5):
+    return nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh())
+
+
+def dense_bn_dropout(width=5):
+    return nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Dropout(0.3))
+
+
+def conv_bn_dropout(ch=3):
+    return nn.Sequential(nn.Conv2d(ch, ch, 3, padding=1), nn.BatchNorm2d(ch), nn.Tanh(), nn.Dropout2d(0.25))
+
+
+def pair(make, n, *, T=1.0, scheme=None, **kw):
+    """A LayerParallel module and the serial network with the same initial weights."""
+    torch.manual_seed(11)
+    layers = [make() for _ in range(n)]
+    extra = {} if scheme is None else {"scheme": scheme}
+    serial = ODENet(copy.deepcopy(layers), T=T, **extra).double()
+    lp = LayerParallel(layers, T=T, cf=2, max_levels=3, **extra, **{**TIGHT, **kw}).double()
+    return lp, serial
+
+
+def one_step(model, x, seed):
+    """Forward with a seeded generator, backward of a fixed loss; (output, input gradient, state)."""
+    xg = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = model(xg)
+    rng = torch.random.get_rng_state()
+    (y.pow(2).sum() + y.sum()).backward()
+    return y.detach(), xg.grad, rng
+
+
+def assert_step_equal(lp, serial, x, seed):
+    y, gx, rng = one_step(lp, x, seed)
+    ys, gxs, rngs = one_step(serial, x, seed)
+    assert rel(y, ys) < REL
+    assert rel(gx, gxs) < REL
+    assert torch.equal(rng, rngs), "the forward pass must consume the generator exactly as the serial one"
+    for (n, p), (_, q) in zip(lp.named_parameters(), serial.named_parameters()):
+        assert rel(p.grad, q.grad) < REL, n
+    for (n, b), (_, c) in zip(lp.named_buffers(), serial.named_buffers()):
+        assert b.dtype == c.dtype and (torch.equal(b, c) if not b.is_floating_point() else rel(b, c) < REL), n
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("make, shape", [(dense_bn, (6, 5)), (dense_bn_dropout, (6, 5)),
+                                         (conv_bn_dropout, (4, 3, 5, 5))])
+def test_training_steps_equal_serial(make, shape, batched):
+    lp, serial = pair(make, 8, batched=batched)
+    opt, opt_s = torch.optim.SGD(lp.parameters(), lr=0.05), torch.optim.SGD(serial.parameters(), lr=0.05)
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(*shape, dtype=torch.float64)
+        for o in (opt, opt_s):
+            o.zero_grad()
+        assert_step_equal(lp, serial, x, seed=100 + step)
+        opt.step()
+        opt_s.step()
+    assert int(lp.layers[4][1].num_batches_tracked) == 3  # once per pass, not once per relaxation
+    lp.eval()
+    serial.eval()
+    x = torch.randn(*shape, dtype=torch.float64)
+    assert rel(lp(x), serial(x)) < REL  # inference with the running statistics
+
+
+def test_functional_dropout_with_two_calls_and_a_multi_stage_scheme():
+    # Heun evaluates each layer twice per step: four masks per layer, drawn in the serial order
+    lp, serial = pair(lambda: FunctionalDropout(4), 6, scheme=heun)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert_step_equal(lp, serial, x, seed=7)
+    masks = lp.kernel.bind()  # a new pass has no masks until its forward draws them
+    assert masks.masks is None
+
+
+def test_masks_are_drawn_once_per_pass_and_differ_between_layers():
+    lp, _ = pair(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), 6)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    kp = lp.kernel.bind()
+    calls = lp._dropout_plan(kp, x)
+    assert sorted(calls) == list(range(6)) and all(c == [("dropout", (8, 4), 0.5)] for c in calls.values())
+    torch.manual_seed(0)
+    lp._draw_masks(kp, calls, x)
+    m = [kp.masks[j][0] for j in range(6)]
+    assert all(not torch.equal(m[0], m[j]) for j in range(1, 6))
+    assert set(torch.unique(m[0]).tolist()) <= {0.0, 2.0}
+
+
+def test_inexact_training_solve_is_deterministic_under_a_seed():
+    # with 2/1 cycles the result is not the serial one, but every evaluation of a layer uses one mask
+    lp, _ = pair(dense_bn_dropout, 16, fwd_iters=2, bwd_iters=1, fwd_tol=None, bwd_tol=None)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    a, ga, _ = one_step(lp, x, 5)
+    b, gb, _ = one_step(lp, x, 5)
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+
+
+def test_backward_uses_the_modes_of_its_forward_pass():
+    lp, serial = pair(dense_bn_dropout, 8)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    y = lp(x)
+    lp.eval()  # switched before backward: the gradient is still the training-mode one
+    y.sum().backward()
+    torch.manual_seed(3)
+    xs = x.detach().clone().requires_grad_(True)
+    serial(xs).sum().backward()
+    assert rel(x.grad, xs.grad) < REL
+    assert not lp.training and all(not s.training for s in lp.modules())
+    assert all(m[1].track_running_stats for m in lp.layers)
+
+
+def test_no_grad_training_forward_updates_running_stats_once():
+    lp, serial = pair(dense_bn, 8)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    with torch.no_grad():
+        lp(x)
+        serial(x)
+    for b, c in zip(lp.buffers(), serial.buffers()):
+        assert torch.equal(b, c) if not b.is_floating_point() else rel(b, c) < REL
+
+
+def test_momentum_none_and_untracked_statistics():
+    for make in (lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Tanh()),
+                 lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Tanh())):
+        lp, serial = pair(make, 6)
+        for step in range(2):
+            assert_step_equal(lp, serial, torch.randn(5, 4, dtype=torch.float64), seed=step)
+
+
+def test_unsupported_randomness_is_a_clear_error():
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.AlphaDropout(0.2)) for _ in range(4)], cf=2)
+    with pytest.raises(LayerError, match="alpha dropout"):
+        lp(torch.randn(3, 4))
+
+    class Changing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.twice = nn.Linear(4, 4), False
+
+        def forward(self, u):
+            z = F.dropout(self.lin(u), 0.2, self.training)
+            return F.dropout(z, 0.2, self.training) if self.twice else z
+
+    lp = LayerParallel([Changing() for _ in range(6)], cf=2, batched=False)
+    x = torch.randn(3, 4)
+    lp(x)  # masks recorded: one dropout call per layer
+    lp.layers[2].twice = True  # an attribute changed without refresh(): more calls than masks
+    with pytest.raises(LayerError, match="calls dropout more often"):
+        lp(x)
+    lp.refresh()
+    lp(x)
+
+
+def test_sync_batch_norm_in_training_is_a_clear_error():
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)) for _ in range(4)], cf=2)
+    with pytest.raises(LayerError, match="SyncBatchNorm"):
+        lp(torch.randn(3, 4))
