@@ -19,6 +19,7 @@ from .data_parallel import allreduce_gradients
 from .gru import ParallelGRU
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
 from .module import LayerDict, LayerParallel, ODENet, serial_forward
+from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
 from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
 from .schemes import dt_aware, forward_euler, heun, inject_layer, rk4
@@ -31,4 +32,5 @@ __all__ = [
     "allreduce_gradients",
     "ParallelGRU",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
+    "MultiStage", "Stage", "residual_cnn", "load_digits_images",
 ]
