@@ -68,3 +68,20 @@ def test_vs_model_parallel_quick_run_prints_the_table():
     assert len(rows) == 4  # P 1 and 2, in the time table and in the error / memory table
     errors = [float(v) for v in rows[2][4::3]] + [float(v) for v in rows[3][4::3]]
     assert max(errors[0:3] + errors[4:7]) < 1e-5  # model parallel and both pipelines match serial autograd
+
+
+def test_cnn_spatial_quick_run_prints_the_table():
+    pytest.importorskip("torch")
+    out = run_benchmark("cnn_spatial.py", "--quick")
+    assert "setting" in out and "fwd it" in out and "P=8" in out, out
+
+
+@pytest.mark.parametrize("script, needle", [("transformer_digits.py", "serial"), ("multistage_digits.py", "serial"),
+                                            ("gru_timeseries.py", "nn.GRU"), ("adaptive_cycles.py", "adaptive")])
+def test_training_benchmarks_quick_runs_print_their_tables(script, needle):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    if script == "gru_timeseries.py":
+        pytest.importorskip("aeon")  # its data files ship inside aeon
+    out = run_benchmark(script, "--quick")
+    assert needle in out and "%" in out, out

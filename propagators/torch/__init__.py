@@ -11,7 +11,13 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.adjoint` -- :class:`AdjointPropagator` and the parameter VJPs;
 * :mod:`~propagators.torch.plan` -- :class:`DistributionPlan`: which layers a rank owns and needs;
 * :mod:`~propagators.torch.module` -- :class:`LayerParallel` (the ``nn.Module``), :class:`ODENet`;
-* :mod:`~propagators.torch.data_parallel` -- :func:`allreduce_gradients` over data ranks.
+* :mod:`~propagators.torch.data_parallel` -- :func:`allreduce_gradients` over data ranks;
+* :mod:`~propagators.torch.coarsening` -- :class:`SpatialCoarsening`: coarse levels on coarser feature maps;
+* :mod:`~propagators.torch.multistage` -- :class:`MultiStage`: stages separated by shape-changing layers;
+* :mod:`~propagators.torch.transformer` -- transformer blocks as ODE steps, :func:`make_vit`;
+* :mod:`~propagators.torch.switch` -- :class:`SerialSwitch`: gradient error against minibatch noise,
+  switching to serial or adapting the cycles;
+* :mod:`~propagators.torch.gru` -- :class:`ParallelGRU`: a GRU parallel over the sequence.
 """
 from .adjoint import AdjointPropagator, parameter_vjp
 from .coarsening import FeatureMapTransfer, SpatialCoarsening, galerkin_weight, rediscretized_weight
@@ -23,6 +29,8 @@ from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
 from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
 from .schemes import dt_aware, forward_euler, heun, inject_layer, rk4
+from .switch import SerialSwitch, Switchable
+from .transformer import AttentionLayer, MLPLayer, TransformerBlock, ViT, make_vit, transformer_layers
 
 __all__ = [
     "forward_euler", "heun", "rk4", "dt_aware", "inject_layer",
@@ -33,4 +41,6 @@ __all__ = [
     "ParallelGRU",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",
+    "AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "ViT", "make_vit",
+    "Switchable", "SerialSwitch",
 ]

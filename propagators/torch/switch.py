@@ -1,0 +1,362 @@
+"""Switching layer-parallel training to exact gradients when MGRIT's gradient error dominates.
+
+A few MGRIT cycles give a gradient with a systematic error (bias). Early in
+training it is small beside the sampling noise of the minibatch gradient and
+costs nothing; near a minimum it can dominate, and the optimizer then follows
+the bias instead of the data. :class:`SerialSwitch` measures both every few
+steps on the current minibatch and, when the bias dominates, switches the
+blocks to serial (exact) gradients or tightens the MGRIT solves. The rule and
+its rationale: docs/transformer.md.
+
+* :class:`Switchable` -- wraps a :class:`~propagators.torch.LayerParallel`;
+  ``mode`` "parallel" (MGRIT) or "serial" (exact: plain autograd through the
+  same layers on one rank, converged solves on several ranks). The
+  parameters are the same objects in both modes, so an optimizer keeps working.
+* :class:`SerialSwitch` -- the controller, called after ``loss.backward()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .module import LayerParallel
+
+MODES = ("parallel", "serial")
+
+
+class Switchable(nn.Module):
+    """A :class:`LayerParallel` that can run serially (exactly) with the same parameters.
+
+    ``mode="parallel"``: ``lp(x)`` (MGRIT forward and adjoint solves as configured).
+    ``mode="serial"``: on one rank ``lp.serial(x)`` (the layers in order, plain
+    autograd); on several ranks the LayerParallel solves run to convergence
+    (``exact_iterations`` cycles, the bound of docs/theory.md §5), which gives
+    the serial output and gradients across ranks.
+    """
+
+    def __init__(self, lp: LayerParallel):
+        super().__init__()
+        if not isinstance(lp, LayerParallel):
+            raise TypeError(f"Switchable wraps a LayerParallel module, got {type(lp).__name__}")
+        self.lp = lp
+        self._mode = "parallel"
+        self._saved: tuple | None = None
+
+    @property
+    def ranks(self) -> int:
+        return self.lp.comm.size
+
+    @property
+    def exact_iterations(self) -> int:
+        """Cycles after which a solve equals sequential stepping, whatever the residual
+        (F-relaxation moves the exact front one coarse point per cycle; one more for skip)."""
+        cf = int(self.lp.options["cf"])
+        return math.ceil(self.lp.n_layers / cf) + 2
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if mode == self._mode:
+            return
+        lp = self.lp
+        if self.ranks > 1:  # several ranks: "serial" is a converged solve
+            if mode == "serial":
+                self._saved = (lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type)
+                n = self.exact_iterations
+                lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol = n, n, None, None
+            else:
+                lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type = self._saved
+        self._mode = mode
+
+    @contextlib.contextmanager
+    def exact(self):
+        """Serial mode inside the block (forward *and* backward must run inside it)."""
+        old = self.mode
+        self.mode = "serial"
+        try:
+            yield self
+        finally:
+            self.mode = old
+
+    def forward(self, x):
+        if self._mode == "serial" and self.ranks == 1:
+            return self.lp.serial(x)
+        return self.lp(x)
+
+    def extra_repr(self) -> str:
+        return f"mode={self._mode!r}"
+
+
+@dataclass(frozen=True)
+class SwitchRule:
+    """When the gradient error dominates: the decision of :class:`SerialSwitch`.
+
+    Once ``window`` measurements exist (since the start or the last action),
+    the mean error of the last ``window`` measurements is compared with
+    ``ratio`` times their mean noise (``criterion="noise"``) or mean signal
+    (``criterion="signal"``), or with ``threshold`` when one is given; the rule
+    acts after ``patience`` consecutive measurements above the limit.
+    """
+
+    criterion: str = "noise"
+    ratio: float = 1.0
+    threshold: float | None = None
+    window: int = 3
+    patience: int = 1
+
+    def __post_init__(self):
+        if self.criterion not in ("signal", "noise"):
+            raise ValueError(f"`criterion` must be 'signal' or 'noise', got {self.criterion!r}")
+        for name in ("window", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {v!r}")
+        if not self.ratio >= 0:
+            raise ValueError(f"`ratio` must be >= 0, got {self.ratio!r}")
+
+    def over(self, records) -> bool:
+        """True when the mean of the last ``window`` of ``records`` (measurement dicts) is above
+        the limit; False while fewer than ``window`` measurements exist."""
+        recent = list(records)[-self.window:]
+        if len(recent) < self.window:
+            return False
+        err = sum(r["error"] for r in recent) / len(recent)
+        limit = sum(r[self.criterion] for r in recent) / len(recent)
+        return err > self.ratio * limit or (self.threshold is not None and err > self.threshold)
+
+    def under(self, records, fraction: float) -> bool:
+        """True when the mean error of the last ``window`` records is below ``fraction`` times the
+        limit (room to spend fewer cycles); False while fewer than ``window`` measurements exist."""
+        recent = list(records)[-self.window:]
+        if len(recent) < self.window:
+            return False
+        err = sum(r["error"] for r in recent) / len(recent)
+        limit = sum(r[self.criterion] for r in recent) / len(recent)
+        return err < fraction * self.ratio * limit
+
+    def first_trigger(self, history) -> int | None:
+        """The step at which this rule acts on a recorded history (e.g. of a run monitored
+        with ``ratio=inf``: the same run with this rule is identical up to that step), or None."""
+        strikes = 0
+        for i, rec in enumerate(history):
+            strikes = strikes + 1 if self.over(history[: i + 1]) else 0
+            if strikes >= self.patience:
+                return rec["step"]
+        return None
+
+
+class SerialSwitch:
+    """Measure the layer-parallel gradient error against the minibatch statistics; switch when it dominates.
+
+    Call :meth:`update` after ``loss.backward()`` and before ``optimizer.step()``.
+    Every ``every`` steps (from the first) it takes the layer-parallel gradient
+    ``g_lp`` left in ``.grad`` by your backward pass and, on the same batch of
+    ``n`` samples split into ``k = groups`` groups of ``n_i`` samples, computes
+    the exact gradient ``g_i`` of each group (the :class:`Switchable` blocks in
+    serial mode). Then, all relative to ``|g|``:
+
+    * exact batch gradient ``g = sum_i n_i g_i / n`` (the loss is a mean over samples);
+    * gradient error ``e = |g_lp - g| / |g|``;
+    * noise ``s = sqrt(sum_i n_i |g_i - g|^2 / ((k - 1) n)) / |g|``: the standard
+      deviation of the batch gradient around the full-data gradient (per-sample
+      variance estimated from the group means, divided by ``n``);
+    * signal ``q = sqrt(max(0, 1 - s^2))``: the norm of the full-data gradient,
+      estimated as ``|g|^2 - (s |g|)^2`` (the batch gradient's squared norm less its noise).
+
+    The error dominates (:class:`SwitchRule`) when, averaged over the last
+    ``window`` measurements, ``e > ratio * s`` (``criterion="noise"``, the
+    default: the bias is larger than the sampling error of the minibatch
+    gradient, so it is no longer hidden in the noise SGD tolerates anyway) or
+    ``e > ratio * q`` (``criterion="signal"``, stricter: the bias is larger than
+    the full-data gradient it perturbs, so the expected step need not descend),
+    or ``e > threshold`` when one is given. After ``patience`` consecutive such
+    measurements the action runs: ``"serial"`` puts every :class:`Switchable` of the model in
+    serial mode for the rest of training; ``"tighten"`` doubles ``fwd_iters``
+    and ``bwd_iters`` (at most ``Switchable.exact_iterations``, then serial).
+    ``"adapt"`` keeps the error between ``lower * ratio`` and ``ratio`` times the
+    noise: one more forward and adjoint cycle when it is above (serial at
+    ``Switchable.exact_iterations``), one fewer (not below ``min_iters``) when the
+    last ``window`` measurements are all comfortably below.
+    ``.grad`` is restored to ``g_lp`` afterwards, so the optimizer step is the
+    one the layer-parallel training would take. A measurement costs one exact
+    forward and backward pass over the batch (in ``k`` pieces). The rule and its
+    rationale: docs/transformer.md.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network; it must contain at least one :class:`Switchable`.
+    loss_fn : callable
+        ``loss_fn(model(x), target)``, a mean over the samples of the batch.
+    every : int
+        Measure every ``every`` calls of :meth:`update`.
+    criterion : {"noise", "signal"}
+        What the error is compared with.
+    ratio : float
+        Switch when the gradient error exceeds ``ratio`` times the noise (or signal).
+    threshold : float, optional
+        Also switch when the relative gradient error alone exceeds this.
+    window : int
+        Measurements averaged in each decision.
+    patience : int
+        Consecutive decisions above the limit needed to act.
+    groups : int
+        Groups the batch is split into for the noise estimate (``>= 2``).
+    action : {"serial", "tighten", "adapt"}
+    lower : float
+        With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise.
+    min_iters : int
+        With ``action="adapt"``: the fewest forward and adjoint cycles.
+
+    Attributes
+    ----------
+    history : list of dict
+        One record per measurement: ``step``, ``error``, ``noise``, ``signal``,
+        ``grad_norm``, ``mode``, ``fwd_iters``, ``bwd_iters``, ``triggered``.
+    switched_at : int or None
+        The step (1-based count of :meth:`update` calls) at which the blocks went serial.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn, *, every: int = 10, criterion: str = "noise",
+                 ratio: float = 1.0, threshold: float | None = None, window: int = 3, patience: int = 1,
+                 groups: int = 4, action: str = "serial", lower: float = 0.25, min_iters: int = 1):
+        self.switchables = [m for m in model.modules() if isinstance(m, Switchable)]
+        if not self.switchables:
+            raise ValueError("the model contains no Switchable: wrap its LayerParallel module, "
+                             "`Switchable(lp)`, and use that in the model (make_vit does)")
+        if action not in ("serial", "tighten", "adapt"):
+            raise ValueError(f"`action` must be 'serial', 'tighten' or 'adapt', got {action!r}")
+        if not 0 <= lower < 1:
+            raise ValueError(f"`lower` must be in [0, 1), got {lower!r}")
+        if isinstance(min_iters, bool) or not isinstance(min_iters, int) or min_iters < 1:
+            raise ValueError(f"`min_iters` must be an integer >= 1, got {min_iters!r}")
+        self.lower, self.min_iters = float(lower), min_iters
+        for name, v, lo in (("every", every, 1), ("groups", groups, 2)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"`{name}` must be an integer >= {lo}, got {v!r}")
+        self.rule = SwitchRule(criterion, float(ratio), threshold, window, patience)
+        self.model, self.loss_fn = model, loss_fn
+        self.every, self.groups, self.action = every, groups, action
+        self.steps = 0
+        self.strikes = 0
+        self._since = 0  # the window restarts after an action (the cycles changed)
+        self.history: list = []
+        self.switched_at: int | None = None
+        comms = {id(s.lp.comm): s.lp.comm for s in self.switchables}
+        if len(comms) > 1:
+            raise ValueError("the Switchable blocks of one model must share one layer communicator")
+        self._comm = next(iter(comms.values()))
+        self._distributed = {id(p) for s in self.switchables for p in s.lp.parameters()}
+
+    @property
+    def mode(self) -> str:
+        """"serial" once the switch happened, else "parallel"."""
+        return "serial" if all(s.mode == "serial" for s in self.switchables) else "parallel"
+
+    # -- measurement ---------------------------------------------------------
+    def _params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _grads(self, params):
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+
+    def _norm(self, params, vectors) -> float:
+        """Euclidean norm over the whole model: layer parameters are summed over the layer
+        ranks (each rank owns some), the others (replicated on every rank) counted once."""
+        dist = rep = 0.0
+        for p, v in zip(params, vectors):
+            s = float(v.double().pow(2).sum())
+            if id(p) in self._distributed:
+                dist += s
+            else:
+                rep += s
+        if self._comm.size > 1:
+            dist = self._comm.allreduce(dist)
+        return math.sqrt(dist + rep)
+
+    def measure(self, x, target) -> dict:
+        """Gradient error and noise on this batch (the gradients in ``.grad`` are those of
+        the layer-parallel pass on ``(x, target)``); ``.grad`` is left unchanged."""
+        n = len(x)
+        k = min(self.groups, n)
+        if k < 2:
+            raise ValueError("the noise estimate splits the batch into groups: use batches of >= 2 samples")
+        params = self._params()
+        g_lp = self._grads(params)
+        missing = [p.grad is None for p in params]
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        parts = []
+        with contextlib.ExitStack() as stack:
+            for s in self.switchables:
+                stack.enter_context(s.exact())
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                for p in params:
+                    p.grad = None
+                self.loss_fn(self.model(x[a:b]), target[a:b]).backward()
+                parts.append(self._grads(params))
+        g = [sum(m * part[q] for m, part in zip(sizes, parts)) / n for q in range(len(params))]
+        norm = self._norm(params, g)
+        err = self._norm(params, [a - b for a, b in zip(g_lp, g)])
+        # per-sample variance from the group means, then the variance of the batch mean
+        spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g)]) ** 2 for m, part in zip(sizes, parts))
+        noise = math.sqrt(spread / (k - 1) / n)
+        for p, v, none in zip(params, g_lp, missing):
+            p.grad = None if none else v
+        scale = norm if norm > 0 else 1.0
+        first = self.switchables[0].lp
+        s = noise / scale
+        return dict(step=self.steps, error=err / scale, noise=s, signal=math.sqrt(max(0.0, 1.0 - s * s)),
+                    grad_norm=norm, mode=self.mode, fwd_iters=first.fwd_iters, bwd_iters=first.bwd_iters)
+
+    # -- control -------------------------------------------------------------
+    def update(self, x, target) -> dict | None:
+        """Count a training step; every ``every`` steps measure and maybe act. Returns the
+        record of a measurement (also appended to ``history``), else None."""
+        self.steps += 1
+        if self.mode == "serial" or (self.steps - 1) % self.every:
+            return None
+        rec = self.measure(x, target)
+        self.history.append(rec)
+        self.strikes = self.strikes + 1 if self.rule.over(self.history[self._since:]) else 0
+        rec["triggered"] = self.strikes >= self.rule.patience
+        rec["lowered"] = False
+        if rec["triggered"]:
+            self.strikes = 0
+            self._since = len(self.history)
+            self._act()
+        elif self.action == "adapt" and self.rule.under(self.history[self._since:], self.lower):
+            rec["lowered"] = self._lower()
+            self._since = len(self.history)
+        return rec
+
+    def _lower(self) -> bool:
+        changed = False
+        for s in self.switchables:
+            f, b = max(s.lp.fwd_iters - 1, self.min_iters), max(s.lp.bwd_iters - 1, self.min_iters)
+            changed |= (f, b) != (s.lp.fwd_iters, s.lp.bwd_iters)
+            s.lp.fwd_iters, s.lp.bwd_iters = f, b
+        return changed
+
+    def _act(self) -> None:
+        if self.action in ("tighten", "adapt"):
+            done = True
+            for s in self.switchables:
+                cap = s.exact_iterations
+                s.lp.fwd_iters = min(2 * s.lp.fwd_iters if self.action == "tighten" else s.lp.fwd_iters + 1, cap)
+                s.lp.bwd_iters = min(2 * s.lp.bwd_iters if self.action == "tighten" else s.lp.bwd_iters + 1, cap)
+                done &= s.lp.fwd_iters >= cap and s.lp.bwd_iters >= cap
+            if not done:
+                return
+        for s in self.switchables:
+            s.mode = "serial"
+        self.switched_at = self.steps

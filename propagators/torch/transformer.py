@@ -1,0 +1,292 @@
+"""Transformer blocks as ODE steps, and a small vision transformer trained layer-parallel.
+
+A pre-norm transformer block updates the token states ``u`` (shape
+``(batch, tokens, dim)``) by
+
+    a = Attn(LN1(u));  u <- u + a;  u <- u + MLP(LN2(u))
+
+which is one step ``u <- u + h F(u)`` with ``h = 1`` and the right-hand side
+
+    F(u) = phi1(u) + phi2(u + phi1(u)),   phi1 = Attn o LN1,  phi2 = MLP o LN2
+
+(:class:`TransformerBlock`, ``form="sequential"``). With ``h = T / N < 1`` the
+same layers are forward Euler on the ODE ``u' = F(u)``, which is what
+:class:`~propagators.torch.LayerParallel` solves with MGRIT. Other
+arrangements are here too: ``form="parallel"`` (``F = phi1(u) + phi2(u)``,
+both sublayers read the same state) and the two half-steps as separate layers
+(:class:`AttentionLayer`, :class:`MLPLayer` alternating; :func:`transformer_layers`
+with ``form="halves"``). docs/transformer.md compares them; in short, one
+layer per block keeps attention and MLP together in every coarse step, while
+alternating half-step layers lose the MLP on coarse levels with an even
+coarsening factor (parameter injection picks the first layer of each coarse
+interval, always an attention layer).
+
+Every layer is written with plain tensor operations (matrix products,
+softmax, LayerNorm) and works with ``torch.func.functional_call`` and
+``torch.func.vmap``, so a class of blocks is evaluated batched over the
+intervals of an MGRIT sweep (:mod:`propagators.torch.kernel`).
+
+:func:`make_vit` builds the vision transformer of the digits demos:
+patch embedding -> ``LayerParallel`` blocks (wrapped in
+:class:`~propagators.torch.switch.Switchable`, so that training can move to
+serial gradients, docs/transformer.md) -> LayerNorm -> pooling -> linear head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .module import LayerParallel, ODENet
+from .switch import SerialSwitch, Switchable
+
+__all__ = ["AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "PatchEmbedding",
+           "ClassifierHead", "ViT", "make_vit", "Switchable", "SerialSwitch"]
+
+FORMS = ("sequential", "parallel", "halves")
+
+
+def _check_dims(dim: int, heads: int) -> None:
+    if dim < 1 or heads < 1 or dim % heads:
+        raise ValueError(f"`dim` ({dim}) must be a positive multiple of `heads` ({heads})")
+
+
+class AttentionLayer(nn.Module):
+    """Pre-norm multi-head self-attention ``Attn(LN(u))`` (the residual branch only).
+
+    Parameters
+    ----------
+    dim, heads : int
+        Token width and number of heads (``dim % heads == 0``).
+    causal : bool
+        Token ``i`` attends to tokens ``<= i`` only (decoder-style mask).
+    dropout : float
+        Dropout on the attention weights and the output (default 0). In
+        ``LayerParallel`` every mask is drawn once per pass, in serial layer
+        order (docs/norm_dropout.md), so training matches the serial network.
+    bias : bool
+        Biases of the query/key/value and output projections.
+
+    The state has shape ``(..., tokens, dim)``; the output has the same shape.
+    """
+
+    def __init__(self, dim: int, heads: int, causal: bool = False, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        _check_dims(dim, heads)
+        self.dim, self.heads, self.causal = int(dim), int(heads), bool(causal)
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.attn_drop = nn.Dropout(dropout)
+        self.out_drop = nn.Dropout(dropout)
+
+    @staticmethod
+    def _drop(drop: nn.Dropout, x):
+        return x if drop.p == 0 else drop(x)  # no random draw at all without dropout
+
+    def forward(self, u):
+        n_tok, d, H = u.shape[-2], self.dim, self.heads
+        lead = u.shape[:-2]
+        q, k, v = self.qkv(self.norm(u)).chunk(3, dim=-1)
+
+        def heads(z):  # (..., tokens, dim) -> (..., heads, tokens, dim / heads)
+            return z.reshape(*lead, n_tok, H, d // H).transpose(-2, -3)
+
+        q, k, v = heads(q), heads(k), heads(v)
+        scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(d // H))
+        if self.causal:
+            mask = torch.ones(n_tok, n_tok, dtype=torch.bool, device=u.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        weights = self._drop(self.attn_drop, torch.softmax(scores, dim=-1))
+        out = (weights @ v).transpose(-2, -3).reshape(*lead, n_tok, d)
+        return self._drop(self.out_drop, self.proj(out))
+
+
+class MLPLayer(nn.Module):
+    """Pre-norm MLP ``W2 gelu(W1 LN(u))`` (the residual branch only)."""
+
+    def __init__(self, dim: int, hidden: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        hidden = 4 * dim if hidden is None else int(hidden)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, u):
+        z = self.fc2(F.gelu(self.fc1(self.norm(u))))
+        return z if self.drop.p == 0 else self.drop(z)
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm transformer block as the right-hand side ``F`` of one layer.
+
+    ``form="sequential"``: ``F(u) = a + MLP(LN2(u + a))`` with ``a = Attn(LN1(u))``,
+    so that ``u + F(u)`` is exactly the standard pre-norm block (attention,
+    residual add, MLP, residual add) and ``u + h F(u)`` its ODE step.
+    ``form="parallel"``: ``F(u) = Attn(LN1(u)) + MLP(LN2(u))`` (both branches
+    read ``u``, as in GPT-J / PaLM blocks).
+    """
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0, form: str = "sequential",
+                 causal: bool = False, dropout: float = 0.0):
+        super().__init__()
+        if form not in ("sequential", "parallel"):
+            raise ValueError(f"`form` must be 'sequential' or 'parallel' for one block, got {form!r} "
+                             "(two half-step layers per block: transformer_layers(..., form='halves'))")
+        self.form = form
+        self.attn = AttentionLayer(dim, heads, causal=causal, dropout=dropout)
+        self.mlp = MLPLayer(dim, int(round(mlp_ratio * dim)), dropout=dropout)
+
+    def forward(self, u):
+        a = self.attn(u)
+        return a + self.mlp(u + a if self.form == "sequential" else u)
+
+
+def transformer_layers(n_blocks: int, dim: int, heads: int, mlp_ratio: float = 4.0, form: str = "sequential",
+                       causal: bool = False, dropout: float = 0.0) -> list:
+    """The layer modules of ``n_blocks`` blocks: ``n_blocks`` :class:`TransformerBlock`
+    (``form`` "sequential" or "parallel"), or ``2 n_blocks`` alternating
+    :class:`AttentionLayer`, :class:`MLPLayer` (``form="halves"``)."""
+    if form not in FORMS:
+        raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
+    if form == "halves":
+        out = []
+        for _ in range(n_blocks):
+            out += [AttentionLayer(dim, heads, causal=causal, dropout=dropout),
+                    MLPLayer(dim, int(round(mlp_ratio * dim)), dropout=dropout)]
+        return out
+    return [TransformerBlock(dim, heads, mlp_ratio, form=form, causal=causal, dropout=dropout)
+            for _ in range(n_blocks)]
+
+
+class PatchEmbedding(nn.Module):
+    """Flat square images ``(batch, side * side)`` -> tokens ``(batch, tokens, dim)``.
+
+    The image is cut into ``patch x patch`` patches (row by row), each mapped
+    linearly to ``dim``, plus a learned position embedding; with ``cls_token``
+    a learned class token is prepended.
+    """
+
+    def __init__(self, side: int, patch: int, dim: int, channels: int = 1, cls_token: bool = True):
+        super().__init__()
+        if side % patch:
+            raise ValueError(f"the patch size {patch} must divide the image side {side}")
+        self.side, self.patch, self.channels = int(side), int(patch), int(channels)
+        self.n_patches = (side // patch) ** 2
+        self.proj = nn.Linear(channels * patch * patch, dim)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim)) if cls_token else None
+        n_tok = self.n_patches + (1 if cls_token else 0)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, n_tok, dim))
+
+    def forward(self, x):
+        B, s, p, c = x.shape[0], self.side, self.patch, self.channels
+        img = x.reshape(B, c, s // p, p, s // p, p)
+        patches = img.permute(0, 2, 4, 1, 3, 5).reshape(B, self.n_patches, c * p * p)
+        tok = self.proj(patches)
+        if self.cls is not None:
+            tok = torch.cat([self.cls.expand(B, -1, -1), tok], dim=1)
+        return tok + self.pos
+
+
+class ClassifierHead(nn.Module):
+    """LayerNorm, then the class token (``pool="cls"``) or the token mean (``"mean"``), then a linear map."""
+
+    def __init__(self, dim: int, classes: int, pool: str = "cls"):
+        super().__init__()
+        if pool not in ("cls", "mean"):
+            raise ValueError(f"`pool` must be 'cls' or 'mean', got {pool!r}")
+        self.pool = pool
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, classes)
+
+    def forward(self, u):
+        z = self.norm(u)
+        return self.fc(z[:, 0] if self.pool == "cls" else z.mean(dim=1))
+
+
+class ViT(nn.Module):
+    """``close(blocks(open(x)))``: patch embedding, transformer blocks, classifier head.
+
+    ``blocks`` is a :class:`~propagators.torch.switch.Switchable` around a
+    :class:`~propagators.torch.LayerParallel` (``vit.lp``) or, for a network
+    built with ``parallel=False``, the serial :class:`~propagators.torch.ODENet`.
+    """
+
+    def __init__(self, open: nn.Module, blocks: nn.Module, close: nn.Module):
+        super().__init__()
+        self.open, self.blocks, self.close = open, blocks, close
+
+    @property
+    def lp(self) -> LayerParallel | None:
+        return self.blocks.lp if isinstance(self.blocks, Switchable) else None
+
+    def forward(self, x):
+        return self.close(self.blocks(self.open(x)))
+
+
+def make_vit(n_blocks: int = 8, dim: int = 32, heads: int = 4, *, side: int = 8, patch: int = 4,
+             channels: int = 1, classes: int = 10, mlp_ratio: float = 2.0, form: str = "sequential",
+             pool: str = "cls", causal: bool = False, dropout: float = 0.0, T: float | None = 1.0,
+             init: str = "repeat", parallel: bool = True, seed: int | None = None, **lp_options) -> ViT:
+    """A small vision transformer whose blocks are one :class:`LayerParallel` module.
+
+    Parameters
+    ----------
+    n_blocks, dim, heads, mlp_ratio, form, causal, dropout
+        The blocks (:func:`transformer_layers`); ``form="halves"`` gives
+        ``2 n_blocks`` layers.
+    side, patch, channels, classes, pool
+        Images of ``side x side`` pixels (flat input ``(batch, channels * side**2)``),
+        ``patch x patch`` patches as tokens, the head's classes and pooling
+        (``"cls"``: a class token; ``"mean"``: the token mean).
+    T : float or None
+        Final time; the layer step is ``h = T / n_layers``. Default 1: the
+        residual branches scaled by ``1 / n_layers``, on which MGRIT's coarse
+        steps are more accurate; None: ``T = n_layers``, ``h = 1``, the
+        standard transformer (docs/transformer.md §1).
+    parallel : bool
+        True: ``LayerParallel`` blocks in a :class:`Switchable`; False: the
+        serial ``ODENet`` of the same layers.
+    init : {"repeat", "independent"}
+        ``"repeat"``: every layer starts with the weights of the first (of its
+        kind), a right-hand side that is constant in layer-time, on which the
+        coarse levels of MGRIT are accurate; ``"independent"``: PyTorch's
+        default initialisation of each layer (docs/transformer.md compares them).
+    seed : int, optional
+        ``torch.manual_seed(seed)`` before building: two calls with the same
+        seed build the same weights, whatever ``parallel`` and ``lp_options``.
+    **lp_options
+        Passed to :class:`LayerParallel` (``cf``, ``max_levels``, ``fwd_iters``,
+        ``bwd_iters``, ``fwd_tol``, ``comm``, ...).
+
+    Examples
+    --------
+    >>> import torch
+    >>> vit = make_vit(4, 8, 2, seed=0, cf=2)     # 8 x 8 images, 4 x 4 patches: 4 tokens + a class token
+    >>> vit(torch.randn(3, 64)).shape
+    torch.Size([3, 10])
+    >>> vit.blocks.mode = "serial"               # the same parameters, plain autograd through the blocks
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    open_ = PatchEmbedding(side, patch, dim, channels, cls_token=pool == "cls")
+    layers = transformer_layers(n_blocks, dim, heads, mlp_ratio, form=form, causal=causal, dropout=dropout)
+    if init == "repeat":
+        period = 2 if form == "halves" else 1
+        with torch.no_grad():
+            for j in range(period, len(layers)):
+                layers[j].load_state_dict(layers[j % period].state_dict())
+    elif init != "independent":
+        raise ValueError(f"`init` must be 'repeat' or 'independent', got {init!r}")
+    close = ClassifierHead(dim, classes, pool)
+    T = float(len(layers)) if T is None else float(T)
+    if parallel:
+        blocks: nn.Module = Switchable(LayerParallel(layers, T=T, **lp_options))
+    else:
+        if lp_options:
+            raise TypeError(f"LayerParallel options {sorted(lp_options)} were given with parallel=False")
+        blocks = ODENet(layers, T=T)
+    return ViT(open_, blocks, close)

@@ -1,0 +1,159 @@
+"""Transformer blocks and the ViT layer-parallel on several ranks (run under mpiexec).
+
+Usage: mpiexec -n P python transformer_ranks.py
+Checks on every rank, float64, against the serial network with the same
+initial weights built on every rank (plain autograd), 1e-9 relative:
+
+* causal transformer blocks: output, input gradient, and the gradients of
+  every layer gathered on rank 0;
+* the ViT (embedding, blocks, head): logits and every gradient (the blocks'
+  gathered on rank 0), also after Adam steps;
+* ``Switchable`` in serial mode on several ranks (converged solves, from
+  inexact 1 / 1 cycle settings) equals serial autograd;
+* ``SerialSwitch.measure``: the gradient norm and noise summed over the ranks
+  equal the single-process values, and the error of a converged gradient is 0.
+
+Prints "rank r OK" on success and exits 1 with a message otherwise.
+"""
+import copy
+import math
+import sys
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from propagators.torch import LayerParallel
+from propagators.torch.switch import SerialSwitch
+from propagators.torch.transformer import make_vit, transformer_layers
+
+torch.set_default_dtype(torch.float64)
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
+REL = 1e-9
+
+
+def fail(msg):
+    print(f"rank {rank} FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def rel(a, b) -> float:
+    return float((a - b).detach().abs().max()) / max(1.0, float(b.detach().abs().max()))
+
+
+def check(name, a, b):
+    err = rel(a, b)
+    if not err < REL:
+        fail(f"{name}: relative difference {err:.3e} >= {REL:.0e}")
+
+
+def gathered(lp):
+    """{layer: [grads]} of every layer, on rank 0 (None elsewhere)."""
+    mine = {j: [p.grad.clone() for p in lp.layers[j].parameters()] for j in lp.owned_layers}
+    parts = world.gather(mine, root=0)
+    if parts is None:
+        return None
+    every = {j: g for part in parts for j, g in part.items()}
+    if sorted(every) != list(range(lp.n_layers)):
+        fail(f"the ranks own layers {sorted(every)}, not each of {lp.n_layers} once")
+    return every
+
+
+def blocks_equal_serial():
+    torch.manual_seed(1)
+    layers = transformer_layers(6, 8, 2, mlp_ratio=1.0, causal=True)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.5, cf=2, max_levels=3, comm=world, **TIGHT)
+    ref = copy.deepcopy(layers)
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 8)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = lp(xp)
+    ((y**2).sum() + y.sum()).backward()
+    u, h = xs, 1.5 / len(ref)
+    for f in ref:
+        u = u + h * f(u)
+    ((u**2).sum() + u.sum()).backward()
+    check("blocks: output", y.detach(), u.detach())
+    check("blocks: input gradient", xp.grad, xs.grad)
+    every = gathered(lp)
+    if every is not None:
+        for j, gs in every.items():
+            for g, p in zip(gs, ref[j].parameters()):
+                check(f"blocks: gathered gradient of layer {j}", g, p.grad)
+
+
+def vit_equals_serial():
+    kw = dict(n_blocks=6, dim=8, heads=2, patch=4, T=2.0, init="independent")
+    par = make_vit(seed=3, cf=2, max_levels=2, comm=world, **kw, **TIGHT)
+    ser = make_vit(seed=3, parallel=False, **kw)
+    opt, opt_ref = torch.optim.Adam(par.parameters(), lr=1e-2), torch.optim.Adam(ser.parameters(), lr=1e-2)
+    torch.manual_seed(4)
+    X, Y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    for step in range(2):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        out = par(X)
+        nn.functional.cross_entropy(out, Y).backward()
+        ref = ser(X)
+        nn.functional.cross_entropy(ref, Y).backward()
+        check(f"vit: logits (step {step})", out.detach(), ref.detach())
+        for mod, mref in ((par.open, ser.open), (par.close, ser.close)):
+            for p, q in zip(mod.parameters(), mref.parameters()):
+                check(f"vit: embedding / head gradient (step {step})", p.grad, q.grad)
+        every = gathered(par.lp)
+        if every is not None:
+            for j, gs in every.items():
+                for g, p in zip(gs, ser.blocks.layers[j].parameters()):
+                    check(f"vit: gathered gradient of layer {j} (step {step})", g, p.grad)
+        opt.step()
+        opt_ref.step()
+
+
+def serial_mode_and_measure():
+    kw = dict(n_blocks=6, dim=8, heads=2, patch=4, T=2.0, init="independent")
+    par = make_vit(seed=5, cf=2, max_levels=2, comm=world, fwd_iters=1, bwd_iters=1, **kw)
+    ser = make_vit(seed=5, parallel=False, **kw)
+    torch.manual_seed(6)
+    X, Y = torch.randn(10, 64), torch.randint(0, 10, (10,))
+    par.blocks.mode = "serial"  # several ranks: converged solves
+    out = par(X)
+    nn.functional.cross_entropy(out, Y).backward()
+    nn.functional.cross_entropy(ser(X), Y).backward()
+    check("serial mode: logits", out.detach(), ser(X).detach())
+    for p, q in zip(par.close.parameters(), ser.close.parameters()):
+        check("serial mode: head gradient", p.grad, q.grad)
+    for j in par.lp.owned_layers:
+        for p, q in zip(par.lp.layers[j].parameters(), ser.blocks.layers[j].parameters()):
+            check(f"serial mode: gradient of layer {j}", p.grad, q.grad)
+    par.blocks.mode = "parallel"
+    if (par.lp.fwd_iters, par.lp.bwd_iters, par.lp.fwd_tol) != (1, 1, None):
+        fail("leaving serial mode did not restore the cycle settings")
+    # the switch's estimates, summed over the ranks, equal the one-process values
+    ctl = SerialSwitch(par, nn.functional.cross_entropy, groups=2)
+    par.zero_grad()
+    par.blocks.mode = "serial"
+    nn.functional.cross_entropy(par(X), Y).backward()  # the exact gradient as "layer-parallel" gradient
+    par.blocks.mode = "parallel"
+    rec = ctl.measure(X, Y)
+    gs = []
+    for sl in (slice(0, 5), slice(5, 10)):
+        ps = list(ser.parameters())
+        gs.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            nn.functional.cross_entropy(ser(X[sl]), Y[sl]), ps)]))
+    g = (gs[0] + gs[1]) / 2
+    noise = math.sqrt(5 * 5) / 10 * float((gs[0] - gs[1]).norm()) / float(g.norm())
+    if abs(rec["grad_norm"] - float(g.norm())) > REL * float(g.norm()):
+        fail(f"switch: gradient norm {rec['grad_norm']} != serial {float(g.norm())}")
+    if abs(rec["noise"] - noise) > REL * noise:
+        fail(f"switch: noise {rec['noise']} != serial {noise}")
+    if not rec["error"] < REL:
+        fail(f"switch: error of the exact gradient is {rec['error']:.3e}, not 0")
+
+
+blocks_equal_serial()
+vit_equals_serial()
+serial_mode_and_measure()
+world.Barrier()
+print(f"rank {rank} OK", flush=True)
