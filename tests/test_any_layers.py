@@ -547,3 +547,25 @@ def test_relative_tolerances_stop_each_solve_relative_to_its_first_residual():
         assert hist[-1] <= 1e-6 * hist[0] < hist[-2]
     with pytest.raises(ValueError, match="tol_type"):
         LayerParallel(layers, tol_type="relative")
+
+
+def test_a_solve_without_progress_warns_and_a_converging_one_does_not():
+    import warnings
+
+    from propagators.torch import ConvergenceWarning
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Tanh()) for _ in range(16)]
+    for m in layers:
+        with torch.no_grad():
+            m[0].weight.mul_(3.0)  # strong layers over T = 16: two cycles do not reduce the residual
+    lp = LayerParallel(layers, T=16.0, cf=4, max_levels=3)
+    x = torch.randn(2, 4, 8, 8)
+    with pytest.warns(ConvergenceWarning, match="forward MGRIT solve made no progress"):
+        lp(x)
+    assert lp.forward_residual >= next(r for r in lp.forward_residuals if r is not None)
+    calm = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], cf=4, max_levels=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        calm(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert calm.forward_residual < next(r for r in calm.forward_residuals if r is not None)

@@ -5,8 +5,11 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 RUNNABLE = [b for b in BLOCKS if "..." not in b and "MPI" not in b]  # skip templates and MPI snippets
+DOC_BLOCKS = [(p.name, k, b) for p in DOCS for k, b in enumerate(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))
+              if "..." not in b and "MPI" not in b and "mpiexec" not in b]
 
 
 @pytest.mark.parametrize("k", range(len(RUNNABLE)))
@@ -18,6 +21,19 @@ def test_readme_block_runs(k, capsys):
         assert namespace["res"].converged and namespace["res"].iterations == 4
     if "block" in namespace:  # the training quick start: residuals are reported
         assert len(namespace["block"].forward_residuals) == 2
+
+
+@pytest.mark.parametrize("name, k, block", DOC_BLOCKS, ids=[f"{n}-{k}" for n, k, _ in DOC_BLOCKS])
+def test_docs_examples_run(name, k, block):
+    """Every complete Python example in docs/*.md runs as printed."""
+    pytest.importorskip("torch")
+    import torch
+
+    old = torch.get_default_dtype()
+    try:
+        exec(compile(block, f"docs/{name} block {k}", "exec"), {"__name__": "__docs__"})
+    finally:
+        torch.set_default_dtype(old)
 
 
 def test_readme_has_quick_starts():

@@ -24,7 +24,7 @@ from .coarsening import FeatureMapTransfer, SpatialCoarsening, galerkin_weight, 
 from .data_parallel import allreduce_gradients
 from .gru import ParallelGRU
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
-from .module import LayerDict, LayerParallel, ODENet, serial_forward
+from .module import ConvergenceWarning, LayerDict, LayerParallel, ODENet, serial_forward
 from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
 from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
@@ -36,7 +36,7 @@ __all__ = [
     "forward_euler", "heun", "rk4", "dt_aware", "inject_layer",
     "LayerKernel", "KernelPass", "LayerError", "DenseRHS", "layer_signature",
     "ODEPropagator", "LayerStack", "AdjointPropagator", "parameter_vjp",
-    "DistributionPlan", "LayerParallel", "LayerDict", "ODENet", "serial_forward",
+    "DistributionPlan", "LayerParallel", "LayerDict", "ConvergenceWarning", "ODENet", "serial_forward",
     "allreduce_gradients",
     "ParallelGRU",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",

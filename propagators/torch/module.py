@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import zlib
+import warnings
 import weakref
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -546,6 +547,7 @@ class LayerParallel(nn.Module):
                                   initial_guess=guess, comm=self._comm, callback=self.callback,
                                   final_residual=True, spatial=transfers)
         self.last_forward = res
+        _warn_without_progress(res, "forward", "fwd_iters")
         U, g0 = res.u, self.lo
         if P == 1:
             self._check_side_effects(kp, versions, rng)
@@ -647,6 +649,7 @@ class LayerParallel(nn.Module):
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res
+        _warn_without_progress(res, "adjoint", "bwd_iters")
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
         if P == 1:
             return W[0].reshape(xshape), self._parameter_gradients(prop, U, g0, W, params)
@@ -784,6 +787,24 @@ class LayerParallel(nn.Module):
         if levels is None:
             return adj, None
         return levels.adjoint(adj, states, self.n_layers)
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """A layer-parallel solve made no progress: its returned residual is not below its first."""
+
+
+def _warn_without_progress(res, which: str, iters: str) -> None:
+    """Warn when the residual of the returned trajectory is not below the first residual measured
+    (a diverging or stalling solve: its gradients are not worth much)."""
+    first = next((r for r in res.residuals if r is not None), None)
+    last = res.final_residual
+    if first is None or last is None or not first > 0 or last < first:
+        return
+    warnings.warn(
+        f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "
+        f"{res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "
+        f"`{iters}`, set a tolerance, use relax='FCF' or fewer levels (mgrit.choose_settings picks them), "
+        "or let propagators.torch.SerialSwitch manage the cycles", ConvergenceWarning, stacklevel=4)
 
 
 def _foreign_leaves(out, allowed: set) -> list:
