@@ -15,31 +15,16 @@ Checks on every rank, against the serial network built from the same weights
 Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
 import copy
-import sys
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
+from checks import TIGHT, check, fail, rank, size, world
 from propagators.torch import LayerParallel, ODENet
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
-TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)
-REL = 1e-9
 
 
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
-
-
-def check(name, a, b):
-    a, b = a.detach(), b.detach()
-    err = float((a - b).abs().max() / max(float(b.abs().max()), 1.0))
-    if not err < REL:
-        fail(f"{name}: relative difference {err:.3e} >= {REL:.0e}")
 
 
 NETWORKS = {

@@ -19,31 +19,17 @@ Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
 import copy
 import io
-import sys
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
-from layer_zoo import Conv, Scaled, loss_fn, rel
+from checks import TIGHT, check, fail, rank, size, world
+from layer_zoo import Conv, Scaled, loss_fn
 from propagators.torch import LayerParallel, ODENet
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
-TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)
-REL = 1e-9
 
 
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
-
-
-def check(name, a, b):
-    err = rel(a, b)
-    if not err < REL:
-        fail(f"{name}: relative difference {err:.3e} >= {REL:.0e}")
 
 
 NETWORKS = {

@@ -17,36 +17,20 @@ Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
 import copy
 import math
-import sys
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
+from checks import REL, check, fail, rank, world
 from propagators.torch import LayerParallel
 from propagators.torch.switch import SerialSwitch
 from propagators.torch.transformer import make_vit, transformer_layers
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
-REL = 1e-9
 
 
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
 
-
-def rel(a, b) -> float:
-    return float((a - b).detach().abs().max()) / max(1.0, float(b.detach().abs().max()))
-
-
-def check(name, a, b):
-    err = rel(a, b)
-    if not err < REL:
-        fail(f"{name}: relative difference {err:.3e} >= {REL:.0e}")
 
 
 def gathered(lp):

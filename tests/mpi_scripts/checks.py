@@ -1,0 +1,24 @@
+"""What the MPI test scripts share: the world communicator, a failure line, and the comparison
+with serial autograd (largest difference relative to ``max(1, max |reference|)``, below 1e-9)."""
+import sys
+
+from mpi4py import MPI
+
+from layer_zoo import rel  # noqa: F401 - part of this module's interface
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+REL = 1e-9
+TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)  # converged solves
+
+
+def fail(msg):
+    """Print the failure on this rank and exit 1 (mpiexec then ends every rank)."""
+    print(f"rank {rank} FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(name, a, b, tol=REL):
+    err = rel(a, b)
+    if not err < tol:
+        fail(f"{name}: relative difference {err:.3e} >= {tol:.0e}")
