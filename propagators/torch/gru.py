@@ -30,6 +30,7 @@ import mgrit
 from mgrit.comm import Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
+from .module import _free_quietly
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -648,17 +649,3 @@ class ParallelGRU(nn.Module):
         if self._comm.size > 1:
             s += f", ranks={self._comm.size}"
         return s
-
-
-def _free_quietly(comm) -> None:
-    from mgrit.comm import MPIComm
-
-    if not isinstance(comm, MPIComm):
-        return
-    from mpi4py import MPI
-
-    if not MPI.Is_finalized():
-        try:
-            comm.free()
-        except Exception:  # noqa: BLE001 - at interpreter exit, or in the middle of a failed session
-            pass
