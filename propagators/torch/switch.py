@@ -185,7 +185,9 @@ class SerialSwitch:
     ``"adapt"`` keeps the error between ``lower * ratio`` and ``ratio`` times the
     noise: one more forward and adjoint cycle when it is above (serial at
     ``Switchable.exact_iterations``), one fewer (not below ``min_iters``) when the
-    last ``window`` measurements are all comfortably below.
+    last ``window`` measurements are all comfortably below, but not within ``hold``
+    measurements of a raise (so that it does not drop straight back to a count
+    that just failed).
     ``.grad`` is restored to ``g_lp`` afterwards, so the optimizer step is the
     one the layer-parallel training would take. A measurement costs one exact
     forward and backward pass over the batch (in ``k`` pieces). The rule and its
@@ -216,6 +218,8 @@ class SerialSwitch:
         With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise.
     min_iters : int
         With ``action="adapt"``: the fewest forward and adjoint cycles.
+    hold : int
+        With ``action="adapt"``: measurements after a raise during which no cycle is dropped.
 
     Attributes
     ----------
@@ -228,7 +232,8 @@ class SerialSwitch:
 
     def __init__(self, model: nn.Module, loss_fn, *, every: int = 10, criterion: str = "noise",
                  ratio: float = 1.0, threshold: float | None = None, window: int = 3, patience: int = 1,
-                 groups: int = 4, action: str = "serial", lower: float = 0.25, min_iters: int = 1):
+                 groups: int = 4, action: str = "serial", lower: float = 0.25, min_iters: int = 1,
+                 hold: int = 5):
         self.switchables = [m for m in model.modules() if isinstance(m, Switchable)]
         if not self.switchables:
             raise ValueError("the model contains no Switchable: wrap its LayerParallel module, "
@@ -239,7 +244,10 @@ class SerialSwitch:
             raise ValueError(f"`lower` must be in [0, 1), got {lower!r}")
         if isinstance(min_iters, bool) or not isinstance(min_iters, int) or min_iters < 1:
             raise ValueError(f"`min_iters` must be an integer >= 1, got {min_iters!r}")
-        self.lower, self.min_iters = float(lower), min_iters
+        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
+            raise ValueError(f"`hold` must be an integer >= 0, got {hold!r}")
+        self.lower, self.min_iters, self.hold = float(lower), min_iters, hold
+        self._raised_at = None  # index in history of the last raise
         for name, v, lo in (("every", every, 1), ("groups", groups, 2)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"`{name}` must be an integer >= {lo}, got {v!r}")
@@ -333,8 +341,10 @@ class SerialSwitch:
         if rec["triggered"]:
             self.strikes = 0
             self._since = len(self.history)
+            self._raised_at = len(self.history)
             self._act()
-        elif self.action == "adapt" and self.rule.under(self.history[self._since:], self.lower):
+        elif self.action == "adapt" and self.rule.under(self.history[self._since:], self.lower) and (
+                self._raised_at is None or len(self.history) - self._raised_at >= self.hold):
             rec["lowered"] = self._lower()
             self._since = len(self.history)
         return rec

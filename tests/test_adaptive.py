@@ -1,0 +1,69 @@
+"""Adaptive cycles (``SerialSwitch(action="adapt")``) keep the gradient error at its target.
+
+The error the controller acts on is checked against an independent autograd
+computation (the serial network's gradient of the same batch), and on a fixed
+problem the controller settles on a cycle count whose error is within the target
+and stays there.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from propagators.torch import LayerParallel, ODENet
+from propagators.torch.switch import SerialSwitch, Switchable
+
+
+def network(n_layers=32, width=6, seed=0):
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)]
+    lp = LayerParallel(blocks, T=3.0, cf=2, max_levels=4, fwd_iters=1, bwd_iters=1, relax="F")
+    model = nn.Sequential(nn.Linear(4, width), Switchable(lp), nn.Linear(width, 3)).double()
+    return model
+
+
+def flat_grad(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_adaptive_cycles_settle_within_the_gradient_error_target():
+    model = network()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (48,), generator=gen)
+    loss_fn = nn.functional.cross_entropy
+    # the exact gradient, independently: the same layers applied in order with plain autograd
+    serial = nn.Sequential(copy.deepcopy(model[0]), ODENet(copy.deepcopy(list(model[1].lp.layers)), T=3.0),
+                           copy.deepcopy(model[2]))
+    loss_fn(serial(x), y).backward()
+    g_exact = flat_grad(serial)
+    ratio = 0.05
+    ctl = SerialSwitch(model, loss_fn, every=1, ratio=ratio, window=1, action="adapt", hold=100)
+    cap = model[1].exact_iterations
+    records = []
+    for _ in range(14):  # the same batch and weights every step: the error depends on the cycles only
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+        g_lp = flat_grad(model)
+        cycles = (model[1].lp.fwd_iters, model[1].lp.bwd_iters)
+        rec = ctl.update(x, y)
+        if rec is None:  # serial mode: nothing left to measure
+            break
+        independent = float((g_lp - g_exact).norm() / g_exact.norm())
+        assert math.isclose(rec["error"], independent, rel_tol=1e-8), (rec["error"], independent)
+        records.append((cycles, rec))
+    assert records, "the controller measured nothing"
+    above = [c for c, r in records if r["error"] > ratio * r["noise"]]
+    within = [c for c, r in records if r["error"] <= ratio * r["noise"]]
+    assert above and within, "the test needs a start above the target and a setting within it"
+    settled = within[0]
+    assert settled[0] < cap, "the target is reached before the exact (serial) cycle count"
+    first = next(i for i, (c, _) in enumerate(records) if c == settled)
+    for c, r in records[first:]:  # settled: the same cycles, within the target, no further change
+        assert c == settled and r["error"] <= ratio * r["noise"] and not r["triggered"]
+    for (c0, r0), (c1, _) in zip(records, records[1:]):  # every measurement above the target raised the cycles
+        if r0["error"] > ratio * r0["noise"]:
+            assert c1 == (c0[0] + 1, c0[1] + 1)
