@@ -67,3 +67,25 @@ def test_adaptive_cycles_settle_within_the_gradient_error_target():
     for (c0, r0), (c1, _) in zip(records, records[1:]):  # every measurement above the target raised the cycles
         if r0["error"] > ratio * r0["noise"]:
             assert c1 == (c0[0] + 1, c0[1] + 1)
+
+
+def test_measuring_leaves_no_trace_and_a_converged_batch_norm_gradient_has_no_error():
+    torch.manual_seed(2)
+    width = 5
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Dropout(0.2))
+              for _ in range(8)]
+    lp = LayerParallel(blocks, cf=2, max_levels=3, fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+    model = nn.Sequential(nn.Linear(4, width), Switchable(lp), nn.Linear(width, 3)).double()
+    for m in model.modules():  # the masks are the exact passes' own: measure the BatchNorm part
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    lp.refresh()
+    x = torch.randn(16, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    rec = SerialSwitch(model, nn.functional.cross_entropy, every=1, ratio=float("inf")).measure(x, y)
+    assert rec["error"] < 1e-9  # the converged layer-parallel gradient is the full-batch BatchNorm gradient
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert torch.equal(rng, torch.random.get_rng_state())

@@ -204,3 +204,13 @@ def test_sync_batch_norm_in_training_is_a_clear_error():
     lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)) for _ in range(4)], cf=2)
     with pytest.raises(LayerError, match="SyncBatchNorm"):
         lp(torch.randn(3, 4))
+
+
+def test_other_running_statistics_and_shape_changes_name_the_fix():
+    lp = LayerParallel([nn.Sequential(nn.Conv1d(3, 3, 3, padding=1), nn.InstanceNorm1d(3, track_running_stats=True))
+                        for _ in range(4)], cf=2)
+    with pytest.raises(LayerError, match="InstanceNorm1d tracks running statistics.*track_running_stats=False"):
+        lp(torch.randn(2, 3, 8))
+    lp = LayerParallel([nn.Linear(4, 5) for _ in range(4)], cf=2)
+    with pytest.raises(LayerError, match="must keep the shape of the state.*MultiStage"):
+        lp(torch.randn(2, 4))

@@ -30,7 +30,7 @@ import mgrit
 from mgrit.comm import Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
-from .module import _free_quietly
+from .module import _free_quietly, _warn_without_progress
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -503,6 +503,7 @@ class ParallelGRU(nn.Module):
         res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
                           comm=self._comm, final_residual=True)
         self.last_forward[l] = res
+        _warn_without_progress(res, f"forward (GRU layer {l})", "fwd_iters")
         U, g0 = res.u, lay.lo
         if P == 1:
             out = U[1:].clone() if want_seq else x.new_zeros(0)
@@ -561,6 +562,7 @@ class ParallelGRU(nn.Module):
                               initial_guess=0.0, comm=self._adj_comm,
                               partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
         self.last_backward[l] = res
+        _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
         lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
         gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
         if P == 1:

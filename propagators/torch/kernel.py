@@ -569,6 +569,9 @@ class KernelPass:
         except Exception as exc:
             m = self.k.modules[j]
             hint = ""
+            if "must match the size of tensor" in str(exc):
+                hint = (" (a layer must keep the shape of the state; change shapes between layer-parallel "
+                        "stages, e.g. with propagators.torch.MultiStage)")
             if "in-place" in str(exc) or "inplace" in str(exc):
                 hint = (" (a layer must not modify its input in place, e.g. with nn.ReLU(inplace=True) "
                         "as its first operation)")

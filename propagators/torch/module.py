@@ -406,7 +406,12 @@ class LayerParallel(nn.Module):
                tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)))
         stale, digests = key != self._dropout_key, None
         if self._comm.size > 1:
-            digests = self._comm.gather((self._comm.rank, stale, _rng_digest(x.device)), root=None)
+            parts = self._comm.gather((self._comm.rank, stale, _rng_digest(x.device), key[:2]), root=None)
+            shapes = {r: k for r, _, _, k in parts}
+            if len(set(shapes.values())) > 1:
+                raise ValueError(f"the ranks of the layer communicator pass inputs of different shapes or dtypes "
+                                 f"(rank: (shape, dtype) {shapes}); every rank must pass the same input")
+            digests = [(r, f, d) for r, f, d, _ in parts]
             stale = any(f for _, f, _ in digests)
         if stale:
             self._record_dropout(kp, x, key)
@@ -547,7 +552,6 @@ class LayerParallel(nn.Module):
                                   initial_guess=guess, comm=self._comm, callback=self.callback,
                                   final_residual=True, spatial=transfers)
         self.last_forward = res
-        _warn_without_progress(res, "forward", "fwd_iters")
         U, g0 = res.u, self.lo
         if P == 1:
             self._check_side_effects(kp, versions, rng)
@@ -562,6 +566,7 @@ class LayerParallel(nn.Module):
                     self._update_running_stats(kp, U, g0, x)
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
+        _warn_without_progress(res, "forward", "fwd_iters")  # after the checks: an error comes first
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -577,16 +582,22 @@ class LayerParallel(nn.Module):
             k = next(i for i, (a, b, c, d) in enumerate(zip(now, versions, kp.buffers, current))
                      if a != b or c is not d)
             j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
+            name, owner, _ = kp.k.slots[j][1][k - kp.k._span[j][2]]
+            hint = (f" ({type(owner).__name__} tracks running statistics in training mode: construct it with "
+                    "track_running_stats=False; BatchNorm is handled, other running statistics are not)"
+                    if getattr(owner, "track_running_stats", False) else "")
             raise LayerError(
-                f"layer {j} changed its buffers during the forward pass "
-                "(for example a running statistic). MGRIT evaluates every layer many times per pass; put "
-                "such layers in eval mode or make them pure functions of their input")
+                f"layer {j} changed its buffer `{name}` during the forward pass{hint}. MGRIT evaluates every "
+                "layer many times per pass; put such layers in eval mode or make them pure functions of "
+                "their input")
         state = np.random.get_state()
         if not torch.equal(rng[0], torch.random.get_rng_state()) or state[2] != rng[1][2] \
                 or not np.array_equal(state[1], rng[1][1]):
             raise LayerError(
                 "a layer drew random numbers during the forward pass other than through dropout "
-                "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass). "
+                "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass), "
+                "or made dropout calls that were not recorded for it (dropout calls must not depend on the "
+                "layer's input; after changing a layer's attributes call lp.refresh()). "
                 "MGRIT evaluates every layer many times per pass, each time with a different draw; draw such "
                 "noise outside the layers, or put the layers in eval mode")
 

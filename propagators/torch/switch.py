@@ -190,8 +190,12 @@ class SerialSwitch:
     that just failed).
     ``.grad`` is restored to ``g_lp`` afterwards, so the optimizer step is the
     one the layer-parallel training would take. A measurement costs one exact
-    forward and backward pass over the batch (in ``k`` pieces). The rule and its
-    rationale: docs/transformer.md.
+    forward and backward pass over the batch (in ``k`` pieces; one more over the
+    whole batch when the model has BatchNorm in training mode, whose statistics
+    couple the samples). It leaves no trace on training: buffers (running
+    statistics) and the random state are restored. With dropout the exact passes
+    draw their own masks, so the measured error also contains the difference of
+    masks. The rule and its rationale: docs/transformer.md.
 
     Parameters
     ----------
@@ -304,15 +308,35 @@ class SerialSwitch:
         bounds = [round(i * n / k) for i in range(k + 1)]
         sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         parts = []
-        with contextlib.ExitStack() as stack:
-            for s in self.switchables:
-                stack.enter_context(s.exact())
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                for p in params:
-                    p.grad = None
-                self.loss_fn(self.model(x[a:b]), target[a:b]).backward()
-                parts.append(self._grads(params))
-        g = [sum(m * part[q] for m, part in zip(sizes, parts)) / n for q in range(len(params))]
+        # no side effects on training: buffers (BatchNorm's running statistics) and the random state
+        # (the next dropout masks) are as they were before the measurement
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        batch_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules())
+        try:
+            with contextlib.ExitStack() as stack:
+                for s in self.switchables:
+                    stack.enter_context(s.exact())
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    for p in params:
+                        p.grad = None
+                    self.loss_fn(self.model(x[a:b]), target[a:b]).backward()
+                    parts.append(self._grads(params))
+                if batch_stats:  # statistics of the whole batch: the group gradients do not sum to it
+                    for p in params:
+                        p.grad = None
+                    self.loss_fn(self.model(x), target).backward()
+                    full = self._grads(params)
+        finally:
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        g = full if batch_stats else [sum(m * part[q] for m, part in zip(sizes, parts)) / n
+                                      for q in range(len(params))]
         norm = self._norm(params, g)
         err = self._norm(params, [a - b for a, b in zip(g_lp, g)])
         # per-sample variance from the group means, then the variance of the batch mean
