@@ -569,3 +569,33 @@ def test_a_solve_without_progress_warns_and_a_converging_one_does_not():
         warnings.simplefilter("error", ConvergenceWarning)
         calm(torch.randn(3, 4, requires_grad=True)).sum().backward()
     assert calm.forward_residual < next(r for r in calm.forward_residuals if r is not None)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(5, 5), lambda: nn.Sequential(nn.Linear(5, 5), nn.Tanh()),
+                                  lambda: nn.Sequential(nn.Linear(5, 5), nn.Sigmoid()),
+                                  lambda: nn.Sequential(nn.Linear(5, 5), nn.ReLU()),
+                                  lambda: nn.Sequential(nn.Linear(5, 5, bias=False), nn.Identity())])
+def test_closed_form_dense_vjps_equal_autograd(make):
+    """The forward-Euler state VJP of dense layers in closed form equals autograd's."""
+    from propagators.torch.kernel import DenseRHS
+
+    torch.manual_seed(7)
+    layers = [make().double() for _ in range(3)]
+    dense = DenseRHS.of(layers[0])
+    assert dense is not None and dense.derivative is not None
+    names = [n for n, _ in layers[0].named_parameters()]
+    params = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in layers]) for n in names}
+    U = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    V = torch.randn(3, 4, 5, dtype=torch.float64)
+    dt = torch.tensor([0.1, 0.25, 0.5], dtype=torch.float64)
+    ref = torch.autograd.grad(U + dt.reshape(3, 1, 1) * dense(params, U), U, V)[0]
+    assert rel(dense.euler_vjp(params, U.detach(), V, dt), ref) < 1e-13
+    leaves = {n: v.clone().requires_grad_(True) for n, v in params.items()}
+    refs = torch.autograd.grad(U.detach() + dt.reshape(3, 1, 1) * dense(leaves, U.detach()), list(leaves.values()), V)
+    got = dense.euler_param_vjp(params, U.detach(), V, dt)
+    for (n, _), r in zip(leaves.items(), refs):
+        assert rel(got[n], r) < 1e-13, n
+    single = {n: v[1] for n, v in params.items()}
+    u = U[1].detach().requires_grad_(True)
+    ref1 = torch.autograd.grad(u + 0.25 * dense.single(single, u), u, V[1])[0]
+    assert rel(dense.euler_vjp_single(single, u.detach(), V[1], 0.25), ref1) < 1e-13

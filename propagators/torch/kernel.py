@@ -42,6 +42,8 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
+from .schemes import forward_euler
+
 # attributes of nn.Module that are registries, not configuration
 _REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -123,14 +125,49 @@ class DenseRHS:
     kernel launches.
     """
 
-    def __init__(self, weight: str, bias: str | None, activation=None):
+    def __init__(self, weight: str, bias: str | None, activation=None, derivative=None):
         self.weight, self.bias, self.activation = weight, bias, activation
+        #: ``act'(z)`` for activations whose derivative is known in closed form (tanh, ReLU, sigmoid,
+        #: none); None: the vector-Jacobian products go through autograd
+        self.derivative = derivative if activation is not None else _ones_like
 
     @classmethod
     def of(cls, module: nn.Module):
         if type(module) is nn.Linear:
             return cls("weight", "bias" if module.bias is not None else None)
         return _trace_dense(module)
+
+    def _z(self, params, U):
+        W = params[self.weight]  # (n, out, in)
+        n = U.shape[0]
+        X = U.reshape(n, -1, U.shape[-1])
+        if self.bias is None:
+            return torch.bmm(X, W.transpose(1, 2))
+        return torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
+
+    def euler_vjp(self, params, U, V, dt):
+        """``V + dt W^T (act'(z) * V)`` for every interval: the state VJP of a forward Euler step
+        ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``."""
+        Z = self._z(params, U)
+        n = U.shape[0]
+        G = V.reshape(Z.shape) * self.derivative(Z) * dt.reshape(n, 1, 1)
+        return V + torch.bmm(G, params[self.weight]).reshape(U.shape)
+
+    def euler_param_vjp(self, params, U, W, dt) -> dict:
+        """Weight and bias gradients of a forward Euler step for every interval, in closed form:
+        ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows."""
+        Z = self._z(params, U)
+        n = U.shape[0]
+        G = W.reshape(Z.shape) * self.derivative(Z) * dt.reshape(n, 1, 1)
+        out = {self.weight: torch.bmm(G.transpose(1, 2), U.reshape(n, -1, U.shape[-1]))}
+        if self.bias is not None:
+            out[self.bias] = G.sum(1)
+        return out
+
+    def euler_vjp_single(self, params, u, v, dt):
+        """:meth:`euler_vjp` for one layer (unstacked ``params``) and one state."""
+        z = F.linear(u, params[self.weight], params.get(self.bias) if self.bias is not None else None)
+        return v + (v * self.derivative(z) * dt) @ params[self.weight]
 
     def single(self, params, u, *extra):
         """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
@@ -151,6 +188,65 @@ class DenseRHS:
             Z = torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
         Z = Z.reshape(tuple(U.shape[:-1]) + (W.shape[1],))
         return Z if self.activation is None else self.activation(Z)
+
+
+def _ones_like(z):
+    return torch.ones((), dtype=z.dtype, device=z.device)
+
+
+def _tanh_derivative(z):
+    a = torch.tanh(z)
+    return 1.0 - a * a
+
+
+def _sigmoid_derivative(z):
+    s = torch.sigmoid(z)
+    return s * (1.0 - s)
+
+
+def _relu_derivative(z):
+    return (z > 0).to(z.dtype)
+
+
+#: closed-form derivatives of the single activations that are recognised (module types, functions,
+#: method names)
+_DERIVATIVES = {nn.Tanh: _tanh_derivative, torch.tanh: _tanh_derivative, F.tanh: _tanh_derivative,
+                "tanh": _tanh_derivative, nn.Sigmoid: _sigmoid_derivative, torch.sigmoid: _sigmoid_derivative,
+                F.sigmoid: _sigmoid_derivative, "sigmoid": _sigmoid_derivative, nn.ReLU: _relu_derivative,
+                torch.relu: _relu_derivative, F.relu: _relu_derivative, "relu": _relu_derivative}
+
+
+#: activation modules without settings, and the functions they call
+_PLAIN = {nn.Tanh: torch.tanh, nn.Sigmoid: torch.sigmoid, nn.ReLU: torch.relu}
+
+
+class _Call:
+    """An element-wise call ``f(z, *consts, **kw)`` (function or method name) found in a traced graph."""
+
+    def __init__(self, target, consts=(), kw=None, method=False):
+        self.target, self.consts, self.kw, self.method = target, tuple(consts), dict(kw or {}), method
+
+    def __call__(self, z):
+        if self.method:
+            return getattr(z, self.target)(*self.consts, **self.kw)
+        return self.target(z, *self.consts, **self.kw)
+
+
+def _derivative(ops):
+    """The closed-form derivative of a single plain activation, else None."""
+    if len(ops) != 1:
+        return None
+    op = ops[0]
+    if isinstance(op, nn.Module):
+        if type(op) is nn.ReLU and op.inplace:
+            return None
+        return _DERIVATIVES.get(type(op))
+    if isinstance(op, _Call) and not op.consts and not op.kw:
+        try:
+            return _DERIVATIVES.get(op.target)
+        except TypeError:  # unhashable target
+            return None
+    return None
 
 
 def _trace_dense(module: nn.Module):
@@ -202,13 +298,15 @@ def _trace_dense(module: nn.Module):
         return None
     if not ops:
         return DenseRHS(weight, bias)
+    if len(ops) == 1 and isinstance(ops[0], nn.Module) and type(ops[0]) is nn.Identity:
+        return DenseRHS(weight, bias)
 
     def activation(z):
         for op in ops:
             z = op(z)
         return z
 
-    return DenseRHS(weight, bias, activation)
+    return DenseRHS(weight, bias, activation, _derivative(ops))
 
 
 def _elementwise(node, prev, subs):
@@ -216,6 +314,9 @@ def _elementwise(node, prev, subs):
     if node.op == "call_module":
         m = subs.get(node.target)
         if type(m) in _ELEMENTWISE and node.args == (prev,) and not node.kwargs:
+            plain = _PLAIN.get(type(m))
+            if plain is not None and not getattr(m, "inplace", False):
+                return _Call(plain)  # the function itself: no module call per evaluation
             return m
         return None
     consts = [a for a in node.args if a is not prev]
@@ -225,9 +326,9 @@ def _elementwise(node, prev, subs):
         return None
     kw = dict(node.kwargs)
     if node.op == "call_function" and node.target in _ACTIVATION_FUNCTIONS:
-        return lambda z, f=node.target, c=tuple(consts), kw=kw: f(z, *c, **kw)
+        return _Call(node.target, consts, kw)
     if node.op == "call_method" and node.target in _ACTIVATION_METHODS:
-        return lambda z, name=node.target, c=tuple(consts), kw=kw: getattr(z, name)(*c, **kw)
+        return _Call(node.target, consts, kw, method=True)
     if node.op == "call_function" and node.target in _SCALAR_OPS and len(consts) == 1 \
             and isinstance(consts[0], (int, float)) and not kw:
         c = consts[0]
@@ -243,6 +344,7 @@ _DROPOUTS = {"dropout": F.dropout, "dropout1d": F.dropout1d, "dropout2d": F.drop
              "dropout3d": F.dropout3d}
 _DROPOUT_NAMES = {f: n for n, f in _DROPOUTS.items()}
 _ALPHA = (F.alpha_dropout, F.feature_alpha_dropout)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 #: key under which a layer's masks travel with its buffers through vmap
 MASKS = "\0masks"
 
@@ -603,6 +705,8 @@ class KernelPass:
         c = self.k.classes[int(self.k.class_of[j])]
         if c.mode == "dense":
             p = self._detached(j)[0]
+            if self.k.scheme is forward_euler and c.dense.derivative is not None:
+                return c.dense.euler_vjp_single(p, u, v, dt)
             try:
                 with torch.enable_grad():
                     ua = u.detach().requires_grad_(True)
@@ -681,6 +785,8 @@ class KernelPass:
 
             return self._loop(idx, one)
         p, b = self._gather(cid, idx, U.device)
+        if c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None:
+            return c.dense.euler_vjp(p, U, V, dt)
         if c.mode == "dense":
             def run():
                 with torch.enable_grad():
@@ -725,7 +831,7 @@ class KernelPass:
     def requires_grad(self) -> np.ndarray:
         """``requires_grad`` of every parameter of the pass (flat, as ``self.params``)."""
         if self._req is None:
-            self._req = np.fromiter((p.requires_grad for p in self.params), dtype=bool, count=len(self.params))
+            self._req = np.fromiter(map(_REQUIRES_GRAD, self.params), dtype=bool, count=len(self.params))
         return self._req
 
     def _vjp_params_class(self, cid, idx, U, W, dt):
@@ -742,7 +848,10 @@ class KernelPass:
                 gs += [one[n] for n in c.param_names]
             return ps, gs
         p, b = self._gather(cid, idx, U.device)
-        if c.mode == "dense":
+        if c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None:
+            G = c.dense.euler_param_vjp(p, U, W, dt)
+            G = {n: G.get(n) for n in need}
+        elif c.mode == "dense":
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}
             with torch.enable_grad():
                 out = self.dense_step(c, req, U.detach(), dt)
