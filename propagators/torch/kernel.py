@@ -580,8 +580,9 @@ class KernelPass:
             spans = [self.k._span[int(j)] for j in c.members]
             P, B = self.params, self.buffers
             try:
-                hit = ({n: torch.stack([P[sp[0] + q].detach() for sp in spans]) for q, n in enumerate(c.param_names)},
-                       {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
+                with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
+                    hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
+                           {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
             except RuntimeError as exc:
                 raise LayerError(
                     f"the parameters of layers {c.members.tolist()} no longer have equal shapes, dtypes "

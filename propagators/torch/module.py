@@ -676,13 +676,16 @@ class LayerParallel(nn.Module):
             return [None] * len(params)
         with torch.no_grad():
             positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo])
-        total: dict = {}
         flat = prop.kernel.params
-        for i, g in zip(positions, grads):
-            if g is not None:
-                key = id(flat[i])
-                total[key] = g if key not in total else total[key] + g
-        return [total.get(id(p)) for p in params]
+        ids = list(map(id, map(flat.__getitem__, positions)))
+        if len(set(ids)) == len(ids):  # every gradient belongs to its own parameter (C-level maps)
+            total = dict(zip(ids, grads))
+        else:  # shared parameters or repeated layers: sum the entries of each
+            total = {}
+            for key, g in zip(ids, grads):
+                if g is not None:
+                    total[key] = g if total.get(key) is None else total[key] + g
+        return list(map(total.get, map(id, params)))
 
     # -- checkpoints ----------------------------------------------------------
     def to_serial(self, root: int = 0):
