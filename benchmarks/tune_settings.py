@@ -6,9 +6,14 @@ chosen settings and for the solver's defaults (cf 2, up to 30 levels, FCF):
 
 * the predicted residual reduction factor per cycle (``bound`` or ``estimate``,
   docs/tuning.md §4; the defaults' prediction comes from ``mgrit.tune.predict_options``);
+* the expected factor: the prediction of the measured factor, from the solve
+  simulated on an affine model of the problem (``Settings.expected_factor``,
+  docs/tuning.md §7; ``*`` where its last residual is at the rounding level);
 * the measured factor: the average reduction per cycle of the level-0 residual,
-  ``(r_last / r_first)^(1 / (k - 1))``, solving to ``tol=1e-8, tol_type="rel"``;
-* predicted and measured cycles;
+  ``(r_last / r_first)^(1 / (k - 1))`` over the ``k`` cycles that measured one
+  (``mgrit.tune.average_factor``), solving to ``tol=1e-8, tol_type="rel"``,
+  and the ratio measured / expected;
+* predicted (bound), expected (simulated) and measured cycles;
 * the time to that tolerance (median of interleaved repetitions: chosen,
   default, chosen, default, ...) and sequential stepping's time.
 
@@ -37,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mgrit  # noqa: E402
-from mgrit.tune import predict_options  # noqa: E402
+from mgrit.tune import average_factor, predict_options  # noqa: E402
 from propagators import AdvectionDiffusion1D, Heat1D, VanDerPol  # noqa: E402
 
 
@@ -106,9 +111,10 @@ def solve(prop, u0, t, opts):
 
 
 def measured_factor(r) -> float:
-    if len(r) < 2 or r[0] == 0:
+    """``(r_last / r_first)^(1 / (k - 1))`` over the ``k`` measured residuals (``mgrit.tune.average_factor``)."""
+    if len(r) < 2:
         return float("nan")
-    return (r[-1] / r[0]) ** (1.0 / (len(r) - 1))
+    return average_factor(r)
 
 
 def sequential_seconds(prop, u0, t, repeat):
@@ -128,6 +134,22 @@ def fmt_pred(s) -> str:
     return f"{c.factor:.2e} ({'bound' if s.bound else 'est.'})"
 
 
+def fmt_expected(s) -> str:
+    c = s.choice
+    if c.expected is None:
+        return "-"
+    if not np.isfinite(c.expected):
+        return "diverges"
+    return f"{c.expected:.2e}" + ("*" if c.expected_floor else "")
+
+
+def ratio(measured: float, s) -> float:
+    e = s.choice.expected
+    if e is None or not (np.isfinite(e) and np.isfinite(measured)) or e == 0:
+        return float("nan")
+    return measured / e
+
+
 def main(argv=None):
     a = parse(argv)
     try:
@@ -138,10 +160,11 @@ def main(argv=None):
         a.problems = ",".join(p for p in a.problems.split(",") if not p.startswith("odenet"))
     print(f"target factor {a.target}, 1 rank, measured step costs, tol 1e-8 relative; "
           f"medians of {a.repeat} interleaved repetitions")
-    head = (f"{'problem':<14}{'N':>6} {'settings':<30}{'pred. factor':>20}{'meas. factor':>14}"
-            f"{'cycles p/m':>12}{'time':>10}{'x seq':>8}")
+    head = (f"{'problem':<14}{'N':>6} {'settings':<30}{'pred. factor':>20}{'exp. factor':>13}{'meas. factor':>14}"
+            f"{'meas/exp':>10}{'cycles p/e/m':>14}{'time':>10}{'x seq':>8}")
     print(head)
     print("-" * len(head))
+    ratios = []
     for name, (prop, u0, t) in problems(a).items():
         n = len(t) - 1
         start = time.perf_counter()
@@ -168,17 +191,28 @@ def main(argv=None):
             r, it, status = results[k]
             desc = s.choice.describe() if k == "chosen" else "default (" + s.choice.describe() + ")"
             pc = "-" if s.choice.cycles is None else str(s.choice.cycles)
+            ec = "-" if s.choice.expected_cycles is None else str(s.choice.expected_cycles)
             mc = "-" if it is None else str(it)
+            mf = measured_factor(r)
+            q = ratio(mf, s)
+            if k == "chosen" and np.isfinite(q):
+                ratios.append((name, q, s.choice.expected_floor))
             tm = float(np.median(times[k]))
             ok = status == "converged"
             tcol = f"{tm:9.3f}s" if ok else f"{status:>10}"
-            ratio = f"{tm / seq:8.2f}" if ok else f"{'-':>8}"
+            xs = f"{tm / seq:8.2f}" if ok else f"{'-':>8}"
             first = k == "chosen"
+            qs = f"{q:10.3f}" if np.isfinite(q) else f"{'-':>10}"
             print(f"{name if first else '':<14}{n if first else '':>6} {desc:<30}"
-                  f"{fmt_pred(s):>20}{measured_factor(r):>14.2e}{pc + '/' + mc:>12}{tcol}{ratio}")
+                  f"{fmt_pred(s):>20}{fmt_expected(s):>13}{mf:>14.2e}{qs}{pc + '/' + ec + '/' + mc:>14}{tcol}{xs}")
         unstable = "" if chosen is None else (f" ({sum(not c.stable for c in chosen.candidates)} of "
                                               f"{len(chosen.candidates)} candidates unstable)")
         print(f"{'':<14}{'':>6} sequential stepping {seq:.3f}s; choose_settings took {tune_s:.2f}s{unstable}")
+    if ratios:
+        worst = max(ratios, key=lambda x: abs(x[1] - 1.0))
+        print(f"chosen settings: measured / expected factor in [{min(q for _, q, _ in ratios):.3f}, "
+              f"{max(q for _, q, _ in ratios):.3f}] (worst: {worst[0]}"
+              f"{', at the rounding level' if worst[2] else ''})")
     return 0
 
 

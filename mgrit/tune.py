@@ -10,6 +10,10 @@ C-relaxation), rejects settings whose coarse steps are unstable, and picks the
 cheapest of the rest under the critical-path cost model
 (:func:`mgrit.model.predict`). docs/tuning.md describes the method, its
 assumptions, and where the prediction is a bound and where an estimate.
+Beside that worst-case factor it predicts the factor a solve measures: the
+solve is simulated on an affine model of the problem (the modes of a
+time-invariant step, or the linearization along a reference trajectory)
+from the solver's own start (docs/tuning.md §7).
 
 Building blocks, usable on their own:
 
@@ -20,10 +24,13 @@ Building blocks, usable on their own:
   states, Arnoldi Ritz values for large ones);
 * :func:`cycle_factors` (:func:`residual_matrices`, :func:`error_matrices`) --
   the V-cycle's residual reduction factor per scalar mode, with per-level
-  factors, relaxation and C-weight.
+  factors, relaxation and C-weight;
+* :func:`average_factor` -- the measured factor of a residual history, which
+  ``Candidate.expected`` predicts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -48,6 +55,7 @@ __all__ = [
     "residual_matrices",
     "error_matrices",
     "power_cycles",
+    "average_factor",
     "predict_options",
 ]
 
@@ -238,6 +246,9 @@ class Spectrum:
     normal : bool
         The fine step's Jacobian is normal (orthogonal eigenvectors), to
         rounding. Always False for Arnoldi, which does not check it.
+    vectors : numpy.ndarray or None, shape (d, n_modes)
+        The fine step's eigenvectors (dense; unit columns) or Ritz vectors
+        (Arnoldi), column ``j`` for mode ``j``.
     """
 
     index: int
@@ -247,6 +258,7 @@ class Spectrum:
     jvp: str
     pairing_defect: float
     normal: bool
+    vectors: np.ndarray | None = None
 
     @property
     def strides(self) -> tuple:
@@ -428,8 +440,9 @@ def step_spectrum(
             defect = max(defect, float(rel)) if np.isfinite(rel) else defect
             cols.append(mu)
         method = "arnoldi"
+        V = Q @ Y
     values = np.stack([np.asarray(c, dtype=complex) for c in cols], axis=1)
-    return Spectrum(int(index), steps, values, method, lin.mode, defect, normal)
+    return Spectrum(int(index), steps, values, method, lin.mode, defect, normal, V)
 
 
 # --------------------------------------------------------------------------------------
@@ -732,6 +745,479 @@ def power_cycles(P, reduction: float, qmax: int = 1000, growth: float = 1.0):
 
 
 # --------------------------------------------------------------------------------------
+# The expected factor: the solve itself, on an affine model of the problem
+# --------------------------------------------------------------------------------------
+# Level l of the simulated hierarchy holds an iterate of shape (sizes[l] + 1, K): K model
+# coordinates (modes, or the flattened state) per time point. Its step over interval k (from
+# point k - 1 to k) is x -> A[k] x + c[k] (A: one diagonal for all intervals, shape (K,), or one
+# matrix per interval); the schedule is mgrit.cycle's (docs/theory.md §3-§4), on states.
+
+#: Most entries (intervals times the squared state size) of a trajectory model's Jacobians;
+#: larger problems are modelled on a shorter leading part of the grid (docs/tuning.md §7).
+MAX_MODEL_ENTRIES = 2**23
+#: Modes whose coefficients in ``u0`` and in every step's forcing stay below this fraction
+#: of the largest are left out of a modal model (docs/tuning.md §7).
+MODE_CONTENT_FLOOR = 1e-12
+#: A simulated solve ends at the rounding level when its last residual is at most this multiple
+#: of ``eps`` times the norm of the states at the fine C-points (docs/tuning.md §7).
+FLOOR_MARGIN = 10.0
+#: A linearized model holds while its iterate stays within this multiple of the largest
+#: reference state from the reference trajectory (docs/tuning.md §7).
+LINEARIZATION_RANGE = 4.0
+#: A simulated solve stops as diverged when its residual exceeds this multiple of its first
+#: (as :func:`mgrit.solve` reports DIVERGED).
+SIMULATED_DIVERGENCE = 1e3
+
+
+@dataclass(frozen=True, eq=False)
+class _AffineModel:
+    """The propagator as affine maps ``x -> A x + c`` per stride, in model coordinates (internal).
+
+    ``steps[s] = (A, c)`` for one step over ``s`` fine intervals: ``A`` of
+    shape (K,) (diagonal, every interval) or (n // s + 1, K, K) (one matrix per
+    interval, row 0 unused), ``c`` of shape (n // s + 1, K) (row ``k`` belongs to
+    the interval from fine point ``(k - 1) s`` to ``k s``). ``x0`` is ``u0``;
+    ``basis`` (d, K) maps model coordinates to the state for the residual norm
+    (None: they are the flattened state). ``n`` fine intervals are covered.
+    The arrays have the precision of the solver's states, whose machine
+    epsilon is ``eps``: the simulated solve rounds like the solver.
+    ``reference`` (n + 1, K) holds the states a linearized model is valid
+    near (None: an affine model, valid everywhere).
+    """
+
+    kind: str
+    n: int
+    x0: np.ndarray
+    steps: dict
+    basis: np.ndarray | None
+    description: str
+    eps: float = float(np.finfo(np.float64).eps)
+    reference: np.ndarray | None = None
+
+    def norm(self, R) -> float:
+        """Temporal 2-norm of the spatial 2-norms of the residuals ``R`` (n_c, K)."""
+        X = R if self.basis is None else R @ self.basis.T
+        return float(np.sqrt(np.sum(np.abs(X) ** 2)))
+
+
+class _SimulatedSolve:
+    """:func:`mgrit.solve`'s V-cycle schedule (``skip``, the default initial guess: ``u0`` everywhere,
+    residuals in the down-sweep) on an :class:`_AffineModel` (internal)."""
+
+    def __init__(self, model, sizes, cfs, nrelax, weights):
+        self.sizes, self.cfs, self.nrelax, self.weights = list(sizes), list(cfs), list(nrelax), list(weights)
+        L = len(sizes)
+        stride, self.A, self.c = 1, [], []
+        for l in range(L):
+            A, c = model.steps[stride]
+            self.A.append(A if A.ndim == 1 else A[: sizes[l] + 1])
+            self.c.append(c[: sizes[l] + 1])
+            if l < L - 1:
+                stride *= cfs[l]
+        dtype = np.result_type(model.x0, *self.A, *self.c)
+        self.u, self.v, self.g = [None] * L, [None] * L, [None] * L
+        self.u[0] = np.empty((sizes[0] + 1, model.x0.shape[0]), dtype=dtype)
+        self.u[0][:] = model.x0
+
+    def _phi(self, l, j, m, cnt, X, g=True):
+        """The steps of level ``l`` into points ``j, j + m, ..., j + (cnt - 1) m`` from ``X`` (+ ``g``)."""
+        sl = slice(j, j + m * (cnt - 1) + 1, m)
+        A = self.A[l]
+        out = A * X if A.ndim == 1 else np.matmul(A[sl], X[:, :, None])[:, :, 0]
+        out += self.c[l][sl]
+        if g and self.g[l] is not None:
+            out += self.g[l][sl]
+        return out
+
+    def f_relax(self, l):
+        u, m, n = self.u[l], self.cfs[l], self.sizes[l]
+        for j in range(1, min(m, n + 1)):
+            cnt = (n - j) // m + 1
+            u[j::m] = self._phi(l, j, m, cnt, u[j - 1 : j - 1 + m * (cnt - 1) + 1 : m])
+
+    def c_relax(self, l):
+        u, m, w = self.u[l], self.cfs[l], self.weights[l]
+        cnt = self.sizes[l] // m
+        if cnt:
+            new = self._phi(l, m, m, cnt, u[m - 1 : m * cnt : m])
+            u[m::m] = new if w == 1.0 else (1.0 - w) * u[m::m] + w * new
+
+    def c_residual(self, l):
+        u, m = self.u[l], self.cfs[l]
+        cnt = self.sizes[l] // m
+        return self._phi(l, m, m, cnt, u[m - 1 : m * cnt : m]) - u[m::m]
+
+    def inject(self, l, r=None):
+        """Injection to level ``l + 1``; with residuals ``r`` the FAS right-hand side, else a zero one."""
+        v = self.u[l][:: self.cfs[l]].copy()
+        self.v[l + 1], self.u[l + 1] = v, v.copy()
+        if r is None:
+            self.g[l + 1] = None
+            return
+        g = np.zeros_like(v)
+        if v.shape[0] > 1:
+            g[1:] = r + v[1:] - self._phi(l + 1, 1, 1, v.shape[0] - 1, v[:-1], g=False)
+        self.g[l + 1] = g
+
+    def correct(self, l):
+        self.u[l][self.cfs[l] :: self.cfs[l]] += self.u[l + 1][1:] - self.v[l + 1][1:]
+
+    def sequential(self, l):
+        u, A, n = self.u[l], self.A[l], self.sizes[l]
+        h = self.c[l][1 : n + 1] if self.g[l] is None else self.c[l][1 : n + 1] + self.g[l][1 : n + 1]
+        if A.ndim == 1:  # every mode is a first-order recursion u[k] = a u[k - 1] + h[k]
+            from scipy.signal import lfilter
+
+            for j in range(u.shape[1]):
+                u[1:, j] = lfilter([1.0], [1.0, -A[j]], h[:, j], zi=np.atleast_1d(A[j] * u[0, j]))[0]
+            return
+        u[1 : n + 1] = _affine_recursion(A[1 : n + 1], h, u[0])
+
+    def cycle(self, l, skip):
+        """One V-cycle from level ``l`` (mgrit.cycle.cycle); the level-0 C-point residuals, or None."""
+        if l == len(self.sizes) - 1:
+            self.sequential(l)
+            return None
+        r = None
+        if skip:
+            self.inject(l)
+        else:
+            for _ in range(self.nrelax[l]):
+                self.f_relax(l)
+                self.c_relax(l)
+            self.f_relax(l)
+            r = self.c_residual(l)
+            self.inject(l, r)
+        self.cycle(l + 1, skip)
+        if l + 1 < len(self.sizes) - 1:
+            self.f_relax(l + 1)
+        self.correct(l)
+        return r
+
+
+def _affine_recursion(A, h, x0):
+    """``x_k = A_k x_{k-1} + h_k`` for ``k = 1..n`` from ``x_0`` (``A``: (n, d, d), ``h``: (n, d)): ``x_1..x_n``.
+
+    Small states go in chunks of about ``sqrt(n)`` steps: every chunk from a
+    zero start together with the product of its maps (one batched product per
+    step of a chunk), then the chunks' starts in sequence; ``2 sqrt(n)`` batched
+    operations instead of ``n`` small ones.
+    """
+    n, d = h.shape
+    dtype = np.result_type(A, h, x0)
+    if n <= 64 or d > 32:
+        out, x = np.empty((n, d), dtype=dtype), x0
+        for k in range(n):
+            x = A[k] @ x + h[k]
+            out[k] = x
+        return out
+    b = math.isqrt(n)
+    nc = -(-n // b)
+    Ac = np.broadcast_to(np.eye(d, dtype=dtype), (nc * b, d, d)).copy()
+    hc = np.zeros((nc * b, d), dtype=dtype)
+    Ac[:n], hc[:n] = A, h
+    Ac, hc = Ac.reshape(nc, b, d, d), hc.reshape(nc, b, d)
+    y, prod = np.empty((nc, b, d), dtype=dtype), np.empty((nc, b, d, d), dtype=dtype)
+    y[:, 0], prod[:, 0] = hc[:, 0], Ac[:, 0]
+    for j in range(1, b):
+        y[:, j] = np.matmul(Ac[:, j], y[:, j - 1, :, None])[:, :, 0] + hc[:, j]
+        prod[:, j] = np.matmul(Ac[:, j], prod[:, j - 1])
+    starts, x = np.empty((nc, d), dtype=dtype), x0
+    for c in range(nc):
+        starts[c] = x
+        x = prod[c, -1] @ x + y[c, -1]
+    out = y + np.matmul(prod, starts[:, None, :, None])[:, :, :, 0]
+    return out.reshape(nc * b, d)[:n]
+
+
+def _simulate(model, sizes, cfs, nrelax, weights, *, reduction, max_iter, skip=True):
+    """``mgrit.solve(..., tol=reduction, tol_type="rel", max_iter=max_iter, skip=skip)`` on the model.
+
+    Returns the residual norms (None for the skipped cycle), whether it
+    converged, the rounding level of the last one (``eps`` times the
+    temporal norm of the states at the fine C-points), and whether the
+    iterate left the range of a linearized model: some fine C-point farther
+    from the reference state than :data:`LINEARIZATION_RANGE` times the
+    largest reference state (in the max-norm). It stops like the solver (the
+    first residual ``<= reduction`` times the first measured one), and also,
+    not converged, when a residual is not finite or exceeds
+    :data:`SIMULATED_DIVERGENCE` times the first, or the iterate leaves that range.
+    """
+    sim = _SimulatedSolve(model, sizes, cfs, nrelax, weights)
+    res, first, converged, left = [], None, False, False
+    m = cfs[0]
+    ref = None if model.reference is None else model.reference[m : sizes[0] + 1 : m]
+    reach = None if ref is None else LINEARIZATION_RANGE * max(float(np.max(np.abs(model.reference))), 1e-300)
+    with np.errstate(all="ignore"):  # a diverging model overflows: its residual is then not finite
+        for k in range(max_iter):
+            r = sim.cycle(0, skip and k == 0)
+            if ref is not None and not float(np.max(np.abs(sim.u[0][m::m] - ref), initial=0.0)) <= reach:
+                res.append(None if r is None else model.norm(r))
+                left = True
+                break
+            if r is None:
+                res.append(None)
+                continue
+            nr = model.norm(r)
+            res.append(nr)
+            if not math.isfinite(nr):
+                break
+            first = nr if first is None else first
+            if nr <= reduction * first:
+                converged = True
+                break
+            if nr > SIMULATED_DIVERGENCE * first:
+                break
+        floor = model.eps * model.norm(sim.u[0][m::m])
+    return res, converged, floor, left
+
+
+def average_factor(residuals) -> float:
+    """The average residual reduction per cycle of a residual history: ``(r_last / r_first)^(1 / (k - 1))``.
+
+    Over the ``k`` residuals that were measured (the skipped first cycle has
+    none, ``None``): the measured factor of docs/tuning.md §7, which
+    ``Candidate.expected`` predicts. ``inf`` when a residual is not finite, 0
+    when the first one is 0, NaN with fewer than two.
+
+    >>> round(average_factor([None, 1.0, 0.1, 0.001]), 10)
+    0.0316227766
+    """
+    r = [float(x) for x in residuals if x is not None]
+    if not all(math.isfinite(x) for x in r):
+        return math.inf
+    if r and r[0] == 0.0:
+        return 0.0
+    if len(r) < 2:
+        return math.nan
+    return (r[-1] / r[0]) ** (1.0 / (len(r) - 1))
+
+
+def _precision(u0):
+    """``(real dtype, complex dtype)`` of the model for the states of a solve from ``u0``."""
+    single = _to_numpy(u0).dtype in (np.float32, np.complex64)
+    return (np.float32, np.complex64) if single else (np.float64, np.complex128)
+
+
+def _cast_model(model, real: bool, u0):
+    """``model`` with its arrays in the precision of the states of ``u0`` (``real``: real arrays)."""
+    rdt, cdt = _precision(u0)
+    dt = rdt if real else cdt
+    steps = {s: (A.astype(dt), c.astype(dt)) for s, (A, c) in model.steps.items()}
+    basis = None if model.basis is None else model.basis.astype(dt)
+    ref = None if model.reference is None else model.reference.astype(dt)
+    return _AffineModel(model.kind, model.n, model.x0.astype(dt), steps, basis, model.description,
+                        float(np.finfo(rdt).eps), ref)
+
+
+def _as_states(X: np.ndarray, like):
+    """Rows of ``X`` (k, d) as a stack of states shaped and typed like ``like``."""
+    shape = (X.shape[0],) + tuple(like.shape)
+    if B.is_torch(like):
+        import torch
+
+        return torch.as_tensor(X.reshape(shape), dtype=like.dtype, device=like.device)
+    return np.ascontiguousarray(X.reshape(shape)).astype(like.dtype, copy=False)
+
+
+def _steps(propagator, X: np.ndarray, t0, t1, like) -> np.ndarray:
+    """``step_batch`` on the rows of ``X`` (flattened states), flattened."""
+    if X.shape[0] == 0:
+        return np.zeros_like(X)
+    with np.errstate(all="ignore"):  # an unstable step overflows: the model then diverges
+        out = propagator.step_batch(_as_states(X, like), np.asarray(t0, dtype=float), np.asarray(t1, dtype=float))
+    return _to_numpy(out).reshape(X.shape[0], -1)
+
+
+def _batch_jacobians(propagator, X, t0, t1, like, mode):
+    """The Jacobians (k, d, d) of the steps ``t0[i] -> t1[i]`` at the states ``X[i]``, and their values (k, d).
+
+    Central differences through ``step_batch`` (perturbation of norm
+    ``eps^(1/3) max(1, |x_i|)`` per row, as :func:`jacobian`) or, for torch
+    states with ``mode="torch"``, one ``torch.func.jvp`` through ``step_batch``
+    per direction (finite differences if that fails).
+    """
+    k, d = X.shape
+    if mode == "torch":
+        import torch
+
+        U = _as_states(X, like)
+        tt0, tt1 = np.asarray(t0, dtype=float), np.asarray(t1, dtype=float)
+        try:
+            J = np.empty((k, d, d))
+            F = None
+            for j in range(d):
+                T = torch.zeros_like(U).reshape(k, d)
+                T[:, j] = 1.0
+                out, tangent = torch.func.jvp(lambda V: propagator.step_batch(V, tt0, tt1), (U,),
+                                              (T.reshape(U.shape),))
+                J[:, :, j] = _to_numpy(tangent).reshape(k, d)
+                F = _to_numpy(out).reshape(k, d) if F is None else F
+            return J, F
+        except Exception:  # noqa: BLE001 - finite differences below
+            pass
+    if B.is_torch(like):
+        import torch
+
+        eps = float(torch.finfo(like.dtype).eps)
+    else:
+        eps = float(np.finfo(like.dtype).eps) if like.dtype.kind == "f" else float(np.finfo(float).eps)
+    h = eps ** (1.0 / 3.0) * np.maximum(1.0, np.linalg.norm(X, axis=1))
+    F = _steps(propagator, X, t0, t1, like)
+    J = np.empty((k, d, d))
+    chunk = max(1, min(d, (1 << 18) // max(2 * k, 1)))
+    t0, t1 = np.asarray(t0, dtype=float), np.asarray(t1, dtype=float)
+    for j0 in range(0, d, chunk):
+        js = range(j0, min(d, j0 + chunk))
+        P = []
+        for sign in (1.0, -1.0):
+            for j in js:
+                Y = X.copy()
+                Y[:, j] += sign * h
+                P.append(Y)
+        out = _steps(propagator, np.concatenate(P), np.tile(t0, 2 * len(js)), np.tile(t1, 2 * len(js)), like)
+        half = len(js) * k
+        for i, j in enumerate(js):
+            J[:, :, j] = (out[i * k : (i + 1) * k] - out[half + i * k : half + (i + 1) * k]) / (2.0 * h[:, None])
+    return J, F
+
+
+def _reference_trajectory(propagator, u0, t, spectrum0):
+    """Approximate solution at every point of ``t`` (rows, flattened), or None when the run blows up.
+
+    A coarse sequential run (the largest stable single-step stride of
+    ``spectrum0`` that is at most ``N^(1/3)``, halved if the run blows up),
+    then the fine steps from every point of the run to the next, batched:
+    ``N / s`` sequential steps and ``s - 1`` batched calls for stride ``s``
+    (docs/tuning.md §7).
+    """
+    n = t.shape[0] - 1
+    max_stride = max(1, int(round(n ** (1.0 / 3.0))))
+    idx, states = _coarse_run(propagator, u0, t, _run_stride(spectrum0, n, 1, max_stride=max_stride))
+    if len(states) < len(idx):
+        return None
+    out = np.empty((n + 1, int(np.prod(tuple(u0.shape), dtype=int))),
+                   dtype=np.result_type(_to_numpy(u0).dtype, np.float64))
+    out[idx] = np.stack([_to_numpy(s).reshape(-1) for s in states])
+    stride = idx[1] - idx[0] if len(idx) > 1 else 1
+    base = np.asarray(idx)
+    for j in range(1, stride):
+        pts = base[base + j <= n] + j
+        if pts.size:
+            out[pts] = _steps(propagator, out[pts - 1], t[pts - 1], t[pts], u0)
+    return out if np.all(np.isfinite(out)) else None
+
+
+#: Relative size of the perturbations that re-linearize a time-invariant step for the modal model
+#: (exact differences for an affine step, whatever their size; docs/tuning.md §7).
+MODAL_PERTURBATION = 1e-2
+
+
+def _difference_columns(propagator, x, t0, t1, D, like):
+    """``J D`` for the step ``t0 -> t1`` at ``x`` by central differences of size ``1e-2 max(1, |x|)``
+    along the (unit) columns of ``D`` (real and imaginary parts apart): exact up to rounding when the step is affine."""
+    if np.iscomplexobj(D):
+        return (_difference_columns(propagator, x, t0, t1, D.real, like)
+                + 1j * _difference_columns(propagator, x, t0, t1, D.imag, like))
+    k = D.shape[1]
+    norms = np.linalg.norm(D, axis=0)
+    norms[norms == 0] = 1.0
+    h = MODAL_PERTURBATION * max(1.0, float(np.linalg.norm(x))) / norms
+    P = (D * h).T
+    out = _steps(propagator, np.concatenate([x[None] + P, x[None] - P]), np.full(2 * k, t0), np.full(2 * k, t1), like)
+    return ((out[:k] - out[k:]) / (2.0 * h)[:, None]).T
+
+
+def _modal_model(propagator, u0, t, spectrum0, strides, n):
+    """The time-invariant model in the fine step's eigenbasis (docs/tuning.md §7).
+
+    Dense states are linearized again with larger differences (exact for an
+    affine step, so that modes absent from the problem stay absent): the
+    eigenpairs ``J_1 V = V Lam`` and mode ``j``'s factor ``(V^{-1} J_s V)_{jj}``
+    of every stride ``s``. Arnoldi states keep the Ritz pairs of
+    ``spectrum0``. ``c = V^+ Psi_s(u0) - mu_s (V^+ u0)`` per interval is the
+    affine part (time-dependent forcing), ``V^+`` the inverse (least squares
+    for Ritz vectors). Modes whose coefficients in ``u0`` and in every forcing
+    stay below :data:`MODE_CONTENT_FLOOR` of the largest are left out.
+    """
+    x = _to_numpy(u0).reshape(-1)
+    if spectrum0.method == "dense":
+        d = x.shape[0]
+        with np.errstate(all="ignore"):
+            J1 = _difference_columns(propagator, x, t[0], t[1], np.eye(d), u0)
+        if not np.all(np.isfinite(J1)):
+            return None
+        lam, V = np.linalg.eig(J1)
+        if np.linalg.cond(V) >= 1e8:  # (nearly) defective: no modal model
+            return None
+        lams = {1: lam}
+        for s in strides:
+            if s != 1 and s <= t.shape[0] - 1:
+                with np.errstate(all="ignore"):
+                    W = _difference_columns(propagator, x, t[0], t[s], V, u0)
+                    lams[s] = np.diag(np.linalg.solve(V, W)) if np.all(np.isfinite(W)) else np.full(d, np.inf)
+            elif s != 1:
+                lams[s] = spectrum0[s]
+    else:
+        V = np.asarray(spectrum0.vectors)
+        lams = {s: spectrum0[s] for s in strides}
+    real = (not np.iscomplexobj(V) and not np.iscomplexobj(x)
+            and all(np.all(np.imag(v) == 0) for v in lams.values()))
+    dtype = np.float64 if real else np.complex128
+    V = V.astype(dtype)
+    lams = {s: (np.real(v) if real else v).astype(dtype) for s, v in lams.items()}
+    square = V.shape[0] == V.shape[1]
+
+    def coords(Y):  # (d, k) states -> (K, k) coordinates
+        Y = Y.astype(dtype)
+        return np.linalg.solve(V, Y) if square else np.linalg.lstsq(V, Y, rcond=None)[0]
+
+    x0 = coords(x[:, None])[:, 0]
+    forcing, content = {}, np.abs(x0)
+    for s in strides:
+        ns = n // s
+        ts = t[: ns * s + 1 : s]
+        P = _steps(propagator, np.repeat(x[None], ns, axis=0), ts[:-1], ts[1:], u0)
+        c = np.zeros((ns + 1, V.shape[1]), dtype=dtype)
+        with np.errstate(all="ignore"):
+            c[1:] = coords(P.T).T - lams[s][None, :] * x0[None, :]
+        forcing[s] = c
+        content = np.maximum(content, np.nan_to_num(np.abs(c).max(axis=0), nan=np.inf))
+    keep = content > MODE_CONTENT_FLOOR * content.max() if content.max() > 0 else np.arange(V.shape[1]) == 0
+    steps = {s: (lams[s][keep], forcing[s][:, keep]) for s in strides}
+    what = "eigenvectors" if square else "Ritz vectors"
+    model = _AffineModel("modal", int(n), x0[keep], steps, V[:, keep],
+                         f"modal: {int(keep.sum())} of {V.shape[1]} modes ({what}) carry u0 or forcing")
+    return _cast_model(model, real, u0)
+
+
+def _trajectory_model(propagator, u0, t, spectrum0, strides, n, jvp):
+    """The linearization along a reference trajectory: one affine map per interval and stride
+    (docs/tuning.md §7), or None when the reference run blows up."""
+    traj = _reference_trajectory(propagator, u0, t[: n + 1], spectrum0)
+    if traj is None:
+        return None
+    mode = ("torch" if B.is_torch(u0) else "fd") if jvp == "auto" else jvp
+    steps = {}
+    d = traj.shape[1]
+    for s in strides:
+        ns = n // s
+        if ns < 1:
+            continue
+        X = traj[0 : (ns - 1) * s + 1 : s]
+        J, F = _batch_jacobians(propagator, X, t[0 : (ns - 1) * s + 1 : s], t[s : ns * s + 1 : s], u0, mode)
+        A = np.zeros((ns + 1, d, d))
+        c = np.zeros((ns + 1, d))
+        A[1:] = J
+        with np.errstate(all="ignore"):
+            c[1:] = F - np.matmul(J, X[:, :, None])[:, :, 0]
+        steps[s] = (A, c)
+    model = _AffineModel("trajectory", int(n), traj[0].copy(), steps, None,
+                         "linearized along a reference trajectory", reference=traj)
+    return _cast_model(model, True, u0)
+
+
+# --------------------------------------------------------------------------------------
 # Candidates and the chosen settings
 # --------------------------------------------------------------------------------------
 
@@ -771,7 +1257,10 @@ class Candidate:
         first residual included); None when it does not converge.
     time : float
         Predicted time to that tolerance on the chooser's ``ranks``
-        (:func:`mgrit.model.predict`); ``inf`` when it does not converge.
+        (:func:`mgrit.model.predict`) for ``cycles`` cycles, or for
+        ``expected_cycles`` where the simulated solve needs more (``max_iter``
+        where it does not reach the tolerance); ``inf`` when it is predicted
+        not to converge.
     stable : bool
         Every coarse level's step is stable (docs/tuning.md §3).
     meets_target : bool
@@ -781,6 +1270,23 @@ class Candidate:
     exact : bool
         The factor comes from every mode on the full grid (no screening, no
         reduced grid).
+    expected : float or None
+        Expected measured factor: :func:`average_factor` of the residual
+        history of ``mgrit.solve(..., tol=reduction, tol_type="rel")`` with
+        these options, simulated on an affine model of the problem from the
+        solver's start (docs/tuning.md §7); ``inf`` when the simulated solve
+        overflows or its iterate leaves the range where the linearization
+        holds (the solve is then expected to diverge). None when not modelled
+        (``Settings.expected_model`` says why).
+    expected_cycles : int or None
+        Cycles of that simulated solve (as ``Result.iterations``, the skipped
+        first cycle included); None when it did not reach the tolerance
+        within ``max_iter`` cycles or was not modelled.
+    expected_floor : bool
+        The simulated solve's last residual is at the rounding level (within
+        10x of ``eps`` times the norm of the states at the fine C-points):
+        the measured factor then depends on rounding and the prediction is
+        rough (docs/tuning.md §7).
     """
 
     cf: tuple
@@ -796,6 +1302,16 @@ class Candidate:
     meets_target: bool
     note: str = ""
     exact: bool = True
+    expected: float | None = None
+    expected_cycles: int | None = None
+    expected_floor: bool = False
+
+    @property
+    def simulated_divergence(self) -> bool:
+        """The simulated solve (``expected``) diverged: it did not reach the tolerance, and its average
+        factor is not below 1 (a residual grew 1000-fold, overflowed, or the iterate left the range of
+        the linearization). Such a setting is never chosen."""
+        return self.expected is not None and self.expected_cycles is None and not self.expected < 1.0
 
     @property
     def options(self) -> dict:
@@ -843,6 +1359,9 @@ class Settings:
     meets_target : bool
         The choice reaches the target; when no stable setting did, the choice
         is the fastest stable one that converges.
+    expected_model : str
+        The model of the simulated solves behind ``Candidate.expected``
+        (docs/tuning.md §7), or why there is none.
     """
 
     choice: Candidate
@@ -855,6 +1374,7 @@ class Settings:
     spectra: tuple
     bound: bool
     meets_target: bool
+    expected_model: str = ""
 
     @property
     def options(self) -> dict:
@@ -878,23 +1398,40 @@ class Settings:
 
     @property
     def predicted_time(self) -> float:
-        """Model time to that tolerance on ``ranks`` ranks."""
+        """Model time to that tolerance on ``ranks`` ranks (``Candidate.time``)."""
         return self.choice.time
+
+    @property
+    def expected_factor(self) -> float | None:
+        """Expected measured factor of the chosen setting (``Candidate.expected``, docs/tuning.md §7).
+
+        What :func:`average_factor` gives for the residual history of
+        ``mgrit.solve(propagator, u0, t, tol=reduction, tol_type="rel", **options)``;
+        ``predicted_factor`` bounds every cycle, this predicts their average in that solve.
+        """
+        return self.choice.expected
+
+    @property
+    def expected_cycles(self) -> int | None:
+        """Cycles of the simulated solve of the chosen setting (``Candidate.expected_cycles``)."""
+        return self.choice.expected_cycles
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as a text table, cheapest first (``limit`` rows, all by default)."""
         rows = [f"{'cf':>9} {'levels':>6} {'relax':>9} {'w':>4} {'factor':>10} {'rate':>10} {'cycles':>6} "
-                f"{'time':>11} {'speedup':>8}  note"]
+                f"{'expected':>10} {'e.cyc':>5} {'time':>11} {'speedup':>8}  note"]
         for c in self.candidates[: limit if limit is not None else len(self.candidates)]:
             cf, rx = _short(c.cf), _short(c.relax)
             fac = "unstable" if not c.stable else f"{c.factor:10.3e}"
             rate = "-" if not math.isfinite(c.rate) else f"{c.rate:10.3e}"
             cyc = "-" if c.cycles is None else str(c.cycles)
+            exp = "-" if c.expected is None else f"{c.expected:9.3e}" + ("*" if c.expected_floor else " ")
+            ecyc = "-" if c.expected_cycles is None else str(c.expected_cycles)
             tm = "-" if not math.isfinite(c.time) else f"{c.time:11.4g}"
             sp = "-" if not math.isfinite(c.time) or c.time <= 0 else f"{self.sequential_time / c.time:8.3f}"
             mark = "  <- chosen" if c is self.choice else ""
-            rows.append(f"{cf:>9} {c.levels:>6} {rx:>9} {c.c_weight:>4g} {fac:>10} {rate:>10} {cyc:>6} {tm:>11} {sp:>8}"
-                        f"  {c.note}{mark}")
+            rows.append(f"{cf:>9} {c.levels:>6} {rx:>9} {c.c_weight:>4g} {fac:>10} {rate:>10} {cyc:>6} {exp:>10} "
+                        f"{ecyc:>5} {tm:>11} {sp:>8}  {c.note}{mark}")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -905,7 +1442,19 @@ class Settings:
                 f"rank(s) (sequential {self.sequential_time:.4g})")
         if not self.meets_target:
             head += f"; no stable setting reaches the target {self.target:g}"
-        return head + "\n" + self.table(limit=10)
+        if c.expected is None:
+            head += f"\nexpected measured factor: not modelled ({self.expected_model})"
+        else:
+            cyc = (f"{c.expected_cycles} cycles" if c.expected_cycles is not None
+                   else "does not reach the tolerance")
+            head += (f"\nexpected measured factor {c.expected:.3e} ({cyc}; simulated solve, "
+                     f"{self.expected_model})")
+            if c.expected_floor:
+                head += "; its last residual is at the rounding level (rough)"
+        table = self.table(limit=10)
+        if any(x.expected_floor for x in self.candidates[:10]):
+            table += "\n(* the simulated solve ends at the rounding level: the expected factor is rough)"
+        return head + "\n" + table
 
 
 # --------------------------------------------------------------------------------------
@@ -1040,22 +1589,25 @@ def _measure_cost(propagator, u0, t, repeats: int = 5, batch: int = 32) -> StepC
 GROWTH_TOL = 1e-7
 
 
-def _sample_states(propagator, u0, t, spectrum0, samples):
-    """``samples`` states along a cheap coarse sequential run (``u0`` first).
-
-    The run uses the largest stride (of ``spectrum0``'s single steps) that
-    leaves at least ``4 samples`` steps and amplifies no mode that the fine
-    step does not amplify at ``u0``; a run that blows up is repeated with half
-    the stride.
-    """
-    n = t.shape[0] - 1
-    if samples <= 1:
-        return [(0, u0)]
+def _run_stride(spectrum0, n, min_steps, max_stride=None) -> int:
+    """The largest of ``spectrum0``'s single-step strides that leaves at least ``min_steps`` steps, is
+    at most ``max_stride`` and amplifies no mode that the fine step does not amplify at its state."""
     decaying = np.abs(spectrum0[1]) <= 1.0 + GROWTH_TOL
     stride = 1
     for s in spectrum0.strides:
-        if n // s >= 4 * samples and np.all(np.abs(spectrum0[s][decaying]) <= 1.0 + 1e-6):
+        if (n // s >= min_steps and (max_stride is None or s <= max_stride)
+                and np.all(np.abs(spectrum0[s][decaying]) <= 1.0 + 1e-6)):
             stride = max(stride, s)
+    return stride
+
+
+def _coarse_run(propagator, u0, t, stride):
+    """A sequential run over every ``stride``-th point of ``t``: ``(indices, states)``.
+
+    A run that blows up is repeated with half the stride; at stride 1 it is
+    cut where it blew up (fewer states than indices).
+    """
+    n = t.shape[0] - 1
     scale = float(np.max(np.abs(_to_numpy(u0)))) + 1.0
     while True:
         idx = list(range(0, n + 1, stride))
@@ -1068,8 +1620,22 @@ def _sample_states(propagator, u0, t, spectrum0, samples):
                     break
                 states.append(u)
         if ok or stride == 1:
-            break
+            return idx, states
         stride //= 2
+
+
+def _sample_states(propagator, u0, t, spectrum0, samples):
+    """``samples`` states along a cheap coarse sequential run (``u0`` first).
+
+    The run uses the largest stride (of ``spectrum0``'s single steps) that
+    leaves at least ``4 samples`` steps and amplifies no mode that the fine
+    step does not amplify at ``u0``; a run that blows up is repeated with half
+    the stride.
+    """
+    n = t.shape[0] - 1
+    if samples <= 1:
+        return [(0, u0)]
+    idx, states = _coarse_run(propagator, u0, t, _run_stride(spectrum0, n, 4 * samples))
     picks = np.unique(np.linspace(0, len(states) - 1, samples).round().astype(int))
     return [(idx[k], states[k]) for k in picks]
 
@@ -1278,6 +1844,9 @@ def choose_settings(
     modes: int | None = 16,
     max_points: int = 128,
     seed: int = 0,
+    expected: bool = True,
+    max_iter: int = 100,
+    expected_points: int = 16384,
 ) -> Settings:
     """Choose MGRIT settings for ``mgrit.solve(propagator, u0, t)`` from convergence theory.
 
@@ -1297,7 +1866,15 @@ def choose_settings(
        the cycles ``2 + q`` with ``max ||P^q|| <= reduction``
        (:func:`power_cycles`) and the rate ``max ||P^q||^(1/q)``, worst case
        over all samples (docs/tuning.md §2).
-    3. **Cost.** The stable candidates with rate ``<= target`` are ranked by
+    3. **Expected factor.** Every candidate's solve (``tol=reduction,
+       tol_type="rel"``, at most ``max_iter`` cycles, the solver's default
+       start) is simulated on an affine model of the problem: the modes of a
+       time-invariant step, or the linearization along a reference trajectory.
+       Its average residual reduction per cycle (:func:`average_factor`) is
+       ``Candidate.expected``, the prediction of the factor a solve measures
+       (docs/tuning.md §7). A setting whose simulated solve diverges is not
+       chosen; one that needs more cycles than predicted is timed for those.
+    4. **Cost.** The stable candidates with rate ``<= target`` are ranked by
        the critical-path model (:func:`mgrit.model.predict` on ``ranks`` ranks)
        for those cycles (docs/tuning.md §6).
 
@@ -1348,6 +1925,13 @@ def choose_settings(
     max_points : int
         Largest fine grid of the exact evaluation; larger grids are reduced
         (fewer coarsest intervals) and the factor extrapolated.
+    expected : bool
+        Simulate every candidate's solve for ``Candidate.expected``.
+    max_iter : int
+        Most cycles of a simulated solve (as in :func:`mgrit.solve`).
+    expected_points : int
+        Longer grids are simulated on their first ``expected_points`` fine
+        intervals or so (a multiple of the coarsest stride).
 
     Returns
     -------
@@ -1371,6 +1955,10 @@ def choose_settings(
     (True, True)
     >>> res = mgrit.solve(heat, heat.initial(), t, tol=1e-8, tol_type="rel", **s.options)
     >>> res.converged and res.iterations <= s.predicted_cycles
+    True
+    >>> bool(np.isclose(average_factor(res.residuals), s.expected_factor, rtol=1e-3, atol=1e-12))
+    True
+    >>> s.expected_cycles == res.iterations
     True
     """
     _check_propagator(propagator)
@@ -1400,7 +1988,8 @@ def choose_settings(
                          f"min_coarse={min_coarse}; pass smaller `cf` values or more time points")
     an = _Analysis(propagator, u0, t, list(hierarchies), reduction=reduction, measure=measure, cost=cost,
                    latency=latency, samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
-                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse)
+                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse, expected=expected,
+                   max_iter=max_iter, expected_points=expected_points)
     cands, seen = [], set()
     for key, h in hierarchies.items():
         L = len(h)
@@ -1417,11 +2006,14 @@ def choose_settings(
     if meeting:
         choice, meets = meeting[0], True
     else:
-        convergent = sorted([c for c in cands if c.cycles is not None], key=lambda c: (c.time, c.rate))
+        convergent = sorted([c for c in cands if c.cycles is not None and not c.simulated_divergence],
+                            key=lambda c: (c.time, c.rate))
         if not convergent:
             raise ValueError(
                 "no candidate setting is stable and predicted to converge "
-                f"({sum(not c.stable for c in cands)} of {len(cands)} have unstable coarse steps); "
+                f"({sum(not c.stable for c in cands)} of {len(cands)} have unstable coarse steps, "
+                f"{sum(c.stable and c.simulated_divergence for c in cands)} stable ones diverge "
+                "in the simulated solve); "
                 "try smaller `cf` values, fewer levels (`max_levels`), a larger `min_coarse`, "
                 "or a finer time grid")
         choice, meets = convergent[0], False
@@ -1452,6 +2044,10 @@ def predict_options(
     modes: int | None = 16,
     max_points: int = 128,
     seed: int = 0,
+    skip: bool = True,
+    max_iter: int = 100,
+    expected: bool = True,
+    expected_points: int = 16384,
     **ignored,
 ) -> Settings:
     """Predict the factor, stability, cycles and model time of given :func:`mgrit.solve` options.
@@ -1461,7 +2057,10 @@ def predict_options(
     defaults; options that do not shape the hierarchy, such as ``tol``, are
     ignored). Returns a :class:`Settings` whose ``choice`` is that setting;
     ``meets_target`` says whether it is stable with a factor ``<= target``.
-    Only V-cycles are modelled.
+    Only V-cycles are modelled. The simulated solve behind ``expected_factor``
+    follows ``skip`` and ``max_iter`` (tolerance ``reduction``, relative); with
+    ``nested``, an ``initial_guess``, ``residual="cycle_end"``, another
+    ``norm`` or ``spatial`` coarsening it is not modelled (None).
 
     >>> import numpy as np
     >>> from propagators import Heat1D
@@ -1487,29 +2086,52 @@ def predict_options(
     weight = float(h[0].c_weight)
     if any(lv.c_weight != weight for lv in h[:-1]):
         raise ValueError("per-level `c_weight` values are not modelled; pass one weight for all levels")
+    unsupported = [name for name, default in (("nested", False), ("initial_guess", None), ("residual", "xbraid"),
+                                              ("norm", 2), ("spatial", None))
+                   if name in ignored and not _same(ignored[name], default)]
+    if not isinstance(skip, (bool, np.bool_)):
+        raise ValueError(f"`skip` must be True or False, got {skip!r}")
     an = _Analysis(propagator, u0, t, [key], reduction=reduction, measure=measure, cost=cost, latency=latency,
                    samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
-                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse)
+                   max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse,
+                   expected=expected, max_iter=max_iter, expected_points=expected_points,
+                   skip=bool(skip), why_not=f"{', '.join(unsupported)} not modelled" if unsupported else None)
     c = an.candidate(key, level_relax, weight, target)
     return an.settings(c, [c], target, c.meets_target)
 
 
+def _same(a, b) -> bool:
+    """``a`` is the default ``b`` (None, a bool, a number or a string)."""
+    if b is None:
+        return a is None
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an array or a tensor is not a default
+        return False
+
+
 class _Analysis:
-    """Spectra, costs and the evaluation of candidates for one problem (internal)."""
+    """Spectra, costs, the affine model and the evaluation of candidates for one problem (internal)."""
 
     def __init__(self, propagator, u0, t, keys, *, reduction, measure, cost, latency, samples, jvp, dense_max,
-                 krylov, modes, max_points, seed, ranks, min_coarse):
+                 krylov, modes, max_points, seed, ranks, min_coarse, expected=True, max_iter=100,
+                 expected_points=16384, skip=True, why_not=None):
         self.reduction = _check_fraction(reduction, "reduction")
         _check_positive_int(samples, "samples", 1)
         _check_positive_int(max_points, "max_points", 8)
+        _check_positive_int(max_iter, "max_iter", 1)
+        _check_positive_int(expected_points, "expected_points", 8)
         if modes is not None:
             _check_positive_int(modes, "modes", 1)
         if not isinstance(measure, (bool, np.bool_)):
             raise ValueError(f"`measure` must be True or False, got {measure!r}")
+        if not isinstance(expected, (bool, np.bool_)):
+            raise ValueError(f"`expected` must be True or False, got {expected!r}")
         if isinstance(latency, bool) or not (isinstance(latency, (int, float)) and latency >= 0):
             raise ValueError(f"`latency` must be a number >= 0, got {latency!r}")
         self.t, self.ranks, self.min_coarse, self.latency = t, int(ranks), int(min_coarse), float(latency)
         self.modes, self.max_points = modes, int(max_points)
+        self.max_iter, self.expected_points, self.skip = int(max_iter), int(expected_points), bool(skip)
         singles, composites = set(), set()
         for key in keys:
             st = 1
@@ -1532,12 +2154,80 @@ class _Analysis:
         one_linearization = all(np.allclose(sp.values, sp0.values, rtol=1e-7, atol=1e-12) for sp in spectra)
         self.bound_possible = (one_linearization and not growing and all(
             sp.method == "dense" and sp.normal and sp.pairing_defect <= 1e-8 for sp in spectra))
+        # the affine model of the simulated solves
+        self.model, self.model_note = None, why_not or "not requested (expected=False)"
+        if expected and why_not is None:
+            n = t.shape[0] - 1
+            need = max(int(np.prod(key)) * self.min_coarse for key in keys)
+            n_model = min(n, max(self.expected_points, need))
+            # time-invariant up to the finite-difference noise (which exceeds one_linearization's atol
+            # on strongly damped modes)
+            lti = all(np.allclose(sp.values, sp0.values, rtol=1e-6, atol=1e-9) for sp in spectra)
+            self.model, self.model_note = self._model(propagator, u0, sp0, sorted(singles | {1}), n_model, lti, jvp)
         # costs
         if cost is None:
             cost = _measure_cost(propagator, u0, t) if measure else StepCost()
         self.cost = tuple(cost) if isinstance(cost, (list, tuple)) else cost
         h = build_hierarchy(t, cf=list(keys[0]), max_levels=len(keys[0]) + 1, min_coarse=min_coarse)
         self.seq_time = sequential_time(h, list(self.cost) if isinstance(self.cost, tuple) else self.cost)
+
+    def _model(self, propagator, u0, sp0, strides, n_model, lti, jvp):
+        """The affine model (docs/tuning.md §7) and its description, or (None, why there is none).
+
+        Modal for a time-invariant step on a uniform grid whose fine step is
+        diagonalizable with coarse steps diagonal in its eigenvectors; else
+        linearized along a reference trajectory (dense real states).
+        """
+        N = self.t.shape[0] - 1
+        V = sp0.vectors
+        dt = np.diff(self.t)
+        uniform = bool(np.all(np.abs(dt - dt[0]) <= 1e-10 * dt[0]))
+        commuting = sp0.pairing_defect <= 1e-6 or sp0.method != "dense"
+        conditioned = V is not None and np.all(np.isfinite(V)) and np.linalg.cond(V) < 1e8
+        model = None
+        if lti and uniform and commuting and conditioned:
+            model = _modal_model(propagator, u0, self.t, sp0, strides, n_model)
+        if model is None:
+            if B.is_complex(u0):
+                return None, "complex states are modelled only by modes (a time-invariant, diagonalizable step)"
+            if sp0.method != "dense":
+                return None, (f"a state of {V.shape[0]} values (Arnoldi) whose step is not time-invariant "
+                              "is not modelled; raise `dense_max` to linearize along a trajectory")
+            d = int(V.shape[0])
+            n_model = min(n_model, int(MAX_MODEL_ENTRIES / (d * d * sum(1.0 / s for s in strides))))
+            if n_model < 2:
+                return None, f"a state of {d} values is too large for the trajectory model"
+            model = _trajectory_model(propagator, u0, self.t, sp0, [s for s in strides if n_model // s >= 1],
+                                      n_model, jvp)
+            if model is None:
+                return None, "the reference run of the trajectory model blows up"
+        note = model.description
+        if model.n < N:
+            note += f"; about the first {model.n} of {N} intervals"
+        return model, note
+
+    def _expected(self, key, level_relax, w):
+        """``(expected factor, cycles, at the rounding level)`` of the simulated solve of one candidate,
+        or ``(None, None, False)``."""
+        if self.model is None:
+            return None, None, False
+        N, P = self.t.shape[0] - 1, int(np.prod(key))
+        n = N if N <= self.expected_points else P * max(self.min_coarse, self.expected_points // P)
+        if n > self.model.n:
+            return None, None, False
+        sizes = [n]
+        for c in key:
+            sizes.append(sizes[-1] // c)
+        if sizes[-1] < 1 or any(st not in self.model.steps for st in np.cumprod((1,) + tuple(key))):
+            return None, None, False
+        res, converged, floor, left = _simulate(self.model, sizes, list(key),
+                                                [parse_relax(r) for r in level_relax], [w] * len(key),
+                                                reduction=self.reduction, max_iter=self.max_iter, skip=self.skip)
+        if left:  # the prediction of the nonlinear solve is void: it is expected to diverge
+            return math.inf, None, False
+        last = [x for x in res if x is not None][-1:]
+        at_floor = bool(last and math.isfinite(last[0]) and 0.0 < last[0] <= FLOOR_MARGIN * floor)
+        return average_factor(res), (len(res) if converged else None), at_floor
 
     def candidate(self, key, level_relax, w, target) -> Candidate:
         t, L = self.t, len(key) + 1
@@ -1547,18 +2237,27 @@ class _Analysis:
         stable, note, fac, q, rate, exact = _evaluate(self.all_modes, self.col, sizes, list(key),
                                                       list(level_relax), w, self.modes, self.max_points,
                                                       self.min_coarse, self.reduction)
+        exp, exp_cycles, at_floor = self._expected(key, level_relax, w)
         cycles = None if q is None else 2 + q
         if stable and cycles is None:
             note = "; ".join(x for x in ("does not converge (predicted)", note) if x)
+        elif stable and exp is not None and exp_cycles is None:
+            why = ("leaves the linearization" if exp == math.inf else "diverges" if not exp < 1.0
+                   else "stalls at the rounding level" if at_floor else f"needs over {self.max_iter} cycles")
+            note = "; ".join(x for x in (f"{why} (simulated solve)", note) if x)
         elif stable and rate > target:
             note = "; ".join(x for x in (f"rate above target {target:g}", note) if x)
         tm = math.inf
-        if cycles is not None:
+        if cycles is not None:  # the simulated solve's cycles where it needs more (docs/tuning.md §6)
             cost = list(self.cost) if isinstance(self.cost, tuple) else self.cost
-            tm = _time_to_tolerance(h, self.ranks, cycles, cost, self.latency)
-        return Candidate(tuple(key), L, tuple(level_relax), float(w), self.min_coarse, fac, rate, cycles, tm,
-                         stable, stable and rate <= target, note, exact)
+            simulated = 0 if exp is None else exp_cycles if exp_cycles is not None else self.max_iter
+            tm = _time_to_tolerance(h, self.ranks, max(cycles, simulated), cost, self.latency)
+        c = Candidate(tuple(key), L, tuple(level_relax), float(w), self.min_coarse, fac, rate, cycles, tm,
+                      stable, False, note, exact, exp, exp_cycles, at_floor)
+        meets = stable and rate <= target and not c.simulated_divergence
+        return dataclasses.replace(c, meets_target=meets)
 
     def settings(self, choice, cands, target, meets) -> Settings:
         return Settings(choice, tuple(cands), float(target), self.ranks, self.reduction, self.cost,
-                        self.seq_time, self.spectra, bool(self.bound_possible and choice.exact), bool(meets))
+                        self.seq_time, self.spectra, bool(self.bound_possible and choice.exact), bool(meets),
+                        self.model_note)

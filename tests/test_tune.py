@@ -199,6 +199,153 @@ def test_van_der_pol_rejects_unstable_coarse_rk4_and_converges():
 
 
 # --------------------------------------------------------------------------------------
+# the expected factor: the solve simulated on an affine model (docs/tuning.md §7)
+# --------------------------------------------------------------------------------------
+
+
+def smooth_odenet(n_layers: int, width: int = 8, batch: int = 2, T: float = 4.0):
+    """An ODE-net (forward Euler over Linear -> tanh layers, float64) whose weights vary smoothly with depth."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from propagators.torch import ODEPropagator
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(width, width).double(), nn.Linear(width, width).double()
+    layers = []
+    for k in range(n_layers):
+        s = k / (n_layers - 1)
+        lin = nn.Linear(width, width).double()
+        with torch.no_grad():
+            lin.weight.copy_((1 - s) * a.weight + s * b.weight)
+            lin.bias.copy_((1 - s) * a.bias + s * b.bias)
+        layers.append(nn.Sequential(lin, nn.Tanh()))
+    h = T / n_layers
+    return ODEPropagator(layers, h=h), torch.randn(batch, width, dtype=torch.float64), np.arange(n_layers + 1) * h
+
+
+def expected_case(case):
+    """(propagator, u0, t, chooser keywords) of the four problems of the acceptance test.
+
+    Van der Pol on 1024 steps is chosen for 8 ranks: on one rank the choice converges in three
+    measured cycles with its last residual at the rounding level (test_rounding_level_is_flagged).
+    """
+    if case == "heat-be":
+        heat = Heat1D(17)
+        return heat, heat.initial(), np.linspace(0.0, 1.0, 513), {}
+    if case == "advection-diffusion":
+        ad = AdvectionDiffusion1D(16, c=1.0, nu=0.01)
+        return ad, ad.initial(), np.linspace(0.0, 1.0, 257), {}
+    if case == "van-der-pol":
+        return VanDerPol(mu=3.0), np.array([2.0, 0.0]), np.linspace(0.0, 10.0, 1025), dict(ranks=8)
+    prop, u0, t = smooth_odenet(128)
+    return prop, u0, t, {}
+
+
+@pytest.mark.parametrize("case", ["heat-be", "advection-diffusion", "van-der-pol", "ode-net"])
+def test_expected_factor_predicts_the_measured_factor(case):
+    """The chosen settings converge, and the expected factor is within 25% of the measured one,
+    ``(r_last / r_first)^(1 / (k - 1))`` of mgrit.solve's residuals at tol 1e-8 (relative)."""
+    prop, u0, t, kw = expected_case(case)
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, measure=False, **kw)
+    linear = case in ("heat-be", "advection-diffusion")
+    assert s.expected_model.startswith("modal" if linear else "linearized along a reference trajectory")
+    assert s.expected_factor is not None and not s.choice.expected_floor and s.expected_cycles is not None
+    res, r = residual_history(prop, u0, t, s.options, tol=1e-8, max_iter=100)
+    assert res.converged
+    measured = tune.average_factor(res.residuals)
+    assert measured == (r[-1] / r[0]) ** (1.0 / (len(r) - 1))
+    assert abs(s.expected_factor - measured) <= 0.25 * measured, (s.choice.describe(), s.expected_factor, measured)
+    assert abs(s.expected_cycles - res.iterations) <= (0 if linear else 1)
+    assert "expected measured factor" in str(s) and "expected" in s.table()
+
+
+@pytest.mark.parametrize("case", ["heat-be", "advection-diffusion"])
+def test_expected_factor_is_the_solvers_on_linear_problems(case):
+    """Linear, time-invariant: the simulated solve is the solver's, mode by mode, so every candidate's
+    expected factor and cycles are the measured ones (to rounding where the last residual is at the
+    rounding level)."""
+    prop, u0, _, _ = expected_case(case)
+    t = np.linspace(0.0, 1.0, 257)
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, measure=False, samples=1, cf=(2, 4, 16))
+    checked = 0
+    for c in s.candidates:
+        res, _ = residual_history(prop, u0, t, c.options, tol=1e-8, max_iter=100)
+        measured = tune.average_factor(res.residuals)
+        assert c.expected_cycles == res.iterations, c.describe()
+        if measured == 0.0:  # exact (sequential stepping reproduced bit for bit): the model is at rounding
+            assert c.expected_floor, c.describe()
+            continue
+        tol = 0.25 if c.expected_floor else 1e-3
+        assert abs(c.expected - measured) <= tol * measured, (c.describe(), c.expected, measured)
+        checked += 1
+    assert checked >= 20
+
+
+def test_simulated_solve_follows_the_options():
+    """skip, trailing F-points (N not a multiple of cf), per-level cf and relaxation, C-weights."""
+    heat = Heat1D(9)
+    u0, t = heat.initial(), np.linspace(0.0, 1.0, 101)
+    for opts in (dict(cf=3, max_levels=3, relax="FCF", c_weight=1.3, skip=False),
+                 dict(cf=4, max_levels=2, relax="F"),
+                 dict(cf=(4, 2), max_levels=4, relax=("F", "FCF"), c_weight=0.8),
+                 dict(cf=2, relax="FCFCF", skip=False)):
+        p = tune.predict_options(heat, u0, t, reduction=1e-6, measure=False, samples=1, **opts)
+        res = mgrit.solve(heat, u0, t, tol=1e-6, tol_type="rel", **opts)
+        assert p.expected_cycles == res.iterations, opts
+        assert p.expected_factor == pytest.approx(tune.average_factor(res.residuals), rel=1e-6), opts
+    # options the simulated solve does not follow: no expected factor, and the reason
+    p = tune.predict_options(heat, u0, t, measure=False, samples=1, nested=True)
+    assert p.expected_factor is None and "nested" in p.expected_model
+    p = tune.predict_options(heat, u0, t, measure=False, samples=1, expected=False)
+    assert p.expected_factor is None and p.predicted_factor > 0
+
+
+def test_chooser_never_picks_a_setting_whose_simulated_solve_diverges():
+    """Van der Pol (RK4): the defaults' coarse steps blow up in the solver, and their simulated solve
+    leaves the range of the linearization (expected factor inf, no cycles); no such setting is chosen,
+    and every simulated solve that converges converges in the solver."""
+    prop, u0 = VanDerPol(mu=3.0), np.array([2.0, 0.0])
+    t = np.linspace(0.0, 10.0, 513)
+    default = tune.predict_options(prop, u0, t, measure=False)
+    assert default.expected_factor == np.inf and default.expected_cycles is None
+    assert default.choice.simulated_divergence and not default.meets_target
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(mgrit.DivergenceError):
+            mgrit.solve(prop, u0, t, tol=1e-8, tol_type="rel")
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, measure=False)
+    assert not s.choice.simulated_divergence
+    assert all(not c.simulated_divergence for c in s.candidates if c.meets_target)
+    for c in s.candidates[:8] + tuple(c for c in s.candidates if c.simulated_divergence)[:3]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                converged = mgrit.solve(prop, u0, t, tol=1e-8, tol_type="rel", **c.options).converged
+            except mgrit.DivergenceError:
+                converged = False
+        assert converged == (c.expected_cycles is not None), c.describe()
+
+
+def test_rounding_level_is_flagged():
+    """Van der Pol on 1024 steps, one rank: the chosen two-level setting reaches the tolerance in three
+    measured cycles, the last at the rounding level; the expected factor says so (and stays within 30%)."""
+    prop, u0, t = VanDerPol(mu=3.0), np.array([2.0, 0.0]), np.linspace(0.0, 10.0, 1025)
+    s = mgrit.choose_settings(prop, u0, t, target=0.1, measure=False)
+    assert s.choice.expected_floor and "rounding level" in str(s)
+    res, r = residual_history(prop, u0, t, s.options, tol=1e-8)
+    assert res.converged and r[-1] < 1e-13
+    assert abs(s.expected_factor - tune.average_factor(res.residuals)) <= 0.3 * tune.average_factor(res.residuals)
+
+
+def test_average_factor():
+    assert tune.average_factor([None, 1.0, 1e-2, 1e-4]) == pytest.approx(1e-2)
+    assert tune.average_factor([None, 0.0]) == 0.0
+    assert tune.average_factor([None, 1.0, float("inf")]) == np.inf
+    assert np.isnan(tune.average_factor([None, 1.0]))
+
+
+# --------------------------------------------------------------------------------------
 # the returned settings
 # --------------------------------------------------------------------------------------
 
