@@ -342,3 +342,26 @@ def test_parallel_gru_on_ranks_equals_nn_gru(n):
     pytest.importorskip("mpi4py")
     rc, out = launch(n, "gru_ranks.py")
     assert_all_ok(n, rc, out)
+
+
+def test_a_gru_solve_without_progress_warns_and_a_converging_one_does_not():
+    import warnings
+
+    from propagators.torch import ConvergenceWarning
+
+    def model(scale):
+        torch.manual_seed(0)
+        m = ParallelGRU(4, 8, coarse="inject", fwd_iters=2, bwd_iters=1).double()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(scale)  # large weights: two cycles do not reduce the residual
+        return m
+
+    x = torch.randn(64, 3, 4, dtype=torch.float64)
+    strong = model(10.0)
+    with pytest.warns(ConvergenceWarning, match="forward \\(GRU layer 0\\) MGRIT solve made no progress"):
+        strong(x)
+    assert strong.last_forward[0].final_residual >= strong.forward_residuals[0][-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        model(1.0)(x)
