@@ -268,12 +268,17 @@ def galerkin_weight(weight: torch.Tensor, depth: int = 1) -> torch.Tensor:
             [0.0000, 0.5000, 0.5000],
             [0.0000, 0.0000, 0.0000]])
     """
+    return _per_axis(weight, _galerkin_matrix, depth, "Galerkin")
+
+
+def _per_axis(weight: torch.Tensor, matrix, depth: int, what: str) -> torch.Tensor:
+    """``K <- M_h K M_w^T`` applied ``depth`` times, ``M = matrix(kernel size)`` per axis."""
     kh, kw = weight.shape[-2:]
     if kh % 2 == 0 or kw % 2 == 0:
-        raise ValueError(f"Galerkin coarse weights need odd kernel sizes, got {kh} x {kw}; use "
+        raise ValueError(f"{what} coarse weights need odd kernel sizes, got {kh} x {kw}; use "
                          "SpatialCoarsening(weights='same')")
-    Mh = torch.as_tensor(_galerkin_matrix(kh), dtype=weight.dtype, device=weight.device)
-    Mw = torch.as_tensor(_galerkin_matrix(kw), dtype=weight.dtype, device=weight.device)
+    Mh = torch.as_tensor(matrix(kh), dtype=weight.dtype, device=weight.device)
+    Mw = torch.as_tensor(matrix(kw), dtype=weight.dtype, device=weight.device)
     for _ in range(depth):
         weight = torch.matmul(torch.matmul(Mh, weight), Mw.transpose(0, 1))
     return weight
@@ -304,15 +309,7 @@ def rediscretized_weight(weight: torch.Tensor, depth: int = 1) -> torch.Tensor:
             [ 0.2500, -1.0000,  0.2500],
             [ 0.0000,  0.2500,  0.0000]])
     """
-    kh, kw = weight.shape[-2:]
-    if kh % 2 == 0 or kw % 2 == 0:
-        raise ValueError(f"rediscretised coarse weights need odd kernel sizes, got {kh} x {kw}; use "
-                         "SpatialCoarsening(weights='same')")
-    Sh = torch.as_tensor(_moment_matrix(kh), dtype=weight.dtype, device=weight.device)
-    Sw = torch.as_tensor(_moment_matrix(kw), dtype=weight.dtype, device=weight.device)
-    for _ in range(depth):
-        weight = torch.matmul(torch.matmul(Sh, weight), Sw.transpose(0, 1))
-    return weight
+    return _per_axis(weight, _moment_matrix, depth, "rediscretised")
 
 
 def _check_conv(j: int, conv: nn.Conv2d) -> None:
