@@ -137,7 +137,12 @@ class DenseRHS:
             return cls("weight", "bias" if module.bias is not None else None)
         return _trace_dense(module)
 
+    def _z_single(self, params, u):
+        """``W x + b`` of one layer (unstacked ``params``) on one state."""
+        return F.linear(u, params[self.weight], params.get(self.bias) if self.bias is not None else None)
+
     def _z(self, params, U):
+        """``W_k x + b_k`` of every interval ``k``, shape ``(n, rows, out)`` (rows: all but the last axis)."""
         W = params[self.weight]  # (n, out, in)
         n = U.shape[0]
         X = U.reshape(n, -1, U.shape[-1])
@@ -145,20 +150,21 @@ class DenseRHS:
             return torch.bmm(X, W.transpose(1, 2))
         return torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
 
+    def _scaled(self, params, U, V, dt):
+        """``dt act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation."""
+        Z = self._z(params, U)
+        return V.reshape(Z.shape) * self.derivative(Z) * dt.reshape(-1, 1, 1)
+
     def euler_vjp(self, params, U, V, dt):
         """``V + dt W^T (act'(z) * V)`` for every interval: the state VJP of a forward Euler step
         ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``."""
-        Z = self._z(params, U)
-        n = U.shape[0]
-        G = V.reshape(Z.shape) * self.derivative(Z) * dt.reshape(n, 1, 1)
-        return V + torch.bmm(G, params[self.weight]).reshape(U.shape)
+        return V + torch.bmm(self._scaled(params, U, V, dt), params[self.weight]).reshape(U.shape)
 
     def euler_param_vjp(self, params, U, W, dt) -> dict:
         """Weight and bias gradients of a forward Euler step for every interval, in closed form:
         ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows."""
-        Z = self._z(params, U)
+        G = self._scaled(params, U, W, dt)
         n = U.shape[0]
-        G = W.reshape(Z.shape) * self.derivative(Z) * dt.reshape(n, 1, 1)
         out = {self.weight: torch.bmm(G.transpose(1, 2), U.reshape(n, -1, U.shape[-1]))}
         if self.bias is not None:
             out[self.bias] = G.sum(1)
@@ -166,27 +172,19 @@ class DenseRHS:
 
     def euler_vjp_single(self, params, u, v, dt):
         """:meth:`euler_vjp` for one layer (unstacked ``params``) and one state."""
-        z = F.linear(u, params[self.weight], params.get(self.bias) if self.bias is not None else None)
-        return v + (v * self.derivative(z) * dt) @ params[self.weight]
+        return v + (v * self.derivative(self._z_single(params, u)) * dt) @ params[self.weight]
 
     def single(self, params, u, *extra):
         """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
         if extra:
             raise TypeError("a dense layer takes the state only")
-        z = F.linear(u, params[self.weight], params.get(self.bias) if self.bias is not None else None)
+        z = self._z_single(params, u)
         return z if self.activation is None else self.activation(z)
 
     def __call__(self, params, U, *extra):
         if extra:
             raise TypeError("a dense layer takes the state only")
-        W = params[self.weight]  # (n, out, in)
-        n = U.shape[0]
-        X = U.reshape(n, -1, U.shape[-1])
-        if self.bias is None:
-            Z = torch.bmm(X, W.transpose(1, 2))
-        else:
-            Z = torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
-        Z = Z.reshape(tuple(U.shape[:-1]) + (W.shape[1],))
+        Z = self._z(params, U).reshape(tuple(U.shape[:-1]) + (params[self.weight].shape[1],))
         return Z if self.activation is None else self.activation(Z)
 
 
