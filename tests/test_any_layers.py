@@ -18,7 +18,7 @@ from propagators.torch import LayerError, LayerParallel, ODENet  # noqa: E402
 from propagators.torch.kernel import layer_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
-from layer_zoo import Conv, Scaled, loss_fn, rel  # noqa: E402
+from layer_zoo import Conv, Scaled, check_equals_serial, loss_fn, rel  # noqa: E402
 
 TIGHT = dict(fwd_iters=80, bwd_iters=80, fwd_tol=1e-14, bwd_tol=1e-14)
 REL = 1e-9
@@ -93,31 +93,6 @@ def networks(width=4):
         "conv_kernels": (conv_kernels, (2, 2, 5, 5)),
         "hooked": (hooked, (3, width)),
     }
-
-
-def serial_reference(layers, x, T):
-    net = ODENet(copy.deepcopy(layers), T=T)
-    xs = x.clone().requires_grad_(True)
-    y = net(xs)
-    loss_fn(y).backward()
-    return y.detach(), xs.grad, [p.grad for p in net.parameters()]
-
-
-def check_equals_serial(lp, layers, x, T):
-    y_s, gx_s, gp_s = serial_reference(layers, x, T)
-    xp = x.clone().requires_grad_(True)
-    y = lp(xp)
-    loss_fn(y).backward()
-    assert rel(y.detach(), y_s) < REL
-    assert rel(xp.grad, gx_s) < REL
-    ps = list(lp.parameters())
-    assert len(ps) == len(gp_s)
-    for p, g in zip(ps, gp_s):
-        if g is None:
-            assert p.grad is None
-        else:
-            assert p.grad is not None, "a parameter got no gradient"
-            assert rel(p.grad, g) < REL
 
 
 @pytest.mark.parametrize("name", list(networks()))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from launch import assert_all_ok, launch, needs_mpiexec
@@ -25,43 +27,12 @@ from propagators.torch.switch import SerialSwitch, Switchable, SwitchRule  # noq
 from propagators.torch.transformer import (  # noqa: E402
     AttentionLayer, MLPLayer, TransformerBlock, make_vit, transformer_layers)
 
+sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
+from layer_zoo import check_equals_serial, loss_fn, rel, serial_reference  # noqa: E402
+
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
 REL = 1e-9
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def rel(a, b) -> float:
-    """Largest difference relative to ``max(1, max |b|)``."""
-    return float((a - b).detach().abs().max()) / max(1.0, float(b.detach().abs().max()))
-
-
-def loss_fn(y):
-    return (y**2).sum() + y.sum()
-
-
-def serial_grads(layers, x, T):
-    """Output, input gradient and parameter gradients of the plain loop ``u <- u + h f(u)``."""
-    layers = copy.deepcopy(layers)
-    xs = x.clone().requires_grad_(True)
-    u, h = xs, T / len(layers)
-    for f in layers:
-        u = u + h * f(u)
-    params = [p for f in layers for p in f.parameters()]
-    grads = torch.autograd.grad(loss_fn(u), [xs] + params)
-    return u.detach(), grads[0], list(grads[1:])
-
-
-def check_equals_serial(lp, layers, x, T):
-    y_s, gx_s, gp_s = serial_grads(layers, x, T)
-    xp = x.clone().requires_grad_(True)
-    y = lp(xp)
-    loss_fn(y).backward()
-    assert rel(y.detach(), y_s) < REL
-    assert rel(xp.grad, gx_s) < REL
-    ps = list(lp.parameters())
-    assert len(ps) == len(gp_s)
-    for p, g in zip(ps, gp_s):
-        assert p.grad is not None and rel(p.grad, g) < REL
 
 
 # -- the layers ----------------------------------------------------------------------------
@@ -94,7 +65,7 @@ def test_blocks_with_dropout_give_the_serial_networks_masks(batched):
     lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2, batched=batched, **TIGHT)
     x = torch.randn(3, 5, 8)
     torch.manual_seed(9)
-    y_s, gx_s, gp_s = serial_grads(layers, x, 1.0)
+    y_s, gx_s, gp_s = serial_reference(layers, x, 1.0)
     torch.manual_seed(9)
     xp = x.clone().requires_grad_(True)
     y = lp(xp)
