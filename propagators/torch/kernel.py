@@ -361,7 +361,25 @@ def _alpha_error() -> LayerError:
                       "layer in eval mode")
 
 
-class DropoutRecorder(TorchFunctionMode):
+class _DropoutMode(TorchFunctionMode):
+    """Intercepts the active dropout calls (training, ``p > 0``) of the code it is entered around and
+    hands them to :meth:`dropout`; alpha dropout is an error, everything else runs unchanged."""
+
+    def dropout(self, name: str, u, p: float):
+        raise NotImplementedError
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_NAMES:
+            u, p, training = _dropout_call(func, args, kwargs)
+            if training and p > 0:
+                return self.dropout(_DROPOUT_NAMES[func], u, p)
+        elif func in _ALPHA and _dropout_call(func, args, kwargs)[2]:
+            raise _alpha_error()
+        return func(*args, **kwargs)
+
+
+class DropoutRecorder(_DropoutMode):
     """Records the active dropout calls of one step (name, input shape, p) and returns the
     input unchanged: the structure from which a pass draws its masks."""
 
@@ -369,19 +387,12 @@ class DropoutRecorder(TorchFunctionMode):
         super().__init__()
         self.calls: list = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _DROPOUT_NAMES:
-            u, p, training = _dropout_call(func, args, kwargs)
-            if training and p > 0:
-                self.calls.append((_DROPOUT_NAMES[func], tuple(u.shape), p))
-                return u
-        elif func in _ALPHA and _dropout_call(func, args, kwargs)[2]:
-            raise _alpha_error()
-        return func(*args, **kwargs)
+    def dropout(self, name, u, p):
+        self.calls.append((name, tuple(u.shape), p))
+        return u
 
 
-class DropoutMasks(TorchFunctionMode):
+class DropoutMasks(_DropoutMode):
     """Applies the masks drawn for one layer, in call order: ``dropout(u) = u * mask``.
 
     The masks are what the dropout function itself returns for an input of
@@ -395,25 +406,18 @@ class DropoutMasks(TorchFunctionMode):
         self.masks = masks
         self.k = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _DROPOUT_NAMES:
-            u, p, training = _dropout_call(func, args, kwargs)
-            if training and p > 0:
-                if self.k >= len(self.masks):
-                    raise LayerError(
-                        f"the layer calls dropout more often ({self.k + 1}+) than when its masks were drawn "
-                        f"({len(self.masks)}): LayerParallel needs the dropout calls of a layer to be the same "
-                        "for every input (no data-dependent dropout)")
-                m = self.masks[self.k]
-                self.k += 1
-                if m.shape != u.shape:
-                    raise LayerError(f"dropout input of shape {tuple(u.shape)} but its mask was drawn for shape "
-                                     f"{tuple(m.shape)}: the layer's dropout calls depend on its input")
-                return u * m
-        elif func in _ALPHA and _dropout_call(func, args, kwargs)[2]:
-            raise _alpha_error()
-        return func(*args, **kwargs)
+    def dropout(self, name, u, p):
+        if self.k >= len(self.masks):
+            raise LayerError(
+                f"the layer calls dropout more often ({self.k + 1}+) than when its masks were drawn "
+                f"({len(self.masks)}): LayerParallel needs the dropout calls of a layer to be the same "
+                "for every input (no data-dependent dropout)")
+        m = self.masks[self.k]
+        self.k += 1
+        if m.shape != u.shape:
+            raise LayerError(f"dropout input of shape {tuple(u.shape)} but its mask was drawn for shape "
+                             f"{tuple(m.shape)}: the layer's dropout calls depend on its input")
+        return u * m
 
 
 def draw_masks(calls, dtype, device) -> list:

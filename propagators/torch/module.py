@@ -87,16 +87,25 @@ def _pass_modes(subs, modes, batch_stats, current: bool = False):
         old = [s.training for s in subs]
         for s, t in zip(subs, modes[0]):
             s.training = t
+    try:
+        with _tracking(batch_stats, False):
+            yield
+    finally:
+        if old is not None:
+            for s, t in zip(subs, old):
+                s.training = t
+
+
+@contextlib.contextmanager
+def _tracking(batch_stats, on: bool):
+    """``track_running_stats = on`` for the BatchNorm modules ``batch_stats`` inside the block."""
     for b in batch_stats:
-        b.track_running_stats = False
+        b.track_running_stats = on
     try:
         yield
     finally:
         for b in batch_stats:
-            b.track_running_stats = True
-        if old is not None:
-            for s, t in zip(subs, old):
-                s.training = t
+            b.track_running_stats = not on
 
 
 def _rng_digest(device) -> int:
@@ -453,19 +462,13 @@ class LayerParallel(nn.Module):
         returned trajectory: the running statistics advance once per pass, as in the serial network."""
         dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
         ids = {id(b) for b in kp.batch_stats}
-        for b in kp.batch_stats:
-            b.track_running_stats = True
-        try:
-            with torch.no_grad():
-                for j, m in self.layers.items():
-                    if not any(id(s) in ids for s in m.modules()):
-                        continue
-                    masks = kp.masks.get(j) if kp.masks else None
-                    with DropoutMasks(masks) if masks else contextlib.nullcontext():
-                        self.scheme(m, U[j - g0], dt)
-        finally:
-            for b in kp.batch_stats:
-                b.track_running_stats = False
+        with _tracking(kp.batch_stats, True), torch.no_grad():  # inside the solves' "off"
+            for j, m in self.layers.items():
+                if not any(id(s) in ids for s in m.modules()):
+                    continue
+                masks = kp.masks.get(j) if kp.masks else None
+                with DropoutMasks(masks) if masks else contextlib.nullcontext():
+                    self.scheme(m, U[j - g0], dt)
 
     @staticmethod
     def _check_input(x):
