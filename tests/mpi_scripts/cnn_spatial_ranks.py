@@ -9,24 +9,17 @@ residual history is the same on every rank. Prints "rank r OK" on success and
 exits 1 with a message otherwise.
 """
 import copy
-import sys
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
+from checks import fail, rank, world
 from propagators.torch import LayerParallel, ODENet, SpatialCoarsening
 from propagators.torch import coarsening
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank = world.Get_rank()
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-13, bwd_tol=1e-13)
 
-
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
 
 
 def check(name, a, b, tol=1e-9):

@@ -8,24 +8,17 @@ sequences shorter than the number of ranks, eval mode (exact stepping), and afte
 optimizer steps (the weights stay equal on every rank); a bad input on one rank
 makes every rank raise. Prints "rank r OK" on success and exits 1 otherwise.
 """
-import sys
 
 import torch
-from mpi4py import MPI
 
+from checks import fail, rank, size, world
 import mgrit
 from propagators.torch import ParallelGRU
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
 TOL = 1e-10
 
-
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
 
 
 def check(name, a, b, tol=TOL):

@@ -22,22 +22,16 @@ import sys
 import time
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
+from checks import fail, rank, size, world
 import mgrit
 from propagators.torch import LayerParallel, MultiStage, allreduce_gradients, residual_cnn
 
 torch.set_default_dtype(torch.float64)
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
 REL = 1e-9
 
-
-def fail(msg):
-    print(f"rank {rank} FAIL: {msg}", flush=True)
-    sys.exit(1)
 
 
 def rel(a, b) -> float:
