@@ -132,6 +132,7 @@ class Tag(IntEnum):
     GATHER = 0x7A07  #: :meth:`Communicator.gather`
     HALO = 0x7A10  #: layer parameters sent to the ranks that need them
     GHOST = 0x7A11  #: a neighbour's last state
+    STATE = 0x7A12  #: :meth:`Communicator.bcast_state`
     USER = 0x7A20  #: first free tag
 
 
@@ -460,6 +461,22 @@ class Communicator(ABC):
     def bcast(self, obj, root: int = 0):
         """``obj`` of rank ``root`` on every rank (pickled; listens for failures while waiting)."""
         return obj
+
+    def bcast_state(self, x, like, root: int = 0):
+        """State ``x`` of rank ``root`` on every rank, sent as raw bytes (not pickled).
+
+        ``like`` (any rank) gives the shape, dtype and device of the result on
+        the receiving ranks; ``x`` is ignored there. Costs ``size - 1``
+        messages from ``root``, each a state; use it inside a session.
+        """
+        if self.size == 1:
+            return x
+        if self.rank == root:
+            for r in range(self.size):
+                if r != root:
+                    self.send(x, r, Tag.STATE)
+            return x
+        return self.recv(like, root, Tag.STATE)
 
     # -- failures outside sessions -----------------------------------------------
     def alarm(self, exc: BaseException) -> None:

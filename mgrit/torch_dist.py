@@ -125,12 +125,12 @@ def _code(tag: int) -> int:
         return tag
     if Tag.FAILURE <= tag <= Tag.GATHER:
         return 512 + tag - Tag.FAILURE
-    if tag in (Tag.HALO, Tag.GHOST):
+    if tag in (Tag.HALO, Tag.GHOST, Tag.STATE):
         return 528 + tag - Tag.HALO
     if Tag.USER <= tag <= TorchDistComm.tag_ub:
         return 544 + tag - Tag.USER
     raise ValueError(f"tag {tag} cannot travel on a torch.distributed communicator: use a level index "
-                     f"below 512, Tag.HALO, Tag.GHOST or Tag.USER .. Tag.USER + 479 (TorchDistComm.tag_ub)")
+                     f"below 512, Tag.HALO, Tag.GHOST, Tag.STATE or Tag.USER .. Tag.USER + 479 (TorchDistComm.tag_ub)")
 
 
 def _wire(space: int, tag: int) -> int:

@@ -515,7 +515,7 @@ class ParallelGRU(nn.Module):
                 out = self._gather_points(U[max(1, lay.lo) - g0:] if lay.hi >= lay.lo else U[:0],
                                           max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
                 root = lay.plan.owner_of_point(L)
-                hL = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
+                hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 
@@ -579,7 +579,7 @@ class ParallelGRU(nn.Module):
             gh0 = None
             if need_h0:
                 root = lay.plan.owner_of_point(0)
-                gh0 = self._comm.bcast(lam[0].cpu() if r == root else None, root=root).to(x.device)
+                gh0 = self._comm.bcast_state(lam[0].clone() if r == root else None, zeros, root=root)
         return gx, gh0, gw
 
     def _step_gradients(self, prop, U, GH, g0, lam, lay, x, w_ih, need_x: bool):

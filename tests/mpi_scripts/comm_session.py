@@ -160,6 +160,17 @@ def check_clean(c, bad_lines: list) -> None:
                 bad_lines.append("sum_exact")
             if c.max([float(r)]) != P - 1 or c.allreduce(1.0) != P or c.allreduce(float(r), "max") != P - 1:
                 bad_lines.append("max / allreduce")
+            for root in range(P):  # raw states from every root: numpy and torch, the root's bits everywhere
+                x = np.arange(6.0).reshape(2, 3) / (root + 3)
+                got = c.bcast_state(x if r == root else None, np.zeros((2, 3)), root=root)
+                if got.dtype != x.dtype or not np.array_equal(got, x):
+                    bad_lines.append(f"bcast_state of a numpy state from rank {root}")
+                import torch
+
+                y = torch.arange(4, dtype=torch.float32) / (root + 7)
+                got = c.bcast_state(y if r == root else None, torch.empty(4), root=root)
+                if not (isinstance(got, torch.Tensor) and torch.equal(got, y)):
+                    bad_lines.append(f"bcast_state of a torch state from rank {root}")
             c.finish()  # an explicit finish inside the block (the exit does not repeat it)
     prop, t = Dahlquist(-1.0), np.linspace(0.0, 4.0, 65)
     kw = dict(cf=2, max_levels=4, relax="FCF", tol=1e-12, max_iter=30)
