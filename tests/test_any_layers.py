@@ -574,3 +574,45 @@ def test_closed_form_dense_vjps_equal_autograd(make):
     u = U[1].detach().requires_grad_(True)
     ref1 = torch.autograd.grad(u + 0.25 * dense.single(single, u), u, V[1])[0]
     assert rel(dense.euler_vjp_single(single, u.detach(), V[1], 0.25), ref1) < 1e-13
+    # the same products from the derivatives computed once (what the adjoint of a backward pass reuses)
+    D = dense.linearize(params, U.detach())
+    assert rel(dense.euler_vjp(params, None, V, dt, D), ref) < 1e-13
+    got = dense.euler_param_vjp(params, U.detach(), V, dt, D)
+    for (n, _), r in zip(leaves.items(), refs):
+        assert rel(got[n], r) < 1e-13, n
+    assert rel(dense.euler_vjp_single(single, None, V[1], 0.25, D[1]), ref1) < 1e-13
+
+
+def test_backward_evaluates_each_dense_layer_once(monkeypatch):
+    """The adjoint of dense forward-Euler layers linearizes every layer once per backward pass
+    (one batched evaluation at the stored states) and reuses those derivatives in every sweep,
+    coarse step and parameter gradient; layers without a closed form keep re-evaluating.
+    The gradients equal serial autograd either way."""
+    from propagators.torch.kernel import DenseRHS
+
+    calls = {"z": 0, "lin": 0}
+    z, lin = DenseRHS._z, DenseRHS.linearize
+
+    def count_z(self, *a):
+        calls["z"] += 1
+        return z(self, *a)
+
+    def count_lin(self, *a):
+        calls["lin"] += 1
+        return lin(self, *a)
+
+    monkeypatch.setattr(DenseRHS, "_z", count_z)
+    monkeypatch.setattr(DenseRHS, "linearize", count_lin)
+    torch.manual_seed(3)
+    layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(32)]
+    serial = ODENet(copy.deepcopy(layers), T=1.0)
+    lp = LayerParallel(layers, T=1.0, cf=2, max_levels=3, fwd_iters=30, bwd_iters=30, fwd_tol=1e-13,
+                       bwd_tol=1e-13)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    y = lp(x)
+    calls.update(z=0, lin=0)
+    y.square().sum().backward()
+    assert calls == {"z": 1, "lin": 1}  # the linearization is the only evaluation of the layers
+    serial(x).square().sum().backward()
+    for a, b in zip(lp.parameters(), serial.parameters()):
+        assert rel(a.grad, b.grad) < 1e-9

@@ -33,10 +33,18 @@ class AdjointPropagator(mgrit.Propagator):
     states : callable
         ``states(ia)`` returns the stacked forward states at fine indices ``ia``.
     n_layers : int
+    linearized : callable, optional
+        ``linearized(ia)`` returns the derivatives that
+        :meth:`~propagators.torch.kernel.KernelPass.linearize` gave for the states and layers at
+        fine indices ``ia`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
+        default parameter injection). Every step then reuses them instead of re-evaluating the
+        layer at its stored state.
     """
 
-    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int):
+    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int,
+                 linearized: Callable | None = None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
+        self.linearized = linearized
 
     def intervals(self, tau0, tau1):
         """Forward fine indices ``(ia, ib)`` of reverse intervals."""
@@ -46,21 +54,27 @@ class AdjointPropagator(mgrit.Propagator):
         h, N = self.fwd.h, self.N
         ia, ib = N - round(float(tau1) / h), N - round(float(tau0) / h)
         j = int(np.asarray(self.fwd.layer_index(np.array([ia]), np.array([ib])))[0])
+        if self.linearized is not None:
+            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, self.linearized(np.array([ia]))[0])
         return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
     def step_batch(self, V, tau0, tau1):
         ia, ib = self.intervals(tau0, tau1)
-        return self.fwd.kernel.vjp_state(self.states(ia), V, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, V))
+        layers, dt = self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, V)
+        if self.linearized is not None:
+            return self.fwd.kernel.vjp_state(None, V, layers, dt, self.linearized(ia))
+        return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
 
 
-def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W):
+def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):
     """``(d Phi_j / d theta_j)^T w_{j+1}`` for the fine steps of the given layers.
 
     ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
-    at the state it produces. Returns ``(positions, grads)``: the gradient
-    ``grads[i]`` (or None) belongs to the parameter ``fwd.kernel.params[positions[i]]``
+    at the state it produces (``D``: optional derivatives of
+    :meth:`~propagators.torch.kernel.KernelPass.linearize` for ``U``). Returns
+    ``(positions, grads)``: the gradient ``grads[i]`` (or None) belongs to the parameter ``fwd.kernel.params[positions[i]]``
     (see :meth:`~propagators.torch.kernel.KernelPass.vjp_params`).
     """
     layers = np.asarray(layers, dtype=np.int64)
     dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)
-    return fwd.kernel.vjp_params(U, W, layers, dt)
+    return fwd.kernel.vjp_params(U, W, layers, dt, D)

@@ -150,29 +150,43 @@ class DenseRHS:
             return torch.bmm(X, W.transpose(1, 2))
         return torch.baddbmm(params[self.bias].unsqueeze(1), X, W.transpose(1, 2))
 
-    def _scaled(self, params, U, V, dt):
-        """``dt act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation."""
+    def linearize(self, params, U):
+        """``act'(W_k x + b_k)`` of every interval, shape ``(n, rows, out)``: what the adjoint of a
+        forward Euler step needs of the forward state ``U[k]`` (its linearization)."""
         Z = self._z(params, U)
-        return V.reshape(Z.shape) * self.derivative(Z) * dt.reshape(-1, 1, 1)
+        return self.derivative(Z).expand(Z.shape)  # (a linear layer's derivative is a scalar one)
 
-    def euler_vjp(self, params, U, V, dt):
+    def _scaled(self, params, U, V, dt, D=None):
+        """``dt act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation
+        (``D``: the derivatives :meth:`linearize` gave for ``U``, else computed here)."""
+        if D is None:
+            D = self.linearize(params, U)
+        return V.reshape(V.shape[0], -1, V.shape[-1]) * D * dt.reshape(-1, 1, 1)
+
+    def euler_vjp(self, params, U, V, dt, D=None):
         """``V + dt W^T (act'(z) * V)`` for every interval: the state VJP of a forward Euler step
-        ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``."""
-        return V + torch.bmm(self._scaled(params, U, V, dt), params[self.weight]).reshape(U.shape)
+        ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``;
+        with the derivatives ``D`` of :meth:`linearize`, ``U`` is not read (may be None)."""
+        return V + torch.bmm(self._scaled(params, U, V, dt, D), params[self.weight]).reshape(V.shape)
 
-    def euler_param_vjp(self, params, U, W, dt) -> dict:
+    def euler_param_vjp(self, params, U, W, dt, D=None) -> dict:
         """Weight and bias gradients of a forward Euler step for every interval, in closed form:
         ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows."""
-        G = self._scaled(params, U, W, dt)
+        G = self._scaled(params, U, W, dt, D)
         n = U.shape[0]
         out = {self.weight: torch.bmm(G.transpose(1, 2), U.reshape(n, -1, U.shape[-1]))}
         if self.bias is not None:
             out[self.bias] = G.sum(1)
         return out
 
-    def euler_vjp_single(self, params, u, v, dt):
-        """:meth:`euler_vjp` for one layer (unstacked ``params``) and one state."""
-        return v + (v * self.derivative(self._z_single(params, u)) * dt) @ params[self.weight]
+    def euler_vjp_single(self, params, u, v, dt, d=None):
+        """:meth:`euler_vjp` for one layer (unstacked ``params``) and one state (``d``: its
+        derivatives from :meth:`linearize`, shape ``(rows, out)``)."""
+        if d is None:
+            d = self.derivative(self._z_single(params, u))
+        elif d.shape != v.shape:
+            d = d.reshape(v.shape)
+        return v + (v * d * dt) @ params[self.weight]
 
     def single(self, params, u, *extra):
         """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
@@ -701,15 +715,16 @@ class KernelPass:
             raise _inplace_error()
         return out
 
-    def vjp_state_one(self, u, v, j: int, dt: float):
-        """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves)."""
+    def vjp_state_one(self, u, v, j: int, dt: float, d=None):
+        """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves);
+        ``d``: the layer's derivatives at ``u`` from :meth:`linearize` (then ``u`` is not read)."""
         if j >= self.k.class_of.size or self.k.class_of[j] < 0:
             self._groups(np.array([j]))  # raises the plan-bug error
         c = self.k.classes[int(self.k.class_of[j])]
         if c.mode == "dense":
             p = self._detached(j)[0]
-            if self.k.scheme is forward_euler and c.dense.derivative is not None:
-                return c.dense.euler_vjp_single(p, u, v, dt)
+            if self._closed_form(c):
+                return c.dense.euler_vjp_single(p, u, v, dt, d)
             try:
                 with torch.enable_grad():
                     ua = u.detach().requires_grad_(True)
@@ -771,10 +786,37 @@ class KernelPass:
             return torch.stack([one(k, int(j)) for k, j in enumerate(idx)])
         return _on_streams(self.k, lambda k: one(k, int(idx[k])), n)
 
+    # -- adjoint: linearization ---------------------------------------------------
+    def _closed_form(self, c: LayerClass) -> bool:
+        """Dense forward-Euler layers whose activation has a closed-form derivative."""
+        return c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None
+
+    def linearize(self, U, idx: np.ndarray):
+        """The activation derivatives ``act'(W_j u + b_j)`` of layers ``idx[k]`` at states ``U[k]``.
+
+        Returns a tensor of shape ``(n, rows, out)`` when every layer among ``idx`` is a dense
+        forward-Euler layer with a closed-form derivative, else None. Computed once per backward
+        pass, they stand in for the states in every adjoint sweep (:meth:`vjp_state` with ``D``)
+        and in the parameter gradients: each step is then one product with ``W^T``.
+        """
+        idx = np.asarray(idx)
+        if not idx.size or not all(self._closed_form(self.k.classes[cid]) for cid, _ in self._groups(idx)):
+            return None
+        return self._run(idx, self._linearize_class, U)
+
+    def _linearize_class(self, cid, idx, U):
+        return self.k.classes[cid].dense.linearize(self._gather(cid, idx, U.device)[0], U)
+
     # -- adjoint: state VJPs -----------------------------------------------------
-    def vjp_state(self, U, V, idx: np.ndarray, dt):
-        """``J_k^T V[k]`` with ``J_k`` the Jacobian of step ``k`` at state ``U[k]``."""
+    def vjp_state(self, U, V, idx: np.ndarray, dt, D=None):
+        """``J_k^T V[k]`` with ``J_k`` the Jacobian of step ``k`` at state ``U[k]`` (with ``D``, the
+        derivatives :meth:`linearize` gave for those states and layers, ``U`` is not read)."""
+        if D is not None:
+            return self._run(np.asarray(idx), self._vjp_state_linearized, V, dt, D)
         return self._run(np.asarray(idx), self._vjp_state_class, U, V, dt)
+
+    def _vjp_state_linearized(self, cid, idx, V, dt, D):
+        return self.k.classes[cid].dense.euler_vjp(self._gather(cid, idx, V.device)[0], None, V, dt, D)
 
     def _vjp_state_class(self, cid, idx, U, V, dt):
         c = self.k.classes[cid]
@@ -788,7 +830,7 @@ class KernelPass:
 
             return self._loop(idx, one)
         p, b = self._gather(cid, idx, U.device)
-        if c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None:
+        if self._closed_form(c):
             return c.dense.euler_vjp(p, U, V, dt)
         if c.mode == "dense":
             def run():
@@ -807,8 +849,9 @@ class KernelPass:
                              lambda: self._vjp_state_class(cid, idx, U, V, dt))
 
     # -- parameter VJPs ----------------------------------------------------------
-    def vjp_params(self, U, W, idx: np.ndarray, dt):
-        """``(d step_k / d theta)^T W[k]`` for every interval ``k``.
+    def vjp_params(self, U, W, idx: np.ndarray, dt, D=None):
+        """``(d step_k / d theta)^T W[k]`` for every interval ``k`` (``D``: optional derivatives
+        from :meth:`linearize` for ``U`` and ``idx``).
 
         Returns ``(positions, grads)``: flat lists, ``grads[i]`` belongs to the
         parameter ``self.params[positions[i]]``; None for parameters that do not
@@ -822,11 +865,12 @@ class KernelPass:
         for cid, pos in self._groups(idx):
             part = idx if pos is None else idx[pos]
             if pos is None:
-                Up, Wp, dtp = U, W, dt
+                Up, Wp, dtp, Dp = U, W, dt, D
             else:
                 t = torch.as_tensor(pos, device=U.device)
                 Up, Wp, dtp = U.index_select(0, t), W.index_select(0, t), dt.index_select(0, t)
-            ps, gs = self._vjp_params_class(cid, part, Up, Wp, dtp)
+                Dp = None if D is None else D.index_select(0, t)
+            ps, gs = self._vjp_params_class(cid, part, Up, Wp, dtp, Dp)
             positions += ps
             grads += gs
         return positions, grads
@@ -837,7 +881,7 @@ class KernelPass:
             self._req = np.fromiter(map(_REQUIRES_GRAD, self.params), dtype=bool, count=len(self.params))
         return self._req
 
-    def _vjp_params_class(self, cid, idx, U, W, dt):
+    def _vjp_params_class(self, cid, idx, U, W, dt, D=None):
         c = self.k.classes[cid]
         nq = len(c.param_names)
         cols = self.k.p_start[idx][:, None] + np.arange(nq)  # flat positions, (intervals, parameters)
@@ -851,8 +895,8 @@ class KernelPass:
                 gs += [one[n] for n in c.param_names]
             return ps, gs
         p, b = self._gather(cid, idx, U.device)
-        if c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None:
-            G = c.dense.euler_param_vjp(p, U, W, dt)
+        if self._closed_form(c):
+            G = c.dense.euler_param_vjp(p, U, W, dt, D)
             G = {n: G.get(n) for n in need}
         elif c.mode == "dense":
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}

@@ -125,22 +125,28 @@ class _LayerParallelFunction(torch.autograd.Function):
     def backward(ctx, gy):
         lp = ctx.lp
         try:
-            with lp._session():  # a failure of these checks on one rank reaches every rank
-                if torch.is_grad_enabled():
-                    raise RuntimeError(
-                        "LayerParallel does not support double backward (backward with create_graph=True, "
-                        "e.g. gradient penalties or Hessian-vector products): its backward pass is an MGRIT "
-                        "solve that is not itself differentiated. Compute such terms on the serial network "
-                        "(`lp.to_serial()` or `lp.serial(x)`)"
-                    )
-                params = ctx.saved_tensors  # raises if a parameter was modified in place since forward
-            kp = ctx.saved[0].kernel
-            with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
-                gx, grads = lp._adjoint(ctx.saved, gy, params)
+            # one session around the whole backward pass (the adjoint solve nests its own): a failure
+            # of these checks, of the solve or of the gradients on one rank reaches every rank
+            with lp._session():
+                kp = ctx.saved[0].kernel
+                with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
+                    gx, grads = lp._adjoint(ctx.saved, gy, lambda: _backward_checks(ctx))
         except BaseException as exc:
             lp._alarm(exc)
             raise
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+def _backward_checks(ctx):
+    """The saved parameters of the pass, after the checks that may fail on one rank only."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "LayerParallel does not support double backward (backward with create_graph=True, "
+            "e.g. gradient penalties or Hessian-vector products): its backward pass is an MGRIT "
+            "solve that is not itself differentiated. Compute such terms on the serial network "
+            "(`lp.to_serial()` or `lp.serial(x)`)"
+        )
+    return ctx.saved_tensors  # raises if a parameter was modified in place since forward
 
 
 def _checked_layer(j: int, m):
@@ -531,7 +537,9 @@ class LayerParallel(nn.Module):
 
     def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
-        with self._session():  # every check that may fail on one rank only happens inside a session
+        # One session around the whole pass (the solve nests its own): every check that may fail
+        # on one rank only happens inside it, and a failure anywhere reaches every rank.
+        with self._session():
             self._check_input(x)
             self._check_layers()
             if P > 1:
@@ -541,34 +549,31 @@ class LayerParallel(nn.Module):
                 self._draw_masks(kp, calls, x)
             if not self._probed:
                 self._probe(kp, x)
-        prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
-        guess = self._initial_guess(x)
-        versions = self._buffer_versions(kp)
-        rng = (torch.random.get_rng_state(), np.random.get_state())
-        with torch.no_grad():
-            if self.exact_eval and not self.training:  # inference: the serial network's output
-                res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
-            else:
-                props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
-                res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
-                                  tol_type=self.tol_type, max_iter=self.fwd_iters, skip=self.skip and guess is None,
-                                  initial_guess=guess, comm=self._comm, callback=self.callback,
-                                  final_residual=True, spatial=transfers)
-        self.last_forward = res
-        U, g0 = res.u, self.lo
-        if P == 1:
+            prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
+            guess = self._initial_guess(x)
+            versions = self._buffer_versions(kp)
+            rng = (torch.random.get_rng_state(), np.random.get_state())
+            with torch.no_grad():
+                if self.exact_eval and not self.training:  # inference: the serial network's output
+                    res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
+                else:
+                    props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
+                    res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                                      tol_type=self.tol_type, max_iter=self.fwd_iters,
+                                      skip=self.skip and guess is None, initial_guess=guess, comm=self._comm,
+                                      callback=self.callback, final_residual=True, spatial=transfers)
+            self.last_forward = res
+            U, g0 = res.u, self.lo
             self._check_side_effects(kp, versions, rng)
+            if P > 1:
+                U, g0 = self._with_ghost(U)
             if kp.batch_stats:
                 self._update_running_stats(kp, U, g0, x)
-            y = U[-1].clone()
-        else:
-            with self._comm.session():
-                self._check_side_effects(kp, versions, rng)
-                U, g0 = self._with_ghost(U)
-                if kp.batch_stats:
-                    self._update_running_stats(kp, U, g0, x)
+            if P == 1:
+                y = U[-1].clone()
+            else:
                 root = self.plan.owner_of_point(self.n_layers)
-                y = self._comm.bcast(U[-1].cpu() if r == root else None, root=root).to(x.device)
+                y = self._comm.bcast_state(U[-1].clone() if r == root else None, x, root=root)
         _warn_without_progress(res, "forward", "fwd_iters")  # after the checks: an error comes first
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
@@ -648,15 +653,28 @@ class LayerParallel(nn.Module):
         return U, self.lo
 
     # -- backward -------------------------------------------------------------
-    def _adjoint(self, saved, gy, params):
+    def _adjoint(self, saved, gy, checks):
+        """The adjoint solve, the parameter gradients and the input gradient (inside the backward
+        pass's session). ``checks()`` returns the saved parameters or raises."""
         prop, U, g0, xshape = saved
         N, P, r = self.n_layers, self._comm.size, self._comm.rank
 
         def states(ia):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
 
-        adj = AdjointPropagator(prop, states, N)
-        adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
+        try:
+            params = checks()
+            D = self._linearize(prop, U, g0)
+
+            def linearized(ia):
+                return D.index_select(0, torch.as_tensor(ia - g0, device=D.device))
+
+            adj = AdjointPropagator(prop, states, N, linearized if D is not None else None)
+            adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
+        except BaseException as exc:
+            if P > 1:  # the other ranks wait in the handshake of the adjoint solve: they raise there
+                self._adj_comm.open(failure=exc)
+            raise
         with torch.no_grad():
             res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
                               tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
@@ -665,20 +683,34 @@ class LayerParallel(nn.Module):
         self.last_backward = res
         _warn_without_progress(res, "adjoint", "bwd_iters")
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
+        grads = self._parameter_gradients(prop, U, g0, W, params, D)
         if P == 1:
-            return W[0].reshape(xshape), self._parameter_gradients(prop, U, g0, W, params)
-        with self._comm.session():
-            grads = self._parameter_gradients(prop, U, g0, W, params)
-            root = self.plan.owner_of_point(0)
-            gx = self._comm.bcast(W[0].cpu() if r == root else None, root=root).to(gy.device)
+            return W[0].reshape(xshape), grads
+        root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
+        gx = self._comm.bcast_state(W[0].clone() if r == root else None, gy, root=root)
         return gx.reshape(xshape), grads
 
-    def _parameter_gradients(self, prop, U, g0, W, params):
+    def _linearize(self, prop, U, g0):
+        """The derivatives of every held layer at its stored input state (rows of ``U``), computed
+        once for the whole backward pass (see KernelPass.linearize); None where the layers, the
+        coarse parameters or spatial coarsening need the states themselves."""
+        if self.layer_index is not inject_layer or self.spatial is not None:
+            return None
+        rows = np.arange(g0, g0 + U.shape[0])
+        rows = rows[rows < self.n_layers]  # the last point enters no layer
+        class_of = prop.kernel.k.class_of  # -1 (or beyond its end): a layer this process does not hold
+        if rows.size and (rows[-1] >= class_of.size or (class_of[rows] < 0).any()):
+            return None
+        with torch.no_grad():
+            return prop.kernel.linearize(U[: rows.size], rows)
+
+    def _parameter_gradients(self, prop, U, g0, W, params, D=None):
         layers = np.asarray(list(self.owned_layers), dtype=np.int64)
         if not len(layers) or not params:
             return [None] * len(params)
         with torch.no_grad():
-            positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo])
+            positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
+                                             None if D is None else D[layers - g0])
         flat = prop.kernel.params
         ids = list(map(id, map(flat.__getitem__, positions)))
         if len(set(ids)) == len(ids):  # every gradient belongs to its own parameter (C-level maps)
