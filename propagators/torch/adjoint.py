@@ -45,6 +45,7 @@ class AdjointPropagator(mgrit.Propagator):
                  linearized: Callable | None = None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
         self.linearized = linearized
+        self._plans = forward.kernel.k.plan_cache(("adjoint", self.N, forward.h, forward.layer_index))
 
     def intervals(self, tau0, tau1):
         """Forward fine indices ``(ia, ib)`` of reverse intervals."""
@@ -58,9 +59,18 @@ class AdjointPropagator(mgrit.Propagator):
             return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, self.linearized(np.array([ia]))[0])
         return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
+    def plan(self, tau0, tau1, like):
+        """``(ia, layers, dt)`` of the reverse intervals, worked out once per pattern of time points."""
+        tau0, tau1 = np.asarray(tau0, dtype=np.float64), np.asarray(tau1, dtype=np.float64)
+        key = (tau0.tobytes(), tau1.tobytes(), like.dtype, like.device)
+        hit = self._plans.get(key)
+        if hit is None:
+            ia, ib = self.intervals(tau0, tau1)
+            hit = self._plans[key] = (ia, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, like))
+        return hit
+
     def step_batch(self, V, tau0, tau1):
-        ia, ib = self.intervals(tau0, tau1)
-        layers, dt = self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, V)
+        ia, layers, dt = self.plan(tau0, tau1, V)
         if self.linearized is not None:
             return self.fwd.kernel.vjp_state(None, V, layers, dt, self.linearized(ia))
         return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)

@@ -109,6 +109,8 @@ _ACTIVATION_FUNCTIONS = {torch.tanh, torch.relu, torch.sigmoid, torch.sin, torch
                          F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.sigmoid, F.tanh}
 _ACTIVATION_METHODS = {"tanh", "relu", "sigmoid", "sin", "cos", "exp"}
 _SCALAR_OPS = {operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add}
+#: entries a kernel's pattern caches hold before they start afresh (sweeps repeat a few dozen patterns)
+_CACHE_LIMIT = 4096
 
 
 class DenseRHS:
@@ -484,6 +486,8 @@ class LayerKernel:
         self.scheme = scheme
         self.n_streams = int(streams)
         self._streams = None
+        self._group_cache: dict = {}  # (dtype, bytes) of a layer-index array -> its groups (_groups)
+        self._plan_caches: dict = {}  # see plan_cache
         n = max(self.modules, default=-1) + 1
         self.class_of = np.full(n, -1, dtype=np.int64)
         self.position = np.full(n, -1, dtype=np.int64)
@@ -517,6 +521,14 @@ class LayerKernel:
             self.classes.append(LayerClass(np.array(members), tpl, pn, bn, mode, dense))
             self.class_of[members] = cid
             self.position[members] = np.arange(len(members))
+
+    def plan_cache(self, key) -> dict:
+        """A dict that lives as long as this kernel, for propagators to keep what they derive from
+        time points (layer indices, step tensors) across passes; ``key`` names its owner."""
+        cache = self._plan_caches.get(key)
+        if cache is None or len(cache) > _CACHE_LIMIT:
+            cache = self._plan_caches[key] = {}
+        return cache
 
     def bind(self) -> "KernelPass":
         """Bind to the current parameter values (one forward pass and its backward)."""
@@ -623,7 +635,18 @@ class KernelPass:
 
     # -- grouping --------------------------------------------------------------
     def _groups(self, idx: np.ndarray):
-        """[(class id, positions in idx or None for all)] for the classes present in ``idx``."""
+        """[(class id, positions in idx or None for all)] for the classes present in ``idx``
+        (kept per index pattern: a sweep's pattern recurs in every cycle and pass)."""
+        key = (idx.dtype.char, idx.tobytes())
+        cache = self.k._group_cache
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) > _CACHE_LIMIT:
+                cache.clear()
+            hit = cache[key] = self._find_groups(idx)
+        return hit
+
+    def _find_groups(self, idx: np.ndarray):
         if idx.size and (idx.min() < 0 or idx.max() >= self.k.class_of.size
                          or (self.k.class_of[idx] < 0).any()):
             missing = sorted(set(idx.tolist()) - set(self.k.modules))

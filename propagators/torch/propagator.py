@@ -68,6 +68,8 @@ class ODEPropagator(mgrit.Propagator):
         self.h = float(h)
         self.layer_index = layer_index or inject_layer
         self._dts: dict = {}
+        # layer indices and steps of every pattern of time points, kept across passes by the kernel
+        self._plans = self.kernel.k.plan_cache(("forward", self.h, self.layer_index))
 
     def ints(self, t) -> np.ndarray:
         """Fine indices of time points (``t / h`` rounded)."""
@@ -91,6 +93,16 @@ class ODEPropagator(mgrit.Propagator):
         j = int(np.asarray(self.layer_index(np.array([i0]), np.array([i1])))[0])
         return self.kernel.step_one(u, j, (i1 - i0) * self.h)
 
+    def plan(self, t0, t1, like):
+        """``(layers, dt)`` of the intervals ``t0 -> t1``: :meth:`layers_of` and :meth:`dt` of their
+        fine indices, worked out once per pattern of time points (sweeps repeat theirs every cycle)."""
+        t0, t1 = np.asarray(t0, dtype=np.float64), np.asarray(t1, dtype=np.float64)
+        key = (t0.tobytes(), t1.tobytes(), like.dtype, like.device)
+        hit = self._plans.get(key)
+        if hit is None:
+            i0, i1 = self.ints(t0), self.ints(t1)
+            hit = self._plans[key] = (self.layers_of(i0, i1), self.dt(i0, i1, like))
+        return hit
+
     def step_batch(self, U, t0, t1):
-        i0, i1 = self.ints(t0), self.ints(t1)
-        return self.kernel.step(U, self.layers_of(i0, i1), self.dt(i0, i1, U))
+        return self.kernel.step(U, *self.plan(t0, t1, U))
