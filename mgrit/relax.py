@@ -289,9 +289,9 @@ def sequential_solve(w: LevelState) -> None:
     """
     if w.left is not None:
         recv_ghost(w, w.u)
-    u, tl, step, g, level = w.u, w.tl, w.prop.step, w.g, w.level.index
+    u, tl, step, g, level = w.u, w.tl.tolist(), w.prop.step, w.g, w.level.index
     for a in range(1, w.nloc):
-        x = checked_state(step(u[a - 1], float(tl[a - 1]), float(tl[a])), u, level)
+        x = checked_state(step(u[a - 1], tl[a - 1], tl[a]), u, level)
         u[a] = x if g is None else x + g[a]
     w.count += max(w.nloc - 1, 0)
     send_last(w, w.u)

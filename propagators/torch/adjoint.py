@@ -17,6 +17,7 @@ import torch
 import mgrit
 
 from .propagator import ODEPropagator
+from .schemes import inject_layer
 
 
 class AdjointPropagator(mgrit.Propagator):
@@ -33,18 +34,17 @@ class AdjointPropagator(mgrit.Propagator):
     states : callable
         ``states(ia)`` returns the stacked forward states at fine indices ``ia``.
     n_layers : int
-    linearized : callable, optional
-        ``linearized(ia)`` returns the derivatives that
-        :meth:`~propagators.torch.kernel.KernelPass.linearize` gave for the states and layers at
-        fine indices ``ia`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
+    linearization : (tensor, int), optional
+        ``(D, i0)``: ``D[k]`` holds the derivatives that
+        :meth:`~propagators.torch.kernel.KernelPass.linearize` gave for the state and layer at
+        fine index ``i0 + k`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
         default parameter injection). Every step then reuses them instead of re-evaluating the
         layer at its stored state.
     """
 
-    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int,
-                 linearized: Callable | None = None):
+    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
-        self.linearized = linearized
+        self.linearization = linearization
         self._plans = forward.kernel.k.plan_cache(("adjoint", self.N, forward.h, forward.layer_index))
 
     def intervals(self, tau0, tau1):
@@ -54,9 +54,13 @@ class AdjointPropagator(mgrit.Propagator):
     def step(self, v, tau0, tau1):
         h, N = self.fwd.h, self.N
         ia, ib = N - round(float(tau1) / h), N - round(float(tau0) / h)
-        j = int(np.asarray(self.fwd.layer_index(np.array([ia]), np.array([ib])))[0])
-        if self.linearized is not None:
-            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, self.linearized(np.array([ia]))[0])
+        if self.fwd.layer_index is inject_layer:
+            j = ia
+        else:
+            j = int(np.asarray(self.fwd.layer_index(np.array([ia]), np.array([ib])))[0])
+        if self.linearization is not None:
+            D, i0 = self.linearization
+            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[ia - i0])
         return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
     def plan(self, tau0, tau1, like):
@@ -71,8 +75,10 @@ class AdjointPropagator(mgrit.Propagator):
 
     def step_batch(self, V, tau0, tau1):
         ia, layers, dt = self.plan(tau0, tau1, V)
-        if self.linearized is not None:
-            return self.fwd.kernel.vjp_state(None, V, layers, dt, self.linearized(ia))
+        if self.linearization is not None:
+            D, i0 = self.linearization
+            return self.fwd.kernel.vjp_state(None, V, layers, dt,
+                                             D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
         return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
 
 

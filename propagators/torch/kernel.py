@@ -559,6 +559,7 @@ class KernelPass:
         self.params = [d[a] for d, a in kernel._pflat]
         self.buffers = [d[a] for d, a in kernel._bflat]
         self._values: dict = {}
+        self._detached_values: dict = {}
         self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
@@ -598,8 +599,11 @@ class KernelPass:
         return list({id(P[i]): P[i] for i in idx}.values())
 
     def _detached(self, j):
-        p, b = self.value(j)
-        return {n: v.detach() for n, v in p.items()}, b
+        hit = self._detached_values.get(j)
+        if hit is None:
+            p, b = self.value(j)
+            hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
+        return hit
 
     def _stack(self, cid: int):
         hit = self._stacked.get(cid)

@@ -665,11 +665,7 @@ class LayerParallel(nn.Module):
         try:
             params = checks()
             D = self._linearize(prop, U, g0)
-
-            def linearized(ia):
-                return D.index_select(0, torch.as_tensor(ia - g0, device=D.device))
-
-            adj = AdjointPropagator(prop, states, N, linearized if D is not None else None)
+            adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
             adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         except BaseException as exc:
             if P > 1:  # the other ranks wait in the handshake of the adjoint solve: they raise there

@@ -90,7 +90,10 @@ class ODEPropagator(mgrit.Propagator):
 
     def step(self, u, t0, t1):
         i0, i1 = round(float(t0) / self.h), round(float(t1) / self.h)
-        j = int(np.asarray(self.layer_index(np.array([i0]), np.array([i1])))[0])
+        if self.layer_index is inject_layer:
+            j = i0
+        else:
+            j = int(np.asarray(self.layer_index(np.array([i0]), np.array([i1])))[0])
         return self.kernel.step_one(u, j, (i1 - i0) * self.h)
 
     def plan(self, t0, t1, like):
