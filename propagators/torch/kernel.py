@@ -169,7 +169,8 @@ class DenseRHS:
         """``V + dt W^T (act'(z) * V)`` for every interval: the state VJP of a forward Euler step
         ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``;
         with the derivatives ``D`` of :meth:`linearize`, ``U`` is not read (may be None)."""
-        return V + torch.bmm(self._scaled(params, U, V, dt, D), params[self.weight]).reshape(V.shape)
+        V3 = V.reshape(V.shape[0], -1, V.shape[-1])
+        return torch.baddbmm(V3, self._scaled(params, U, V, dt, D), params[self.weight]).reshape(V.shape)
 
     def euler_param_vjp(self, params, U, W, dt, D=None) -> dict:
         """Weight and bias gradients of a forward Euler step for every interval, in closed form:
@@ -188,7 +189,8 @@ class DenseRHS:
             d = self.derivative(self._z_single(params, u))
         elif d.shape != v.shape:
             d = d.reshape(v.shape)
-        return v + (v * d * dt) @ params[self.weight]
+        v2 = v.reshape(-1, v.shape[-1])
+        return torch.addmm(v2, (v * d * dt).reshape(v2.shape), params[self.weight]).reshape(v.shape)
 
     def single(self, params, u, *extra):
         """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
@@ -733,7 +735,10 @@ class KernelPass:
         if c.mode == "dense":
             p = self._detached(j)[0]
             try:
-                out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
+                if self.k.scheme is forward_euler and isinstance(dt, float):  # u + dt f(u), fused
+                    out = torch.add(u, c.dense.single(p, u), alpha=dt)
+                else:
+                    out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
             except Exception:  # noqa: BLE001 - the looped call below names the layer
                 out = self._call_layer(j, u, dt)
         else:
@@ -783,6 +788,8 @@ class KernelPass:
 
     def dense_step(self, c: LayerClass, params, U, dt):
         dtb = dt.reshape((-1,) + (1,) * (U.dim() - 1))
+        if self.k.scheme is forward_euler:  # u + dt f(u) as one fused operation
+            return torch.addcmul(U, dtb, c.dense(params, U))
         return self.k.scheme(lambda V: c.dense(params, V), U, dtb)
 
     def _vmapped(self, c: LayerClass):
