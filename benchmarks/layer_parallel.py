@@ -21,6 +21,7 @@ Run::
 
     .venv/bin/python benchmarks/layer_parallel.py            # 1024 layers, width 16, batch 16
     .venv/bin/python benchmarks/layer_parallel.py --quick    # small smoke run
+    .venv/bin/python benchmarks/layer_parallel.py --sweep 64 128 256 512 1024   # 1 -> 2 ranks only
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def parse(argv=None):
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-mpi", action="store_true", help="skip the 2-rank measurement")
+    p.add_argument("--sweep", type=int, nargs="+", metavar="N",
+                   help="only the 1 -> 2 rank comparison under mpiexec, for each of these layer counts")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
@@ -83,9 +86,11 @@ def layers(a, custom=False):
     return [nn.Sequential(nn.Linear(a.width, a.width), nn.Tanh()) for _ in range(a.layers)]
 
 
-def interleaved(fns, repeat, barrier=None):
+def interleaved(fns, repeat, barrier=None, joint=None):
     """Median seconds of each function, run in alternation (A B C A B C ...) so that
-    machine noise hits all of them alike; with ``barrier`` (MPI), the slowest rank's time."""
+    machine noise hits all of them alike. With ``barrier`` (MPI) every run starts together on
+    all ranks; a function that ``joint[k]`` marks as one job over the ranks counts the slowest
+    rank's time, the others (each rank's own job) count every rank's time as a sample."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
@@ -96,9 +101,12 @@ def interleaved(fns, repeat, barrier=None):
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
-            if barrier is not None:
-                dt = barrier.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
-            times[k].append(dt)
+            if barrier is None:
+                times[k].append(dt)
+            elif joint is not None and joint[k]:
+                times[k].append(barrier.allreduce(dt, op=__import__("mpi4py").MPI.MAX))
+            else:
+                times[k] += barrier.allgather(dt)
     return [statistics.median(t) for t in times]
 
 
@@ -138,8 +146,8 @@ def build_lp(a, batched=True, comm=None, custom=False):
 
 def child(a):
     """Under ``mpiexec -n 2``: the plain loop, LayerParallel on one process (each rank runs its own,
-    at the same time, on its own core) and LayerParallel over both ranks, interleaved; every time
-    is the slowest rank's."""
+    at the same time, on its own core: every rank's time is a sample) and LayerParallel over both
+    ranks (the slowest rank's time), interleaved."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -147,7 +155,7 @@ def child(a):
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
     lp1, lp2 = build_lp(a), build_lp(a, comm=comm)
     t_plain, t_lp1, t_lp2 = interleaved([plain_loop(a, x), fwd_bwd(lp1, x), fwd_bwd(lp2, x)], a.repeat,
-                                        barrier=comm)
+                                        barrier=comm, joint=[False, False, True])
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({"plain": t_plain, "lp1": t_lp1, "lp2": t_lp2,
                                       "modes": lp2.kernel.describe()}))
@@ -180,6 +188,8 @@ def main(argv=None):
     a = parse(argv)
     if a.child:
         return child(a)
+    if a.sweep:
+        return sweep(a)
     torch.set_num_threads(1)
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
     serial = ODENet(layers(a), T=1.0)
@@ -190,19 +200,9 @@ def main(argv=None):
         [plain_loop(a, x), fwd_bwd(serial, x), fwd_bwd(lp, x), fwd_bwd(lp_custom, x)], a.repeat)
     t_loop = interleaved([fwd_bwd(looped, x)], max(1, a.repeat // 5))[0]
     t_lp2 = ranks = None
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not a.no_mpi and mpiexec.exists():
-        cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k not in ("quick", "no_mpi", "child")]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-        for line in out.stdout.splitlines():
-            if line.startswith("RESULT "):
-                ranks = json.loads(line[7:])
-                t_lp2 = ranks["lp2"]
-        if t_lp2 is None:
-            print(out.stdout, out.stderr)
+    if not a.no_mpi and (Path(sys.executable).parent / "mpiexec").exists():
+        ranks = run_ranks(a)
+        t_lp2 = ranks["lp2"]
     res = lp.last_forward
     print(f"deep narrow ODE-net: {a.layers} layers, width {a.width}, batch {a.batch}; MGRIT cf {a.cf}, "
           f"{len(lp.hierarchy)} levels, relax {lp.options['relax']}, {a.fwd_iters} forward / "
@@ -219,8 +219,9 @@ def main(argv=None):
         print(f"{name:<44}{1e3 * t:>10.2f}{t / t_plain:>19.3f}")
     print(f"\nbatched vs looped relaxation: {t_loop / t_lp:.1f}x faster")
     if ranks is not None:
-        print("\nunder mpiexec -n 2, interleaved, slowest rank (each rank runs the plain loop and a 1-process "
-              "LayerParallel of its own at the same time, then both run one LayerParallel together):")
+        print("\nunder mpiexec -n 2, interleaved (each rank runs the plain loop and a 1-process LayerParallel of "
+              "its own at the same time: every rank's time a sample; then both run one LayerParallel together: "
+              "the slowest rank's time):")
         for name, key in (("plain loop", "plain"), ("LayerParallel, 1 process", "lp1"),
                           ("LayerParallel, 2 ranks", "lp2")):
             print(f"{name:<44}{1e3 * ranks[key]:>10.2f}{ranks[key] / ranks['plain']:>19.3f}")
@@ -236,6 +237,32 @@ def main(argv=None):
     print()
     base, one = (ranks["plain"], ranks["lp1"]) if ranks is not None else (t_plain, t_lp)
     print(model_table(a, lp, base, one, t_lp2, [1, 2, 8, 64, 512]))
+    return 0
+
+
+def run_ranks(a) -> dict:
+    """The 2-rank child's interleaved measurement (plain loop, one-process and two-rank LayerParallel)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("quick", "no_mpi", "child", "sweep")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=1200)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"the 2-rank run failed:\n{out.stdout}\n{out.stderr}")
+
+
+def sweep(a):
+    """1 -> 2 ranks for several depths (same width, batch and settings), each side by side under mpiexec."""
+    print(f"1 -> 2 ranks, width {a.width}, batch {a.batch}, cf {a.cf}, up to {a.levels} levels, {a.fwd_iters}/"
+          f"{a.bwd_iters} cycles, float32, 1 thread per rank; interleaved medians of {a.repeat} (one-process "
+          "runs: every rank's time; two ranks: the slowest rank's)")
+    print(f"{'layers':>7}{'plain loop ms':>15}{'1 process ms':>14}{'2 ranks ms':>12}{'1 -> 2 ranks':>14}")
+    for n in a.sweep:
+        r = run_ranks(argparse.Namespace(**{**vars(a), "layers": n}))
+        print(f"{n:>7}{1e3 * r['plain']:>15.2f}{1e3 * r['lp1']:>14.2f}{1e3 * r['lp2']:>12.2f}"
+              f"{r['lp1'] / r['lp2']:>13.2f}x")
     return 0
 
 

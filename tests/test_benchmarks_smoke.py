@@ -85,3 +85,16 @@ def test_training_benchmarks_quick_runs_print_their_tables(script, needle):
         pytest.importorskip("aeon")  # its data files ship inside aeon
     out = run_benchmark(script, "--quick")
     assert needle in out and "%" in out, out
+
+
+def test_layer_parallel_quick_run_and_rank_sweep():
+    """The one-process table, the side-by-side 2-rank rows (when mpiexec is there) and the sweep."""
+    pytest.importorskip("torch")
+    out = run_benchmark("layer_parallel.py", "--quick")
+    assert "LayerParallel, 1 rank, nn.Sequential layers" in out and "critical-path model" in out
+    if (Path(sys.executable).parent / "mpiexec").exists():
+        assert "1 -> 2 ranks:" in out
+        sweep = run_benchmark("layer_parallel.py", "--sweep", "16", "32", "--levels", "3", "--repeat", "2",
+                              "--width", "4", "--batch", "2")
+        rows = [r for r in map(str.split, sweep.splitlines()) if len(r) == 5 and r[0].isdigit()]
+        assert [int(r[0]) for r in rows] == [16, 32] and all(r[-1].endswith("x") for r in rows)
