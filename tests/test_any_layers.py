@@ -616,3 +616,57 @@ def test_backward_evaluates_each_dense_layer_once(monkeypatch):
     serial(x).square().sum().backward()
     for a, b in zip(lp.parameters(), serial.parameters()):
         assert rel(a.grad, b.grad) < 1e-9
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.Sigmoid, None])
+def test_complex_states_give_serial_gradients_on_the_dense_path(act):
+    """Complex states take autograd (which conjugates) instead of the real closed-form adjoint."""
+    torch.manual_seed(0)
+    dt = torch.complex128
+    layers = [nn.Sequential(nn.Linear(3, 3, dtype=dt), act()) if act else nn.Linear(3, 3, dtype=dt)
+              for _ in range(8)]
+    x = torch.randn(2, 3, dtype=dt)
+
+    def loss(y):
+        return (y.abs() ** 2).sum() + y.real.sum()
+
+    net = ODENet(copy.deepcopy(layers))
+    xs = x.clone().requires_grad_(True)
+    loss(net(xs)).backward()
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, fwd_iters=60, bwd_iters=60, fwd_tol=1e-14,
+                       bwd_tol=1e-14)
+    xp = x.clone().requires_grad_(True)
+    loss(lp(xp)).backward()
+    assert rel(xp.grad, xs.grad) < 1e-9
+    for p, q in zip(lp.parameters(), net.parameters()):
+        assert rel(p.grad, q.grad) < 1e-9
+
+
+def test_nan_output_gradient_names_the_loss():
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2)
+    y = lp(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="gradient of the LayerParallel output contains NaN or Inf"):
+        (y * float("nan")).sum().backward()
+
+
+def test_ode_propagator_follows_parameter_changes_or_refresh():
+    """Single steps see new parameter data (``.data =``) at once; batched steps after ``refresh()``."""
+    import mgrit
+    from propagators.torch import ODEPropagator
+
+    torch.manual_seed(1)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(8)]
+    prop = ODEPropagator(layers, h=1 / 8)
+    u0, t = torch.randn(2, 4, dtype=torch.float64), np.linspace(0.0, 1.0, 9)
+
+    def serial():
+        with torch.no_grad():
+            return ODENet(layers, T=1.0)(u0)
+
+    mgrit.solve(prop, u0, t, max_levels=1)
+    mgrit.solve(prop, u0, t, cf=2, max_levels=3, tol=1e-13, max_iter=30)
+    for m in layers:
+        m[0].weight.data = m[0].weight.data * 3
+    assert rel(mgrit.solve(prop, u0, t, max_levels=1).u[-1], serial()) < 1e-14
+    prop.refresh()
+    assert rel(mgrit.solve(prop, u0, t, cf=2, max_levels=3, tol=1e-13, max_iter=30).u[-1], serial()) < 1e-10

@@ -601,9 +601,12 @@ class KernelPass:
         return list({id(P[i]): P[i] for i in idx}.values())
 
     def _detached(self, j):
+        p, b = self.value(j)
         hit = self._detached_values.get(j)
-        if hit is None:
-            p, b = self.value(j)
+        # kept per layer while every parameter still has the same data (``p.data = ...`` or a module's
+        # ``.to()`` / ``.double()`` give it new data: detach again)
+        if hit is None or any(d.data_ptr() != v.data_ptr() or d.dtype != v.dtype
+                              for d, v in zip(hit[0].values(), p.values())):
             hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
         return hit
 
@@ -755,7 +758,7 @@ class KernelPass:
         c = self.k.classes[int(self.k.class_of[j])]
         if c.mode == "dense":
             p = self._detached(j)[0]
-            if self._closed_form(c):
+            if self._closed_form(c, v):
                 return c.dense.euler_vjp_single(p, u, v, dt, d)
             try:
                 with torch.enable_grad():
@@ -821,9 +824,11 @@ class KernelPass:
         return _on_streams(self.k, lambda k: one(k, int(idx[k])), n)
 
     # -- adjoint: linearization ---------------------------------------------------
-    def _closed_form(self, c: LayerClass) -> bool:
-        """Dense forward-Euler layers whose activation has a closed-form derivative."""
-        return c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None
+    def _closed_form(self, c: LayerClass, x) -> bool:
+        """Dense forward-Euler layers whose activation has a closed-form derivative, on real states
+        ``x`` (complex states go through autograd, which conjugates)."""
+        return (c.mode == "dense" and self.k.scheme is forward_euler and c.dense.derivative is not None
+                and not x.is_complex())
 
     def linearize(self, U, idx: np.ndarray):
         """The activation derivatives ``act'(W_j u + b_j)`` of layers ``idx[k]`` at states ``U[k]``.
@@ -834,7 +839,7 @@ class KernelPass:
         and in the parameter gradients: each step is then one product with ``W^T``.
         """
         idx = np.asarray(idx)
-        if not idx.size or not all(self._closed_form(self.k.classes[cid]) for cid, _ in self._groups(idx)):
+        if not idx.size or not all(self._closed_form(self.k.classes[cid], U) for cid, _ in self._groups(idx)):
             return None
         return self._run(idx, self._linearize_class, U)
 
@@ -864,7 +869,7 @@ class KernelPass:
 
             return self._loop(idx, one)
         p, b = self._gather(cid, idx, U.device)
-        if self._closed_form(c):
+        if self._closed_form(c, V):
             return c.dense.euler_vjp(p, U, V, dt)
         if c.mode == "dense":
             def run():
@@ -929,7 +934,7 @@ class KernelPass:
                 gs += [one[n] for n in c.param_names]
             return ps, gs
         p, b = self._gather(cid, idx, U.device)
-        if self._closed_form(c):
+        if self._closed_form(c, U):
             G = c.dense.euler_param_vjp(p, U, W, dt, D)
             G = {n: G.get(n) for n in need}
         elif c.mode == "dense":

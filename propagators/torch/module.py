@@ -664,6 +664,9 @@ class LayerParallel(nn.Module):
 
         try:
             params = checks()
+            if not bool(torch.isfinite(gy).all()):
+                raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
+                                 "from the loss: check the loss and what follows the block)")
             D = self._linearize(prop, U, g0)
             adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
             adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening

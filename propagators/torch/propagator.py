@@ -60,6 +60,14 @@ class ODEPropagator(mgrit.Propagator):
         index ``i0`` to ``i1``.
     batched, streams
         See :class:`~propagators.torch.kernel.LayerKernel`.
+
+    Notes
+    -----
+    Batched steps use stacked copies of the parameters, made at their first
+    use: a propagator evaluates the parameter values it first saw. After
+    changing parameters (an optimizer step, ``load_state_dict``, ``.to()``),
+    call :meth:`refresh` or build a new propagator. ``LayerParallel`` binds
+    the current values on every forward pass.
     """
 
     def __init__(self, layers, h: float, scheme=forward_euler, layer_index=None, batched: bool = True,
@@ -70,6 +78,10 @@ class ODEPropagator(mgrit.Propagator):
         self._dts: dict = {}
         # layer indices and steps of every pattern of time points, kept across passes by the kernel
         self._plans = self.kernel.k.plan_cache(("forward", self.h, self.layer_index))
+
+    def refresh(self) -> None:
+        """Evaluate the layers' current parameter values from now on (see the Notes)."""
+        self.kernel = self.kernel.k.bind()
 
     def ints(self, t) -> np.ndarray:
         """Fine indices of time points (``t / h`` rounded)."""
