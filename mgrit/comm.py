@@ -610,11 +610,14 @@ def _keyval(MPI) -> int:
 
 class _SessionComm(Communicator):
     """The engine-independent half of the session protocol (module docstring):
-    the handshake's verdict, ``close``, ``finish`` and the reductions built on a
-    tree ``_reduce``. :class:`MPIComm` and ``mgrit.torch_dist.TorchDistComm``
-    supply the engine half: ``_stack`` / ``_top`` (open channels), ``_broken``
-    (an alarm), ``_usable``, ``_reduce(x, op)``, ``_finish``, ``_notify``,
-    ``_cleanup``, ``_release`` and ``_abandon``."""
+    the handshake's verdict, ``close``, ``finish``, the reductions built on a
+    tree ``_reduce``, and ``send`` / ``recv`` / ``bcast`` / ``gather``.
+    :class:`MPIComm` and ``mgrit.torch_dist.TorchDistComm`` supply the engine
+    half: ``_stack`` / ``_top`` (open channels), ``_broken`` (an alarm),
+    ``_usable``, ``_reduce(x, op)``, ``_finish``, ``_notify``, ``_cleanup``,
+    ``_release``, ``_abandon``, ``_isend`` / ``_recv_into`` / ``_isend_obj`` /
+    ``_recv_obj`` / ``_send_buffer``, and the hooks ``_before_post``,
+    ``_device_buffers`` and ``_after_object_sends``."""
 
     _finishing = False  # in finish() of the innermost session
 
@@ -714,6 +717,65 @@ class _SessionComm(Communicator):
             self._finish()
         finally:
             self._finishing = False
+
+    # -- messages and object collectives, written once for both engines ----------
+    def _before_post(self) -> None:
+        """Engine hook before a message is posted: raise if the communicator is unusable or a
+        failure notice / alarm has arrived."""
+        self._usable()
+
+    def _device_buffers(self) -> bool:
+        """Engine hook: CUDA tensors travel from and into device memory (else via host memory)."""
+        return False
+
+    def _after_object_sends(self, ch) -> None:
+        """Engine hook after a collective's pickled sends (e.g. complete them outside sessions)."""
+
+    def send(self, x, dest, tag):
+        self._before_post()
+        if Tag.FAILURE <= tag < Tag.HALO:
+            raise ValueError(f"tag {tag} is reserved for the protocol of mgrit.comm; use Tag.HALO, "
+                             "Tag.GHOST, Tag.STATE, Tag.USER and above, or a level index")
+        self._isend(self._top, self._send_buffer(x), dest, tag)
+
+    def recv(self, like, source, tag):
+        self._before_post()
+        if B.is_torch(like):
+            import torch
+
+            on_device = like.is_cuda and self._device_buffers()
+            buf = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device if on_device else "cpu")
+        else:
+            buf = np.empty(tuple(like.shape), dtype=like.dtype)
+        self._recv_into(self._top, buf, source, tag)
+        if B.is_torch(like) and buf.device != like.device:
+            return buf.to(device=like.device)
+        return buf
+
+    def bcast(self, obj, root=0):
+        self._before_post()
+        ch = self._top
+        if self.rank == root:
+            for r in range(self.size):
+                if r != root:
+                    self._isend_obj(ch, obj, r, Tag.BCAST)
+            self._after_object_sends(ch)
+            return obj
+        return self._recv_obj(ch, root, Tag.BCAST)
+
+    def gather(self, obj, root=0):
+        self._before_post()
+        ch = self._top
+        dest = 0 if root is None else root
+        if self.rank != dest:
+            self._isend_obj(ch, obj, dest, Tag.GATHER)
+            parts = None
+        else:
+            parts = [obj if r == dest else self._recv_obj(ch, r, Tag.GATHER) for r in range(self.size)]
+        if root is None:
+            parts = self.bcast(parts, root=0)
+        self._after_object_sends(ch)
+        return parts
 
     # -- reductions: a tree through rank 0, so every rank gets the same bits ------
     def allreduce(self, value, op="sum"):
@@ -1011,6 +1073,9 @@ class MPIComm(_SessionComm):
             backoff.pause()
 
     # -- point to point ---------------------------------------------------
+    def _device_buffers(self):
+        return self.cuda_aware
+
     def _send_buffer(self, x):
         """A private contiguous copy of ``x`` that MPI can read while we go on."""
         if B.is_torch(x):
@@ -1025,27 +1090,6 @@ class MPIComm(_SessionComm):
                 return x.cpu()  # synchronous copy to host memory
             return x.clone(memory_format=torch.contiguous_format)
         return np.array(x, copy=True, order="C")
-
-    def send(self, x, dest, tag):
-        self._usable()
-        if Tag.FAILURE <= tag < Tag.HALO:
-            raise ValueError(f"tag {tag} is reserved for the protocol of mgrit.comm; use Tag.HALO, "
-                             "Tag.GHOST, Tag.USER and above, or a level index")
-        self._isend(self._top, self._send_buffer(x), dest, tag)
-
-    def recv(self, like, source, tag):
-        self._usable()
-        if B.is_torch(like):
-            import torch
-
-            on_device = like.is_cuda and self.cuda_aware
-            buf = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device if on_device else "cpu")
-        else:
-            buf = np.empty(tuple(like.shape), dtype=like.dtype)
-        self._recv_into(self._top, buf, source, tag)
-        if B.is_torch(like) and buf.device != like.device:
-            return buf.to(device=like.device)
-        return buf
 
     # -- reductions -------------------------------------------------------
     def _reduce(self, x: np.ndarray, op) -> np.ndarray:
@@ -1096,29 +1140,6 @@ class MPIComm(_SessionComm):
                         backoff.pause()
         self._complete_sends(ch)
         ch.finished = True
-
-    def bcast(self, obj, root=0):
-        self._usable()
-        ch = self._top
-        if self.rank == root:
-            for r in range(self.size):
-                if r != root:
-                    self._isend_obj(ch, obj, r, Tag.BCAST)
-            return obj
-        return self._recv_obj(ch, root, Tag.BCAST)
-
-    def gather(self, obj, root=0):
-        self._usable()
-        ch = self._top
-        dest = 0 if root is None else root
-        if self.rank != dest:
-            self._isend_obj(ch, obj, dest, Tag.GATHER)
-            parts = None
-        else:
-            parts = [obj if r == dest else self._recv_obj(ch, r, Tag.GATHER) for r in range(self.size)]
-        if root is None:
-            return self.bcast(parts, root=0)
-        return parts
 
     # -- alarms and communicators ---------------------------------------------
     def alarm(self, exc):

@@ -746,6 +746,16 @@ class TorchDistComm(_SessionComm):
             self._notify(self._top, exc)
 
     # -- point to point ---------------------------------------------------
+    def _before_post(self):
+        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
+
+    def _device_buffers(self):
+        return self._g.nccl
+
+    def _after_object_sends(self, ch):
+        if ch is self._base:  # outside sessions nobody else completes them
+            self._complete_sends(ch)
+
     def _send_buffer(self, x):
         """A private contiguous copy of ``x`` (a tensor on the device only for NCCL)."""
         if B.is_torch(x):
@@ -756,27 +766,6 @@ class TorchDistComm(_SessionComm):
                 return x.cpu()  # gloo: staged through host memory
             return x.clone(memory_format=torch.contiguous_format)
         return np.array(x, copy=True, order="C")
-
-    def send(self, x, dest, tag):
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        if Tag.FAILURE <= tag < Tag.HALO:
-            raise ValueError(f"tag {tag} is reserved for the protocol of mgrit.comm; use Tag.HALO, "
-                             "Tag.GHOST, Tag.USER and above, or a level index")
-        self._isend(self._top, self._send_buffer(x), dest, tag)
-
-    def recv(self, like, source, tag):
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        if B.is_torch(like):
-            import torch
-
-            on_device = like.is_cuda and self._g.nccl
-            buf = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device if on_device else "cpu")
-        else:
-            buf = np.empty(tuple(like.shape), dtype=like.dtype)
-        self._recv_into(self._top, buf, source, tag)
-        if B.is_torch(like) and buf.device != like.device:
-            return buf.to(device=like.device)
-        return buf
 
     # -- reductions -------------------------------------------------------
     def _reduce(self, x, op):
@@ -848,33 +837,6 @@ class TorchDistComm(_SessionComm):
             req = _Req(self._g.ctl.recv([buf], self._members[source], (ch.space << _CODE_BITS) | code), False)
         self._wait(req)
         ch.recvd[source][code] = ch.recvd[source].get(code, 0) + 1
-
-    def bcast(self, obj, root=0):
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        ch = self._top
-        if self.rank == root:
-            for r in range(self.size):
-                if r != root:
-                    self._isend_obj(ch, obj, r, Tag.BCAST)
-            if ch is self._base:
-                self._complete_sends(ch)
-            return obj
-        return self._recv_obj(ch, root, Tag.BCAST)
-
-    def gather(self, obj, root=0):
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        ch = self._top
-        dest = 0 if root is None else root
-        if self.rank != dest:
-            self._isend_obj(ch, obj, dest, Tag.GATHER)
-            parts = None
-        else:
-            parts = [obj if r == dest else self._recv_obj(ch, r, Tag.GATHER) for r in range(self.size)]
-        if root is None:
-            parts = self.bcast(parts, root=0)
-        if ch is self._base:
-            self._complete_sends(ch)
-        return parts
 
     # -- alarms and communicators ---------------------------------------------
     def alarm(self, exc):
