@@ -215,6 +215,52 @@ def exchange(w: LevelState, X) -> None:
         recv_ghost(w, X)
 
 
+def _f_relax_by_interval(w: LevelState) -> None:
+    """F-relaxation for a propagator that only has ``step``: interval by interval, so that each
+    step reads the state the previous one just wrote (in cache), instead of one sweep per residue
+    class over the whole level. Each F-point gets exactly the value of the batched order.
+
+    Order: the interval holding the last owned point first (then it is sent right), the complete
+    intervals, and last the interval this rank starts inside, after receiving its ghost.
+    """
+    m, u, g, n = w.level.cf, w.u, w.g, w.nloc
+    step, tl, level = w.prop.step, w.tl.tolist(), w.level.index
+    a0 = w.first(0)  # the first local C-point slot >= 1 (n when there is none)
+    head = range(1, min(a0, n))  # F-points before it: they continue from slot 0 (the ghost, or point 0)
+    starts = list(range(a0, n, m))  # every later interval: its C-point slot
+    if w.right is not None and w.hi % m != 0 and starts:
+        starts = starts[-1:] + starts[:-1]  # the interval holding the last point, first
+    first = [True]
+
+    def sweep(slots):
+        for i in slots:
+            x = step(u[i - 1], tl[i - 1], tl[i])
+            if first[0]:  # the first result is checked like a batch (type, shape, complex), the rest trusted
+                x = checked_state(x, u, level)
+                first[0] = False
+            if g is None:
+                u[i] = x
+            elif getattr(x, "dtype", u.dtype) == u.dtype:  # as the batch: stored, then g added in place
+                u[i] = x
+                u[i] += g[i]
+            else:  # a step in another dtype: g added in the step's dtype, as the batch does
+                u[i] = x + g[i]
+        w.count += len(slots)
+
+    if w.right is not None and w.hi % m == 0:
+        send_last(w, u)  # a C-point: final before the sweep
+    for k, c in enumerate(starts):
+        sweep(range(c + 1, min(c + m, n)))
+        if k == 0 and w.right is not None and w.hi % m != 0:
+            send_last(w, u)
+    if w.left is not None:
+        recv_ghost(w, u)  # the head needs it; C-relaxation and residuals read it afterwards
+    if head:
+        sweep(head)
+        if not starts and w.right is not None and w.hi % m != 0:
+            send_last(w, u)
+
+
 def f_relax(w: LevelState) -> None:
     """F-relaxation: ``u_i <- Phi(u_{i-1}) + g_i`` at all F-points of the level.
 
@@ -228,6 +274,8 @@ def f_relax(w: LevelState) -> None:
     otherwise the ghost is refreshed at the end (for the C-relaxation and
     residuals that follow).
     """
+    if type(w.prop).step_batch is Propagator.step_batch and w.nloc > 1:
+        return _f_relax_by_interval(w)
     m = w.level.cf
     j_lo = w.lo % m if w.left is not None else 0  # sweep that first reads the ghost (0: none)
     j_hi = w.hi % m if w.right is not None else -1  # sweep after which u[hi] is final

@@ -25,6 +25,16 @@ from mgrit.model import predict
 from propagators import Brusselator, Dahlquist, Heat1D, Lorenz, heat_hierarchy
 
 
+class StepOnly(mgrit.Propagator):
+    """A propagator with ``step`` only: the solver relaxes it interval by interval."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def step(self, u, t0, t1):
+        return self.inner.step(u, t0, t1)
+
+
 def cases(size: int, with_torch: bool):
     """(name, propagator, u0, t, keyword arguments) of every case."""
     out = []
@@ -102,6 +112,17 @@ def cases(size: int, with_torch: bool):
         starts[2] = starts[1]  # and one empty rank in the middle
     out.append(("partition: uneven blocks, an empty rank", Lorenz(), np.array([1.0, 1.0, 1.0]),
                 np.linspace(0, 0.3, n31), dict(cf=2, max_levels=3, tol=1e-10, max_iter=20, partition=starts)))
+    # step only (F-relaxation interval by interval; blocks start and end inside intervals)
+    out += [
+        ("step only: lorenz cf 3, N=37, FCF V", StepOnly(Lorenz()), np.array([1.0, 1.0, 1.0]),
+         np.linspace(0.0, 0.37, 38), dict(cf=3, max_levels=3, relax="FCF", tol=1e-10, max_iter=30)),
+        ("step only: dahlquist cf 4, nested F-cycles", StepOnly(Dahlquist(-1.5)), np.ones(2), t37,
+         dict(cf=4, max_levels=3, relax="F", cycle="F", nested=True, tol=1e-12, max_iter=40)),
+        ("step only: heat cf 2, 4 levels", StepOnly(Heat1D(9)), Heat1D(9).initial(),
+         np.linspace(0, 1, 30), dict(cf=2, max_levels=4, relax="FCF", tol=1e-10, max_iter=30)),
+        ("step only: uneven blocks, an empty rank", StepOnly(Lorenz()), np.array([1.0, 1.0, 1.0]),
+         np.linspace(0, 0.3, n31), dict(cf=2, max_levels=3, tol=1e-10, max_iter=20, partition=starts)),
+    ]
     if with_torch:
         out += torch_cases()
     return out
