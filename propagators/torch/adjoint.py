@@ -16,8 +16,7 @@ import torch
 
 import mgrit
 
-from .propagator import ODEPropagator
-from .schemes import inject_layer
+from .propagator import ODEPropagator, cached_plan
 
 
 class AdjointPropagator(mgrit.Propagator):
@@ -54,10 +53,7 @@ class AdjointPropagator(mgrit.Propagator):
     def step(self, v, tau0, tau1):
         h, N = self.fwd.h, self.N
         ia, ib = N - round(float(tau1) / h), N - round(float(tau0) / h)
-        if self.fwd.layer_index is inject_layer:
-            j = ia
-        else:
-            j = int(np.asarray(self.fwd.layer_index(np.array([ia]), np.array([ib])))[0])
+        j = self.fwd.layer_of(ia, ib)
         if self.linearization is not None:
             D, i0 = self.linearization
             return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[ia - i0])
@@ -65,13 +61,11 @@ class AdjointPropagator(mgrit.Propagator):
 
     def plan(self, tau0, tau1, like):
         """``(ia, layers, dt)`` of the reverse intervals, worked out once per pattern of time points."""
-        tau0, tau1 = np.asarray(tau0, dtype=np.float64), np.asarray(tau1, dtype=np.float64)
-        key = (tau0.tobytes(), tau1.tobytes(), like.dtype, like.device)
-        hit = self._plans.get(key)
-        if hit is None:
+        def make(tau0, tau1):
             ia, ib = self.intervals(tau0, tau1)
-            hit = self._plans[key] = (ia, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, like))
-        return hit
+            return ia, self.fwd.layers_of(ia, ib), self.fwd.dt(ia, ib, like)
+
+        return cached_plan(self._plans, tau0, tau1, like, make)
 
     def step_batch(self, V, tau0, tau1):
         ia, layers, dt = self.plan(tau0, tau1, V)
@@ -88,8 +82,9 @@ def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):
     ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
     at the state it produces (``D``: optional derivatives of
     :meth:`~propagators.torch.kernel.KernelPass.linearize` for ``U``). Returns
-    ``(positions, grads)``: the gradient ``grads[i]`` (or None) belongs to the parameter ``fwd.kernel.params[positions[i]]``
-    (see :meth:`~propagators.torch.kernel.KernelPass.vjp_params`).
+    ``(positions, grads)``: the gradient ``grads[i]`` (or None) belongs to the
+    parameter ``fwd.kernel.params[positions[i]]`` (see
+    :meth:`~propagators.torch.kernel.KernelPass.vjp_params`).
     """
     layers = np.asarray(layers, dtype=np.int64)
     dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)

@@ -36,6 +36,17 @@ def as_kernel_pass(layers, scheme=forward_euler, batched: bool = True, streams: 
     return LayerKernel(modules, scheme, batched, streams).bind()
 
 
+def cached_plan(cache: dict, t0, t1, like, make):
+    """``make(t0, t1)`` for the time points ``t0 -> t1`` and states like ``like``, kept in ``cache``
+    per pattern of time points (a sweep repeats its pattern every cycle and pass)."""
+    t0, t1 = np.asarray(t0, dtype=np.float64), np.asarray(t1, dtype=np.float64)
+    key = (t0.tobytes(), t1.tobytes(), like.dtype, like.device)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = make(t0, t1)
+    return hit
+
+
 class LayerStack:
     """Layers for :class:`ODEPropagator` (kept for compatibility: pass the layers directly)."""
 
@@ -100,24 +111,24 @@ class ODEPropagator(mgrit.Propagator):
         idx = np.asarray(self.layer_index(np.atleast_1d(i0), np.atleast_1d(i1)), dtype=np.int64)
         return idx
 
+    def layer_of(self, i0: int, i1: int) -> int:
+        """The layer that steps from fine index ``i0`` to ``i1`` (one interval)."""
+        if self.layer_index is inject_layer:
+            return i0
+        return int(np.asarray(self.layer_index(np.array([i0]), np.array([i1])))[0])
+
     def step(self, u, t0, t1):
         i0, i1 = round(float(t0) / self.h), round(float(t1) / self.h)
-        if self.layer_index is inject_layer:
-            j = i0
-        else:
-            j = int(np.asarray(self.layer_index(np.array([i0]), np.array([i1])))[0])
-        return self.kernel.step_one(u, j, (i1 - i0) * self.h)
+        return self.kernel.step_one(u, self.layer_of(i0, i1), (i1 - i0) * self.h)
 
     def plan(self, t0, t1, like):
         """``(layers, dt)`` of the intervals ``t0 -> t1``: :meth:`layers_of` and :meth:`dt` of their
         fine indices, worked out once per pattern of time points (sweeps repeat theirs every cycle)."""
-        t0, t1 = np.asarray(t0, dtype=np.float64), np.asarray(t1, dtype=np.float64)
-        key = (t0.tobytes(), t1.tobytes(), like.dtype, like.device)
-        hit = self._plans.get(key)
-        if hit is None:
+        def make(t0, t1):
             i0, i1 = self.ints(t0), self.ints(t1)
-            hit = self._plans[key] = (self.layers_of(i0, i1), self.dt(i0, i1, like))
-        return hit
+            return self.layers_of(i0, i1), self.dt(i0, i1, like)
+
+        return cached_plan(self._plans, t0, t1, like, make)
 
     def step_batch(self, U, t0, t1):
         return self.kernel.step(U, *self.plan(t0, t1, U))
