@@ -379,7 +379,8 @@ class Communicator(ABC):
         interrupts too) inside the block, :meth:`close` with it (the other
         ranks, waiting anywhere in their own block, raise
         :class:`RemoteRankError` within milliseconds), then the exception
-        propagates. Sessions nest (a solve inside a session opens its own).
+        propagates. Sessions nest (a solve inside a session opens its own;
+        through :class:`InSession` it runs inside the open one instead).
         The value of the ``with`` statement is the communicator.
 
         >>> with SerialComm().session() as c:
@@ -532,6 +533,88 @@ class Session:
         else:
             c.close(exc)
         return False
+
+
+class InSession(Communicator):
+    """``comm`` seen from inside the session that is open on it.
+
+    A collective call that opens its own session (:func:`mgrit.solve`) runs,
+    through this view, inside the caller's session instead: its ``open`` is
+    no handshake, its ``finish`` and ``close`` no closing barrier. Its
+    messages travel on the caller's channel, and the caller's session does
+    both jobs for it: a failure on one rank (in the solve's set-up or its
+    cycles) propagates out of the solve on that rank and the enclosing
+    session tells every other rank (they raise :class:`RemoteRankError`
+    wherever they wait); the enclosing session's finish drains and confirms
+    everything. A solve on a communicator of ``P`` ranks saves two
+    synchronisations of all ranks this way (``4 (P - 1)`` messages).
+
+    What the view gives up is the solve's own argument check (the signature
+    of its handshake): use it only where every rank passes the same
+    arguments by construction (a layer-parallel module's own solves).
+    Everything else is delegated to ``comm``.
+    """
+
+    def __init__(self, comm: Communicator):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def open(self, failure=None, signature=None):
+        if self.size > 1 and self.comm._depth() == 0:
+            raise RuntimeError("InSession needs a session open on its communicator (`with comm.session():`)")
+
+    def close(self, error=None):
+        pass  # the enclosing session closes (and, with ``error``, tells the others)
+
+    def finish(self):
+        pass  # the enclosing session's finish
+
+    def _depth(self):
+        return self.comm._depth()
+
+    def send(self, x, dest, tag):
+        self.comm.send(x, dest, tag)
+
+    def recv(self, like, source, tag):
+        return self.comm.recv(like, source, tag)
+
+    def allreduce(self, value, op="sum"):
+        return self.comm.allreduce(value, op)
+
+    def allreduce_array(self, x):
+        return self.comm.allreduce_array(x)
+
+    def sum_exact(self, values):
+        return self.comm.sum_exact(values)
+
+    def norm2_exact(self, values):
+        return self.comm.norm2_exact(values)
+
+    def max(self, values):
+        return self.comm.max(values)
+
+    def notify_failure(self, exc):
+        self.comm.notify_failure(exc)
+
+    def gather(self, obj, root=0):
+        return self.comm.gather(obj, root)
+
+    def bcast(self, obj, root=0):
+        return self.comm.bcast(obj, root)
+
+    def bcast_state(self, x, like, root=0):
+        return self.comm.bcast_state(x, like, root)
+
+    def alarm(self, exc):
+        self.comm.alarm(exc)
+
+    def split(self, color, key=0):
+        return self.comm.split(color, key)
+
+    def free(self):
+        raise RuntimeError("free the communicator an InSession view was made from, not the view")
+
+    def world_rank(self, r=None):
+        return self.comm.world_rank(r)
 
 
 def _local_max(values) -> float:

@@ -136,7 +136,8 @@ _SESSION = re.compile(r"case (\w+) rank (\d+): (?:(\w+): (.*?)|no error) \[after
 @pytest.mark.mpi
 def test_failure_anywhere_in_a_session_reaches_every_rank_naming_its_world_rank():
     """4 ranks, world rank 3 fails while the others wait in recv, bcast, a reduction,
-    finish; with a BaseException; in a solve nested in a session; after such a solve;
+    finish; with a BaseException; in a solve nested in a session; in a solve running inside
+    the session (InSession: in its cycles, and in its set-up); after such a solve;
     in a solve on the reversed communicator; in one half of a split. Every rank of
     the session raises within seconds; the error names world rank 3 (and its rank in
     the communicator when that differs) and carries both; no channel is abandoned.
@@ -148,7 +149,8 @@ def test_failure_anywhere_in_a_session_reaches_every_rank_naming_its_world_rank(
     assert rc == 0, out[-5000:]
     rep = {(c, int(r)): (kind, msg, float(s), lr, wr, int(a))
            for c, r, kind, msg, s, lr, wr, a in _SESSION.findall(out)}
-    cases = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "after_solve", "reversed", "split"]
+    cases = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "in_session", "in_session_setup",
+             "after_solve", "reversed", "split"]
     edge = ["after_finish", "slow"]
     assert set(rep) == {(c, r) for c in cases + edge for r in range(4)}, out[-5000:]
     for c in cases:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import MPIComm, Tag, as_communicator
+from mgrit.comm import InSession, MPIComm, Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
@@ -125,9 +125,10 @@ class _LayerParallelFunction(torch.autograd.Function):
     def backward(ctx, gy):
         lp = ctx.lp
         try:
-            # one session around the whole backward pass (the adjoint solve nests its own): a failure
-            # of these checks, of the solve or of the gradients on one rank reaches every rank
-            with lp._session():
+            # one session around the whole backward pass, on the adjoint solve's reversed communicator
+            # (the solve runs inside it): a failure of these checks, of the solve or of the gradients
+            # on one rank reaches every rank
+            with lp._session(adjoint=True):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
                     gx, grads = lp._adjoint(ctx.saved, gy, lambda: _backward_checks(ctx))
@@ -504,9 +505,19 @@ class LayerParallel(nn.Module):
             self._alarm(exc)
             raise
 
-    def _session(self):
-        """A failure-aware communicator session on several ranks; nothing on one."""
-        return self._comm.session() if self._comm.size > 1 else contextlib.nullcontext()
+    def _session(self, adjoint: bool = False):
+        """A failure-aware communicator session on several ranks (on the reversed communicator of
+        the adjoint solve for the backward pass); nothing on one."""
+        if self._comm.size == 1:
+            return contextlib.nullcontext()
+        return (self._adj_comm if adjoint else self._comm).session()
+
+    def _solve_comm(self, adjoint: bool = False):
+        """The communicator a pass's solve runs on: inside the pass's session (InSession), so that the
+        solve adds no handshake and no closing barrier of its own; failures reach every rank through
+        the pass's session."""
+        c = self._adj_comm if adjoint else self._comm
+        return InSession(c) if c.size > 1 else c
 
     def _alarm(self, exc):
         if self._data_comm is not None and self._data_comm.size > 1:
@@ -537,8 +548,8 @@ class LayerParallel(nn.Module):
 
     def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
-        # One session around the whole pass (the solve nests its own): every check that may fail
-        # on one rank only happens inside it, and a failure anywhere reaches every rank.
+        # One session around the whole pass, the solve included (it runs inside it): every check that
+        # may fail on one rank only happens inside it, and a failure anywhere reaches every rank.
         with self._session():
             self._check_input(x)
             self._check_layers()
@@ -555,12 +566,13 @@ class LayerParallel(nn.Module):
             rng = (torch.random.get_rng_state(), np.random.get_state())
             with torch.no_grad():
                 if self.exact_eval and not self.training:  # inference: the serial network's output
-                    res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._comm, final_residual=True)
+                    res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._solve_comm(),
+                                      final_residual=True)
                 else:
                     props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
                     res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
                                       tol_type=self.tol_type, max_iter=self.fwd_iters,
-                                      skip=self.skip and guess is None, initial_guess=guess, comm=self._comm,
+                                      skip=self.skip and guess is None, initial_guess=guess, comm=self._solve_comm(),
                                       callback=self.callback, final_residual=True, spatial=transfers)
             self.last_forward = res
             U, g0 = res.u, self.lo
@@ -662,21 +674,19 @@ class LayerParallel(nn.Module):
         def states(ia):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
 
-        try:
-            params = checks()
-            if not bool(torch.isfinite(gy).all()):
-                raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
-                                 "from the loss: check the loss and what follows the block)")
-            D = self._linearize(prop, U, g0)
-            adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
-            adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
-        except BaseException as exc:
-            if P > 1:  # the other ranks wait in the handshake of the adjoint solve: they raise there
-                self._adj_comm.open(failure=exc)
-            raise
+        # a failure here on one rank reaches the others through the backward pass's session (they
+        # raise RemoteRankError in the adjoint solve)
+        params = checks()
+        if not bool(torch.isfinite(gy).all()):
+            raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
+                             "from the loss: check the loss and what follows the block)")
+        D = self._linearize(prop, U, g0)
+        adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
+        adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         with torch.no_grad():
             res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
-                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
+                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip,
+                              comm=self._solve_comm(adjoint=True),
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res
@@ -685,8 +695,8 @@ class LayerParallel(nn.Module):
         grads = self._parameter_gradients(prop, U, g0, W, params, D)
         if P == 1:
             return W[0].reshape(xshape), grads
-        root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
-        gx = self._comm.bcast_state(W[0].clone() if r == root else None, gy, root=root)
+        owner = self.plan.owner_of_point(0)  # (inside the backward pass's session, on the reversed ranks)
+        gx = self._adj_comm.bcast_state(W[0].clone() if r == owner else None, gy, root=P - 1 - owner)
         return gx.reshape(xshape), grads
 
     def _linearize(self, prop, U, g0):

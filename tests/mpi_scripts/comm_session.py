@@ -16,6 +16,10 @@ channels this rank abandoned in the case). Cases:
 * ``interrupt``: BAD raises a ``BaseException`` (not an ``Exception``);
 * ``nested``: BAD's propagator raises in a solve inside the session;
 * ``after_solve``: the solve succeeds, BAD raises afterwards in the same session;
+* ``in_session``: BAD's propagator raises in a solve that runs *inside* the session
+  (``comm=InSession(c)``: no handshake, no barrier of its own);
+* ``in_session_setup``: BAD fails in the set-up of such a solve (its initial guess
+  raises), the others wait in its cycles;
 * ``reversed``: a solve on ``comm.reversed()`` where BAD fails (rank 0 there);
 * ``split`` (P >= 4): the ranks split by parity; BAD fails in its half, whose
   members must name it by its world rank (and its rank in the half);
@@ -41,7 +45,7 @@ import time
 import numpy as np
 
 import mgrit
-from mgrit.comm import MPIComm, Tag, abandoned_channels, as_communicator
+from mgrit.comm import InSession, MPIComm, Tag, abandoned_channels, as_communicator
 from propagators import Dahlquist
 
 
@@ -122,6 +126,16 @@ def run_case(c, name: str, bad: int):
             elif name == "nested":
                 c.bcast("hello", root=0)
                 mgrit.solve(Faulty(r == bad), np.array([1.0]), t, comm=c, **solve_kw())
+            elif name == "in_session":
+                mgrit.solve(Faulty(r == bad), np.array([1.0]), t, comm=InSession(c), **solve_kw())
+            elif name == "in_session_setup":
+                def guess(tt):
+                    if r == bad:
+                        raise Injected("injected failure in the initial guess")
+                    return np.array([1.0])
+
+                mgrit.solve(Faulty(False), np.array([1.0]), t, comm=InSession(c), initial_guess=guess,
+                            **solve_kw())
             elif name == "after_solve":
                 mgrit.solve(Faulty(False), np.array([1.0]), t, comm=c, **solve_kw())
                 if r == bad:
@@ -180,6 +194,19 @@ def check_clean(c, bad_lines: list) -> None:
         whole = mgrit.gather(res, root=None)
     if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals):
         bad_lines.append("the solve after the failures differs from the serial solve")
+    for _ in range(2):  # inside the caller's session: the same bits, and the session stays usable
+        with c.session():
+            res = mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=InSession(c), **kw, final_residual=True)
+            whole = mgrit.gather(res, root=None)
+            after = c.allreduce(1.0)
+        if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals and after == P):
+            bad_lines.append("a solve inside the session differs from the serial solve")
+    try:
+        mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=InSession(c), **kw)
+        bad_lines.append("InSession without an open session did not raise")
+    except RuntimeError as exc:
+        if "needs a session open" not in str(exc):
+            bad_lines.append(f"InSession without a session: {exc}")
 
 
 def cost(world) -> int:
@@ -222,7 +249,8 @@ def main() -> int:
     c = as_communicator(world)
     r, P = c.rank, c.size
     bad = P - 1
-    names = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "after_solve", "reversed"]
+    names = ["recv", "bcast", "reduce", "finish", "interrupt", "nested", "in_session", "in_session_setup",
+             "after_solve", "reversed"]
     names += ["split"] if P >= 4 else []
     names += ["after_finish", "slow"]
     for name in names:
