@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import Tag, as_communicator
+from mgrit.comm import InSession, Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
 from .module import _free_quietly, _warn_without_progress
@@ -500,22 +500,25 @@ class ParallelGRU(nn.Module):
         xd = x.detach()
         gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
         prop = GRUPropagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
-        res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
-                          comm=self._comm, final_residual=True)
-        self.last_forward[l] = res
-        _warn_without_progress(res, f"forward (GRU layer {l})", "fwd_iters")
-        U, g0 = res.u, lay.lo
         if P == 1:
+            res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
+                              comm=self._comm, final_residual=True)
+            U, g0 = res.u, lay.lo
             out = U[1:].clone() if want_seq else x.new_zeros(0)
             hL = U[-1].clone()
         else:
-            with self._comm.session():
+            with self._comm.session():  # the solve runs inside it (InSession): one session per layer and pass
+                res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
+                                  comm=InSession(self._comm), final_residual=True)
+                U, g0 = res.u, lay.lo
                 if keep:
                     U, g0 = self._with_ghost(U, lay)
                 out = self._gather_points(U[max(1, lay.lo) - g0:] if lay.hi >= lay.lo else U[:0],
                                           max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
                 root = lay.plan.owner_of_point(L)
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
+        self.last_forward[l] = res
+        _warn_without_progress(res, f"forward (GRU layer {l})", "fwd_iters")
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 

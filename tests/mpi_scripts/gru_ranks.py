@@ -104,10 +104,42 @@ def bad_input_raises_everywhere():
         fail(f"output shape {tuple(y.shape)} after a failure")
 
 
+def solve_failure_raises_everywhere():
+    """The forward solve runs inside the layer's session: a step that fails on one rank only
+    makes that rank raise its error and every other rank RemoteRankError (no hang)."""
+    from propagators.torch import gru as gru_module
+
+    par = ParallelGRU(3, 4, comm=world, **TIGHT)
+    x = torch.randn(9, 2, 3)
+    original = gru_module.GRUPropagator.step_batch
+
+    def failing(self, *args):
+        raise RuntimeError("injected step failure")
+
+    if rank == size - 1:
+        gru_module.GRUPropagator.step_batch = failing
+    try:
+        par(x)
+    except mgrit.RemoteRankError as exc:
+        if rank == size - 1 or "injected step failure" not in str(exc):
+            fail(f"unexpected RemoteRankError: {exc}")
+    except RuntimeError as exc:
+        if rank != size - 1 or "injected step failure" not in str(exc):
+            fail(f"unexpected RuntimeError: {exc}")
+    else:
+        fail("no rank raised for a failing step")
+    finally:
+        gru_module.GRUPropagator.step_batch = original
+    y, n = par(x)  # the communicator is still usable
+    if y.shape != (9, 2, 4):
+        fail(f"output shape {tuple(y.shape)} after a failure")
+
+
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
 case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
 case(11, 2, False, False, True, False, 2, 4, "F")
 case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2, "FCF")  # fewer points than ranks
 case(2, 1, True, True, True, True, 2, 2, "FCF")
 bad_input_raises_everywhere()
+solve_failure_raises_everywhere()
 print(f"rank {rank} OK", flush=True)
