@@ -85,23 +85,29 @@ def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, rel
         check(f"{name} eval output", o, o_ref, 1e-12)
 
 
-def bad_input_raises_everywhere():
-    par = ParallelGRU(3, 4, comm=world, **TIGHT)
-    x = torch.randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
+def raises_everywhere(par, x, error, text: str, what: str) -> None:
+    """``par(x)`` raises ``error`` (mentioning ``text``) on the last rank, RemoteRankError (naming
+    it) on the others; then the module still works on a good input of the same length."""
+    bad = rank == size - 1
     try:
         par(x)
     except mgrit.RemoteRankError as exc:
-        if rank == size - 1:
-            fail(f"the failing rank got RemoteRankError: {exc}")
-    except ValueError as exc:
-        if rank != size - 1 or "input_size" not in str(exc):
-            fail(f"unexpected ValueError: {exc}")
+        if bad or text not in str(exc):
+            fail(f"{what}: unexpected RemoteRankError: {exc}")
+    except error as exc:
+        if not bad or text not in str(exc):
+            fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
     else:
-        fail("no rank raised for a bad input")
-    # the communicator is still usable
-    y, n = par(torch.randn(7, 2, 3))
-    if y.shape != (7, 2, 4):
-        fail(f"output shape {tuple(y.shape)} after a failure")
+        fail(f"{what}: no rank raised")
+    y, _ = par(torch.randn(x.shape[0], 2, 3))  # the communicator is still usable
+    if y.shape != (x.shape[0], 2, 4):
+        fail(f"{what}: output shape {tuple(y.shape)} after the failure")
+
+
+def bad_input_raises_everywhere():
+    par = ParallelGRU(3, 4, comm=world, **TIGHT)
+    x = torch.randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
+    raises_everywhere(par, x, ValueError, "input_size", "a bad input")
 
 
 def solve_failure_raises_everywhere():
@@ -109,30 +115,26 @@ def solve_failure_raises_everywhere():
     makes that rank raise its error and every other rank RemoteRankError (no hang)."""
     from propagators.torch import gru as gru_module
 
-    par = ParallelGRU(3, 4, comm=world, **TIGHT)
-    x = torch.randn(9, 2, 3)
     original = gru_module.GRUPropagator.step_batch
 
     def failing(self, *args):
         raise RuntimeError("injected step failure")
 
-    if rank == size - 1:
-        gru_module.GRUPropagator.step_batch = failing
-    try:
-        par(x)
-    except mgrit.RemoteRankError as exc:
-        if rank == size - 1 or "injected step failure" not in str(exc):
-            fail(f"unexpected RemoteRankError: {exc}")
-    except RuntimeError as exc:
-        if rank != size - 1 or "injected step failure" not in str(exc):
-            fail(f"unexpected RuntimeError: {exc}")
-    else:
-        fail("no rank raised for a failing step")
-    finally:
-        gru_module.GRUPropagator.step_batch = original
-    y, n = par(x)  # the communicator is still usable
-    if y.shape != (9, 2, 4):
-        fail(f"output shape {tuple(y.shape)} after a failure")
+    class Restoring(torch.nn.Module):  # the failing step only for the first call
+        def __init__(self):
+            super().__init__()
+            self.gru, self.calls = ParallelGRU(3, 4, comm=world, **TIGHT), 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 1 and rank == size - 1:
+                gru_module.GRUPropagator.step_batch = failing
+            try:
+                return self.gru(x)
+            finally:
+                gru_module.GRUPropagator.step_batch = original
+
+    raises_everywhere(Restoring(), torch.randn(9, 2, 3), RuntimeError, "injected step failure", "a failing step")
 
 
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
