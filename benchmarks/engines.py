@@ -11,6 +11,16 @@ What it measures
   two ranks through the communicator (``comm.send`` / ``comm.recv`` inside a
   session, as the solver sends states), for a small (16 float32) and a large
   (256 K float32 = 1 MiB) message; median of the repetitions.
+* ``wait under load``: both ranks send a small state to each other, compute
+  for about 1 ms (matrix products, as a relaxation sweep would), then receive:
+  the time spent in ``recv`` (median). The message was sent a millisecond
+  earlier, so an engine that moves it while both ranks compute waits next to
+  nothing. gloo's point-to-point is a rendezvous carried out by a transport
+  thread of each process: when every core runs a busy rank, that thread gets
+  a core only at the scheduler's next slice, and the receive waits for it.
+* ``... recv posted first``: the same with the engine's own non-blocking calls
+  (``Irecv`` / ``dist.irecv`` before ``Isend`` / ``dist.isend``): when the
+  receive is already posted when the peer sends, gloo moves the data at once.
 
 Each engine runs in its own launch (``mpiexec -n 2`` or 2 processes with
 torchrun's environment); the launches are interleaved (MPI, gloo, MPI, gloo ...)
@@ -114,8 +124,47 @@ def worker(args) -> None:
                 if k >= 5:
                     times.append((time.perf_counter() - t0) / 2)
         lat[n] = float(np.median(times))
+    # the wait for a message sent a millisecond earlier, both ranks computing in between
+    A = torch.randn(64, 64)
+    state, waits = torch.zeros(SMALL), []
+    with comm.session():
+        for k in range(args.pings // 3 + 5):
+            comm.send(state, 1 - rank, Tag.USER)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 1e-3:
+                A @ A
+            t1 = time.perf_counter()
+            state = comm.recv(state, 1 - rank, Tag.USER)
+            if k >= 5:
+                waits.append(time.perf_counter() - t1)
+    loaded = slowest(float(np.median(waits)))
+    # the same with the raw engine, the receive posted before the send
+    if args.worker == "mpi":
+        raw.Barrier()
+        post_recv = (lambda b: raw.Irecv(b.numpy(), source=1 - rank, tag=7))
+        post_send = (lambda b: raw.Isend(b.numpy(), dest=1 - rank, tag=7))
+        done = (lambda q: q.Wait())
+    else:
+        import torch.distributed as dist
+
+        dist.barrier()
+        post_recv, post_send = (lambda b: dist.irecv(b, 1 - rank)), (lambda b: dist.isend(b, 1 - rank))
+        done = (lambda q: q.wait())
+    out, into, waits = torch.zeros(SMALL), torch.zeros(SMALL), []
+    for k in range(args.pings // 3 + 5):
+        r, q = post_recv(into), post_send(out)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            A @ A
+        t1 = time.perf_counter()
+        done(r)
+        if k >= 5:
+            waits.append(time.perf_counter() - t1)
+        done(q)
+    first = slowest(float(np.median(waits)))
     if rank == 0:
-        print(json.dumps({"step": steps, "small": lat[SMALL], "large": lat[LARGE]}), flush=True)
+        print(json.dumps({"step": steps, "small": lat[SMALL], "large": lat[LARGE], "loaded": loaded,
+                          "first": first}), flush=True)
     if args.worker == "gloo":
         import torch.distributed as dist
 
@@ -169,13 +218,15 @@ def main(argv=None) -> int:
     print(f"2 ranks; LayerParallel: {args.layers} layers of width 16, batch 16, cf 4, 4 levels, "
           f"2 forward / 1 backward cycles, float32; medians of {args.rounds} x {args.repeat} steps "
           f"and {args.rounds} x {args.pings} round trips")
-    print(f"{'engine':<28}{'fwd+bwd step':>14}{'latency 64 B':>15}{'latency 1 MiB':>15}")
+    print(f"{'engine':<28}{'fwd+bwd step':>14}{'latency 64 B':>15}{'latency 1 MiB':>15}{'wait under load':>18}"
+          f"{'... recv posted first':>24}")
     names = {"mpi": "mpi4py (MPICH)", "gloo": "torch.distributed (gloo)"}
     for e in engines:
         step = statistics.median(t for r in runs[e] for t in r["step"])
-        small = statistics.median(r["small"] for r in runs[e])
-        large = statistics.median(r["large"] for r in runs[e])
-        print(f"{names[e]:<28}{step * 1e3:>11.1f} ms{small * 1e6:>12.1f} us{large * 1e6:>12.1f} us")
+        small, large, loaded, first = (statistics.median(r[k] for r in runs[e])
+                                       for k in ("small", "large", "loaded", "first"))
+        print(f"{names[e]:<28}{step * 1e3:>11.1f} ms{small * 1e6:>12.1f} us{large * 1e6:>12.1f} us"
+              f"{loaded * 1e6:>15.1f} us{first * 1e6:>21.1f} us")
     return 0
 
 
