@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import InSession, MPIComm, Tag, as_communicator
+from mgrit.comm import InSession, MPIComm, RemoteRankError, Tag, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
@@ -132,10 +132,24 @@ class _LayerParallelFunction(torch.autograd.Function):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
                     gx, grads = lp._adjoint(ctx.saved, gy, lambda: _backward_checks(ctx))
+        except RemoteRankError as exc:
+            lp._alarm(exc)
+            raise _forward_numbering(exc, lp._adj_comm, lp._comm).with_traceback(exc.__traceback__) from None
         except BaseException as exc:
             lp._alarm(exc)
             raise
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+def _forward_numbering(exc: RemoteRankError, adj, fwd) -> RemoteRankError:
+    """``exc`` raised on the backward pass's reversed communicator ``adj``, with the failed rank
+    numbered as on the module's communicator ``fwd`` (the numbering the user knows)."""
+    if exc.rank is None or adj is fwd or not hasattr(adj, "_who") or not hasattr(fwd, "_who"):
+        return exc
+    r, msg, head = adj.size - 1 - exc.rank, str(exc), adj._who(exc.rank)
+    if msg.startswith(head):
+        msg = fwd._who(r) + msg[len(head):]
+    return RemoteRankError(msg, rank=r, world_rank=exc.world_rank)
 
 
 def _backward_checks(ctx):
