@@ -550,9 +550,12 @@ class InSession(Communicator):
     synchronisations of all ranks this way (``4 (P - 1)`` messages).
 
     What the view gives up is the solve's own argument check (the signature
-    of its handshake): use it only where every rank passes the same
-    arguments by construction (a layer-parallel module's own solves).
-    Everything else is delegated to ``comm``.
+    of its handshake): ranks that pass different arguments (another number
+    of cycles, state shape or time grid) would wait for messages that never
+    come. So the caller opens its session with a ``signature`` covering
+    everything the solve needs every rank to agree on (as the layer-parallel
+    modules do), and every rank raises ``ValueError`` in that handshake
+    instead. Everything else is delegated to ``comm``.
     """
 
     def __init__(self, comm: Communicator):

@@ -39,7 +39,8 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 
 CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
-         "tied", "to_serial", "load_serial"]
+         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings"]
+MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
 
 
 def failure_lines(out, name):
@@ -59,6 +60,8 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
             assert seconds < 10, f"{case}: rank {r} took {seconds} s\n{out[-4000:]}"
             if case == "tied":  # every rank sees the tie in the list it was given
                 assert kind == "ValueError" and "share a parameter" in msg, (r, kind, msg)
+            elif case in MISMATCH:  # the pass's handshake compares the solve's arguments
+                assert kind == "ValueError" and "differ between ranks" in msg, (case, r, kind, msg)
             elif case == "layout":  # ranks whose halo layer differs from its owner's raise ValueError
                 assert kind in ("ValueError", "RemoteRankError"), (r, kind, msg)
                 assert any("differs between ranks" in m for _, m, _ in lines.values())

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import InSession, Tag, as_communicator
+from mgrit.comm import InSession, Tag, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
 from .module import _free_quietly, _warn_without_progress
@@ -507,9 +507,13 @@ class ParallelGRU(nn.Module):
             out = U[1:].clone() if want_seq else x.new_zeros(0)
             hL = U[-1].clone()
         else:
-            with self._comm.session():  # the solve runs inside it (InSession): one session per layer and pass
-                res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
-                                  comm=InSession(self._comm), final_residual=True)
+            # the solve runs inside this session (InSession): one session per layer and pass, whose
+            # handshake compares what the solve needs every rank to agree on
+            opts = self._mgrit_options(exact, True)
+            sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes())
+            with self._comm.session(signature=sig):
+                res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **opts, comm=InSession(self._comm),
+                                  final_residual=True)
                 U, g0 = res.u, lay.lo
                 if keep:
                     U, g0 = self._with_ghost(U, lay)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import InSession, MPIComm, RemoteRankError, Tag, as_communicator
+from mgrit.comm import InSession, MPIComm, RemoteRankError, Tag, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
@@ -125,13 +125,21 @@ class _LayerParallelFunction(torch.autograd.Function):
     def backward(ctx, gy):
         lp = ctx.lp
         try:
+            try:  # the local checks first: a rank that fails here tells the others in the handshake
+                params = _backward_checks(ctx)
+                _check_output_gradient(gy)
+                sig = lp._pass_signature(gy, adjoint=True)
+            except BaseException as exc:
+                if lp._comm.size > 1:
+                    lp._adj_comm.open(failure=exc)  # the other ranks raise RemoteRankError there
+                raise
             # one session around the whole backward pass, on the adjoint solve's reversed communicator
-            # (the solve runs inside it): a failure of these checks, of the solve or of the gradients
-            # on one rank reaches every rank
-            with lp._session(adjoint=True):
+            # (the solve runs inside it): a failure of the solve or of the gradients on one rank
+            # reaches every rank
+            with lp._session(adjoint=True, signature=sig):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
-                    gx, grads = lp._adjoint(ctx.saved, gy, lambda: _backward_checks(ctx))
+                    gx, grads = lp._adjoint(ctx.saved, gy, params)
         except RemoteRankError as exc:
             lp._alarm(exc)
             raise _forward_numbering(exc, lp._adj_comm, lp._comm).with_traceback(exc.__traceback__) from None
@@ -150,6 +158,12 @@ def _forward_numbering(exc: RemoteRankError, adj, fwd) -> RemoteRankError:
     if msg.startswith(head):
         msg = fwd._who(r) + msg[len(head):]
     return RemoteRankError(msg, rank=r, world_rank=exc.world_rank)
+
+
+def _check_output_gradient(gy):
+    if not bool(torch.isfinite(gy).all()):
+        raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
+                         "from the loss: check the loss and what follows the block)")
 
 
 def _backward_checks(ctx):
@@ -519,12 +533,24 @@ class LayerParallel(nn.Module):
             self._alarm(exc)
             raise
 
-    def _session(self, adjoint: bool = False):
+    def _session(self, adjoint: bool = False, signature=None):
         """A failure-aware communicator session on several ranks (on the reversed communicator of
         the adjoint solve for the backward pass); nothing on one."""
         if self._comm.size == 1:
             return contextlib.nullcontext()
-        return (self._adj_comm if adjoint else self._comm).session()
+        return (self._adj_comm if adjoint else self._comm).session(signature=signature)
+
+    def _pass_signature(self, like, adjoint: bool = False, exact: bool = False, cold: bool = True) -> int:
+        """What every rank must agree on for the solve of a pass (its session's handshake compares
+        it, in place of the solve's own check): the state's shape and dtype, the time grid, and the
+        solve's settings (exact inference, or the cycles, tolerance, hierarchy and whether a warm
+        start replaces the skip)."""
+        common = (adjoint, exact, tuple(like.shape), str(like.dtype), self.t.tobytes())
+        if exact:
+            return args_signature(*common)
+        iters, tol = (self.bwd_iters, self.bwd_tol) if adjoint else (self.fwd_iters, self.fwd_tol)
+        return args_signature(*common, tuple(self.options.items()), iters, tol, self.tol_type,
+                              self.skip and cold, self.spatial is None)
 
     def _solve_comm(self, adjoint: bool = False):
         """The communicator a pass's solve runs on: inside the pass's session (InSession), so that the
@@ -562,11 +588,19 @@ class LayerParallel(nn.Module):
 
     def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
-        # One session around the whole pass, the solve included (it runs inside it): every check that
-        # may fail on one rank only happens inside it, and a failure anywhere reaches every rank.
-        with self._session():
+        exact = self.exact_eval and not self.training  # inference: the serial network's output
+        try:  # the local checks first: a rank that fails here tells the others in the handshake
             self._check_input(x)
             self._check_layers()
+            guess = None if exact else self._initial_guess(x)
+            sig = self._pass_signature(x, exact=exact, cold=guess is None)
+        except BaseException as exc:
+            if P > 1:
+                self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
+            raise
+        # One session around the whole pass, the solve included (it runs inside it, and the handshake
+        # compares what the solve needs every rank to agree on): a failure anywhere reaches every rank.
+        with self._session(signature=sig):
             if P > 1:
                 self._exchange_halo(kp)
             calls = self._dropout_plan(kp, x)
@@ -575,11 +609,10 @@ class LayerParallel(nn.Module):
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
-            guess = self._initial_guess(x)
             versions = self._buffer_versions(kp)
             rng = (torch.random.get_rng_state(), np.random.get_state())
             with torch.no_grad():
-                if self.exact_eval and not self.training:  # inference: the serial network's output
+                if exact:
                     res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._solve_comm(),
                                       final_residual=True)
                 else:
@@ -679,9 +712,9 @@ class LayerParallel(nn.Module):
         return U, self.lo
 
     # -- backward -------------------------------------------------------------
-    def _adjoint(self, saved, gy, checks):
+    def _adjoint(self, saved, gy, params):
         """The adjoint solve, the parameter gradients and the input gradient (inside the backward
-        pass's session). ``checks()`` returns the saved parameters or raises."""
+        pass's session); ``params``: the saved parameters."""
         prop, U, g0, xshape = saved
         N, P, r = self.n_layers, self._comm.size, self._comm.rank
 
@@ -690,10 +723,6 @@ class LayerParallel(nn.Module):
 
         # a failure here on one rank reaches the others through the backward pass's session (they
         # raise RemoteRankError in the adjoint solve)
-        params = checks()
-        if not bool(torch.isfinite(gy).all()):
-            raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
-                             "from the loss: check the loss and what follows the block)")
         D = self._linearize(prop, U, g0)
         adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening

@@ -137,6 +137,25 @@ def solve_failure_raises_everywhere():
     raises_everywhere(Restoring(), torch.randn(9, 2, 3), RuntimeError, "injected step failure", "a failing step")
 
 
+def settings_mismatch_raises_everywhere():
+    """The forward solve runs inside the layer's session, whose handshake compares the solve's
+    settings: fwd_iters changed on one rank only makes every rank raise ValueError (no hang)."""
+    par = ParallelGRU(3, 4, comm=world)
+    if rank == size - 1:
+        par.fwd_iters = 3
+    try:
+        par(torch.randn(9, 2, 3))
+    except ValueError as exc:
+        if "differ between ranks" not in str(exc):
+            fail(f"a settings mismatch: unexpected ValueError: {exc}")
+    else:
+        fail("a settings mismatch: no error")
+    par.fwd_iters = 2
+    y, _ = par(torch.randn(9, 2, 3))
+    if y.shape != (9, 2, 4):
+        fail(f"a settings mismatch: output shape {tuple(y.shape)} afterwards")
+
+
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
 case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
 case(11, 2, False, False, True, False, 2, 4, "F")
@@ -144,4 +163,5 @@ case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2, "FCF")  # fe
 case(2, 1, True, True, True, True, 2, 2, "FCF")
 bad_input_raises_everywhere()
 solve_failure_raises_everywhere()
+settings_mismatch_raises_everywhere()
 print(f"rank {rank} OK", flush=True)

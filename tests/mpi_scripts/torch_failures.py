@@ -18,6 +18,11 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``tied``: the list ties the first and the last layer (every rank raises its own ValueError);
 * ``to_serial``: a layer that cannot be copied (it holds a lock) on that rank;
 * ``load_serial``: a state dict without the last layer's entries (only its owner lacks them).
+* ``settings``: ``fwd_iters`` changed on that rank only; ``eval``: that rank alone in eval
+  mode (its forward is the exact one-level solve); ``batch``: another batch size there;
+  ``bwd_settings``: ``bwd_iters`` changed there between forward and backward. The solves
+  run inside each pass's session, whose handshake compares what they must agree on:
+  every rank raises ValueError ("differ between ranks"), none waits.
 
 For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
 (or ``case NAME rank r: no error``). After the cases the ranks run one clean
@@ -117,6 +122,12 @@ def run_case(case, bad):
     if rank == bad:
         if case == "check":
             x = torch.ones(3, 4, dtype=torch.int64)
+        elif case == "settings":
+            lp.fwd_iters = 3
+        elif case == "eval":
+            lp.eval()
+        elif case == "batch":
+            x = torch.randn(5, 4)
         inject(lp, case)
     if case == "interrupt":
         guess = None
@@ -129,6 +140,8 @@ def run_case(case, bad):
     if case == "inplace" and rank == bad:
         with torch.no_grad():
             next(iter(lp.parameters())).add_(1.0)
+    if case == "bwd_settings" and rank == bad:
+        lp.bwd_iters = 2
     y.square().sum().backward()
 
 
