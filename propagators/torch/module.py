@@ -544,7 +544,9 @@ class LayerParallel(nn.Module):
         """What every rank must agree on for the solve of a pass (its session's handshake compares
         it, in place of the solve's own check): the state's shape and dtype, the time grid, and the
         solve's settings (exact inference, or the cycles, tolerance, hierarchy and whether a warm
-        start replaces the skip)."""
+        start replaces the skip). None on one process (no handshake)."""
+        if self._comm.size == 1:
+            return None
         common = (adjoint, exact, tuple(like.shape), str(like.dtype), self.t.tobytes())
         if exact:
             return args_signature(*common)
