@@ -39,7 +39,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 
 CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
-         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings"]
+         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer"]
 MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
 
 

@@ -131,12 +131,12 @@ class _LayerParallelFunction(torch.autograd.Function):
                 sig = lp._pass_signature(gy, adjoint=True)
             except BaseException as exc:
                 if lp._comm.size > 1:
-                    lp._adj_comm.open(failure=exc)  # the other ranks raise RemoteRankError there
+                    lp._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
                 raise
-            # one session around the whole backward pass, on the adjoint solve's reversed communicator
-            # (the solve runs inside it): a failure of the solve or of the gradients on one rank
-            # reaches every rank
-            with lp._session(adjoint=True, signature=sig):
+            # one session around the whole backward pass on the module's communicator (so that it hears
+            # a session the user has open there), the adjoint solve nested in its own session on the
+            # reversed communicator: a failure of the solve or of the gradients reaches every rank
+            with lp._session(signature=sig):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
                     gx, grads = lp._adjoint(ctx.saved, gy, params)
@@ -155,9 +155,9 @@ def _forward_numbering(exc: RemoteRankError, adj, fwd) -> RemoteRankError:
     if exc.rank is None or adj is fwd or not hasattr(adj, "_who") or not hasattr(fwd, "_who"):
         return exc
     r, msg, head = adj.size - 1 - exc.rank, str(exc), adj._who(exc.rank)
-    if msg.startswith(head):
-        msg = fwd._who(r) + msg[len(head):]
-    return RemoteRankError(msg, rank=r, world_rank=exc.world_rank)
+    if not msg.startswith(head) or adj.world_rank(exc.rank) != fwd.world_rank(r):
+        return exc  # raised on the module's communicator: numbered as the user knows already
+    return RemoteRankError(fwd._who(r) + msg[len(head):], rank=r, world_rank=exc.world_rank)
 
 
 def _check_output_gradient(gy):
@@ -533,12 +533,9 @@ class LayerParallel(nn.Module):
             self._alarm(exc)
             raise
 
-    def _session(self, adjoint: bool = False, signature=None):
-        """A failure-aware communicator session on several ranks (on the reversed communicator of
-        the adjoint solve for the backward pass); nothing on one."""
-        if self._comm.size == 1:
-            return contextlib.nullcontext()
-        return (self._adj_comm if adjoint else self._comm).session(signature=signature)
+    def _session(self, signature=None):
+        """A failure-aware communicator session on several ranks; nothing on one."""
+        return self._comm.session(signature=signature) if self._comm.size > 1 else contextlib.nullcontext()
 
     def _pass_signature(self, like, adjoint: bool = False, exact: bool = False, cold: bool = True) -> int:
         """What every rank must agree on for the solve of a pass (its session's handshake compares
@@ -554,12 +551,11 @@ class LayerParallel(nn.Module):
         return args_signature(*common, tuple(self.options.items()), iters, tol, self.tol_type,
                               self.skip and cold, self.spatial is None)
 
-    def _solve_comm(self, adjoint: bool = False):
-        """The communicator a pass's solve runs on: inside the pass's session (InSession), so that the
-        solve adds no handshake and no closing barrier of its own; failures reach every rank through
-        the pass's session."""
-        c = self._adj_comm if adjoint else self._comm
-        return InSession(c) if c.size > 1 else c
+    def _solve_comm(self):
+        """The communicator the forward solve runs on: inside the pass's session (InSession), so that
+        it adds no handshake and no closing barrier of its own; failures reach every rank through the
+        pass's session. (The adjoint solve runs on the reversed communicator, in its own session.)"""
+        return InSession(self._comm) if self._comm.size > 1 else self._comm
 
     def _alarm(self, exc):
         if self._data_comm is not None and self._data_comm.size > 1:
@@ -723,15 +719,13 @@ class LayerParallel(nn.Module):
         def states(ia):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
 
-        # a failure here on one rank reaches the others through the backward pass's session (they
-        # raise RemoteRankError in the adjoint solve)
+        # a failure here on one rank reaches the others through the backward pass's session
         D = self._linearize(prop, U, g0)
         adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         with torch.no_grad():
             res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
-                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip,
-                              comm=self._solve_comm(adjoint=True),
+                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res
@@ -740,8 +734,8 @@ class LayerParallel(nn.Module):
         grads = self._parameter_gradients(prop, U, g0, W, params, D)
         if P == 1:
             return W[0].reshape(xshape), grads
-        owner = self.plan.owner_of_point(0)  # (inside the backward pass's session, on the reversed ranks)
-        gx = self._adj_comm.bcast_state(W[0].clone() if r == owner else None, gy, root=P - 1 - owner)
+        root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
+        gx = self._comm.bcast_state(W[0].clone() if r == root else None, gy, root=root)
         return gx.reshape(xshape), grads
 
     def _linearize(self, prop, U, g0):

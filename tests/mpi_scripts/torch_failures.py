@@ -23,6 +23,8 @@ CASE is the phase in which rank BAD_RANK fails:
   ``bwd_settings``: ``bwd_iters`` changed there between forward and backward. The solves
   run inside each pass's session, whose handshake compares what they must agree on:
   every rank raises ValueError ("differ between ranks"), none waits.
+* ``outer``: the step runs inside the user's own session on the module's communicator and
+  that rank raises between forward and backward (the others wait in the backward pass).
 
 For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
 (or ``case NAME rank r: no error``). After the cases the ranks run one clean
@@ -135,6 +137,13 @@ def run_case(case, bad):
             def guess(t):
                 raise KeyboardInterrupt("interrupted while checking the input")
         mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 1, 17), comm=world, initial_guess=guess)
+        return
+    if case == "outer":  # the user's own session on the module's communicator around the step
+        with lp.comm.session():
+            y = lp(x)
+            if rank == bad:
+                raise Injected("injected failure between forward and backward")
+            y.square().sum().backward()
         return
     y = lp(x)
     if case == "inplace" and rank == bad:
