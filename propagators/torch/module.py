@@ -128,15 +128,15 @@ class _LayerParallelFunction(torch.autograd.Function):
             try:  # the local checks first: a rank that fails here tells the others in the handshake
                 params = _backward_checks(ctx)
                 _check_output_gradient(gy)
-                sig = lp._pass_signature(gy, adjoint=True)
             except BaseException as exc:
                 if lp._comm.size > 1:
                     lp._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
                 raise
             # one session around the whole backward pass on the module's communicator (so that it hears
             # a session the user has open there), the adjoint solve nested in its own session on the
-            # reversed communicator: a failure of the solve or of the gradients reaches every rank
-            with lp._session(signature=sig):
+            # reversed communicator (which compares the solve's arguments in its own handshake): a
+            # failure of the solve or of the gradients reaches every rank
+            with lp._session():
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
                     gx, grads = lp._adjoint(ctx.saved, gy, params)
@@ -537,18 +537,17 @@ class LayerParallel(nn.Module):
         """A failure-aware communicator session on several ranks; nothing on one."""
         return self._comm.session(signature=signature) if self._comm.size > 1 else contextlib.nullcontext()
 
-    def _pass_signature(self, like, adjoint: bool = False, exact: bool = False, cold: bool = True) -> int:
-        """What every rank must agree on for the solve of a pass (its session's handshake compares
-        it, in place of the solve's own check): the state's shape and dtype, the time grid, and the
+    def _pass_signature(self, x, exact: bool, cold: bool):
+        """What every rank must agree on for the forward solve (the pass's session handshake compares
+        it, in place of the solve's own check): the input's shape and dtype, the time grid, and the
         solve's settings (exact inference, or the cycles, tolerance, hierarchy and whether a warm
         start replaces the skip). None on one process (no handshake)."""
         if self._comm.size == 1:
             return None
-        common = (adjoint, exact, tuple(like.shape), str(like.dtype), self.t.tobytes())
+        common = (exact, tuple(x.shape), str(x.dtype), self.t.tobytes())
         if exact:
             return args_signature(*common)
-        iters, tol = (self.bwd_iters, self.bwd_tol) if adjoint else (self.fwd_iters, self.fwd_tol)
-        return args_signature(*common, tuple(self.options.items()), iters, tol, self.tol_type,
+        return args_signature(*common, tuple(self.options.items()), self.fwd_iters, self.fwd_tol, self.tol_type,
                               self.skip and cold, self.spatial is None)
 
     def _solve_comm(self):
