@@ -583,6 +583,87 @@ def test_closed_form_dense_vjps_equal_autograd(make):
     assert rel(dense.euler_vjp_single(single, None, V[1], 0.25, D[1]), ref1) < 1e-13
 
 
+class _TracedDense(nn.Module):
+    """A custom dense layer (recognised by tracing): 0.5 * relu(F.linear(u, W, b))."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(n, n))
+        self.b = nn.Parameter(torch.randn(n))
+
+    def forward(self, u):
+        return torch.nn.functional.relu(torch.nn.functional.linear(u, self.W, self.b)) * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("make", [lambda: nn.Linear(5, 5), lambda: nn.Sequential(nn.Linear(5, 5), nn.Tanh()),
+                                  lambda: nn.Sequential(nn.Linear(5, 5, bias=False), nn.Sigmoid()),
+                                  lambda: _TracedDense(5)])
+def test_pattern_steppers_give_the_general_paths_bits(make, dtype):
+    """The step functions a pass keeps per pattern of intervals (the fused dense forward step and
+    the closed-form adjoint with the gathered derivatives) compute exactly what the general
+    grouped path computes, bit for bit, on states with and without batch rows; a pattern that
+    mixes layer classes uses the general path; the forward propagator keeps one function per
+    pattern and pass, and a refreshed propagator sees new parameter values."""
+    from propagators.torch import AdjointPropagator, ODEPropagator
+
+    torch.manual_seed(11)
+    layers = [make().to(dtype) for _ in range(8)] + [nn.Sequential(nn.Linear(5, 5), nn.ELU()).to(dtype)]
+    prop = ODEPropagator(layers, h=0.125)
+    kp = prop.kernel
+    assert [c.mode for c in kp.k.classes][0] == "dense"
+    for shape in [(4, 5), (4, 3, 5)]:
+        U = torch.randn(*shape, dtype=dtype)
+        idx, dt = np.array([0, 2, 4, 6]), torch.tensor([0.125, 0.125, 0.25, 0.375], dtype=dtype)
+        assert torch.equal(kp.stepper(idx, dt)(U), kp.step(U, idx, dt))
+        mixed = np.array([1, 3, 8, 7])  # the ELU layer is another class: the general path
+        assert torch.equal(kp.stepper(mixed, dt)(U), kp.step(U, mixed, dt))
+        D = kp.linearize(U, idx)  # None for activations without a closed-form derivative
+        assert (D is None) == (kp.k.classes[0].dense.derivative is None)
+        if D is not None:
+            V = torch.randn(*shape, dtype=dtype)
+            assert torch.equal(kp.vjp_stepper(idx, dt, D)(V), kp.vjp_state(None, V, idx, dt, D))
+    # through the propagators: the same function for a pattern every time within a pass
+    t0, t1 = np.array([0.0, 0.25, 0.5]), np.array([0.125, 0.5, 0.75])
+    U = torch.randn(3, 2, 5, dtype=dtype)
+    first = prop.step_batch(U, t0, t1)
+    assert len(kp.steppers(prop._plans)) == 1
+    assert torch.equal(prop.step_batch(U, t0, t1), first)
+    assert torch.equal(first, kp.step(U, *prop.plan(t0, t1, U)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-13
+    assert rel(first, torch.stack([prop.step(U[k], t0[k], t1[k]) for k in range(3)])) < tol
+    with torch.no_grad():
+        for m in layers:
+            for q in m.parameters():
+                q.mul_(2.0)
+    assert torch.equal(prop.step_batch(U, t0, t1), first)  # the values this pass bound
+    prop.refresh()
+    again = prop.step_batch(U, t0, t1)
+    assert not torch.equal(again, first)
+    assert torch.equal(again, prop.kernel.step(U, *prop.plan(t0, t1, U)))
+    kp = prop.kernel
+    if kp.k.classes[0].dense.derivative is None:
+        return
+    states = torch.randn(10, 2, 5, dtype=dtype)
+    D = kp.linearize(states[:8], np.arange(8))  # the dense layers (the last one, ELU, has no closed form)
+    adj = AdjointPropagator(prop, lambda ia: states[torch.as_tensor(ia)], 9, (D, 0))
+    plain = AdjointPropagator(prop, lambda ia: states[torch.as_tensor(ia)], 9)
+    tau0, tau1 = np.array([0.0, 0.375]), np.array([0.25, 0.5])
+    V = torch.randn(2, 2, 5, dtype=dtype)
+    assert rel(adj.step_batch(V, tau0, tau1), plain.step_batch(V, tau0, tau1)) < tol
+    assert torch.equal(adj.step_batch(V, tau0, tau1), adj.step_batch(V, tau0, tau1))
+
+
+def test_pattern_stepper_error_names_the_layer():
+    """A state the fused step cannot take (wrong width) fails through the general path, which
+    names the layer."""
+    from propagators.torch import ODEPropagator
+
+    prop = ODEPropagator([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(4)], h=0.25)
+    with pytest.raises(LayerError, match="layer 0"):
+        prop.step_batch(torch.randn(2, 3, 4), np.array([0.0, 0.5]), np.array([0.25, 0.75]))
+
+
 def test_backward_evaluates_each_dense_layer_once(monkeypatch):
     """The adjoint of dense forward-Euler layers linearizes every layer once per backward pass
     (one batched evaluation at the stored states) and reuses those derivatives in every sweep,

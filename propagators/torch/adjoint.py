@@ -44,6 +44,7 @@ class AdjointPropagator(mgrit.Propagator):
     def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
         self.linearization = linearization
+        self._steps: dict = {}  # pattern of time points -> step function (with the linearization)
         self._plans = forward.kernel.k.plan_cache(("adjoint", self.N, forward.h, forward.layer_index))
 
     def intervals(self, tau0, tau1):
@@ -68,12 +69,18 @@ class AdjointPropagator(mgrit.Propagator):
         return cached_plan(self._plans, tau0, tau1, like, make)
 
     def step_batch(self, V, tau0, tau1):
-        ia, layers, dt = self.plan(tau0, tau1, V)
-        if self.linearization is not None:
+        if self.linearization is None:
+            ia, layers, dt = self.plan(tau0, tau1, V)
+            return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
+        tau0, tau1 = np.asarray(tau0, dtype=np.float64), np.asarray(tau1, dtype=np.float64)
+        key = (tau0.tobytes(), tau1.tobytes(), V.dtype, V.device)
+        step = self._steps.get(key)
+        if step is None:  # once per pattern and pass: the derivatives of its intervals, gathered
+            ia, layers, dt = self.plan(tau0, tau1, V)
             D, i0 = self.linearization
-            return self.fwd.kernel.vjp_state(None, V, layers, dt,
-                                             D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
-        return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
+            step = self._steps[key] = self.fwd.kernel.vjp_stepper(
+                layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
+        return step(V)
 
 
 def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):

@@ -205,6 +205,21 @@ class DenseRHS:
         Z = self._z(params, U).reshape(tuple(U.shape[:-1]) + (params[self.weight].shape[1],))
         return Z if self.activation is None else self.activation(Z)
 
+    def bound(self, params):
+        """:meth:`__call__` with the stacked ``params`` bound once: the same operations on the same
+        operands (so the same bits), without looking the parameters up again on every call."""
+        W = params[self.weight]
+        Wt, out, act = W.transpose(1, 2), W.shape[1], self.activation
+        b3 = params[self.bias].unsqueeze(1) if self.bias is not None else None
+
+        def f(U):
+            X = U.reshape(U.shape[0], -1, U.shape[-1])
+            Z = torch.bmm(X, Wt) if b3 is None else torch.baddbmm(b3, X, Wt)
+            Z = Z.reshape(tuple(U.shape[:-1]) + (out,))
+            return Z if act is None else act(Z)
+
+        return f
+
 
 def _ones_like(z):
     return torch.ones((), dtype=z.dtype, device=z.device)
@@ -565,6 +580,7 @@ class KernelPass:
         self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
+        self._steppers: dict = {}  # owner -> {pattern: step function} (see steppers)
         #: dropout masks of this pass by layer (a list per layer, in call order); None: no dropout
         self.masks: dict | None = None
 
@@ -777,6 +793,69 @@ class KernelPass:
         if U._version != version:
             raise _inplace_error()
         return out
+
+    def steppers(self, owner) -> dict:
+        """A dict that lives as long as this pass, for a propagator (``owner``: its plan cache) to keep
+        the step function of each pattern of time points (:meth:`stepper`)."""
+        d = self._steppers.get(id(owner))
+        if d is None or d[0] is not owner:
+            d = self._steppers[id(owner)] = (owner, {})
+        return d[1]
+
+    def stepper(self, idx: np.ndarray, dt):
+        """``U -> step(U, idx, dt)`` for one pattern of intervals, made once per pass.
+
+        For a sweep of dense forward-Euler layers of one class it is the fused batched step
+        with the gathered parameters bound (:meth:`DenseRHS.bound`): the operations of
+        :meth:`step`, without the grouping, gathering and dispatch on every call. Anything
+        else (and any error, so that :meth:`step` can fall back and name the layer) goes
+        through :meth:`step`.
+        """
+        idx = np.asarray(idx)
+
+        def general(U):
+            return self.step(U, idx, dt)
+
+        groups = self._groups(idx)
+        cid = groups[0][0]
+        c = self.k.classes[cid]
+        if len(groups) != 1 or c.mode != "dense" or self.k.scheme is not forward_euler:
+            return general
+        f, shape = c.dense.bound(self._gather(cid, idx, dt.device)[0]), {}
+
+        def fused(U):
+            dtb = shape.get(U.dim())
+            if dtb is None:
+                dtb = shape[U.dim()] = dt.reshape((-1,) + (1,) * (U.dim() - 1))
+            try:
+                return torch.addcmul(U, dtb, f(U))
+            except Exception:  # noqa: BLE001 - the general path falls back or names the layer
+                return general(U)
+
+        return fused
+
+    def vjp_stepper(self, idx: np.ndarray, dt, D):
+        """``V -> vjp_state(None, V, idx, dt, D)`` for one pattern of intervals with its derivatives
+        ``D`` (from :meth:`linearize`), made once per pass: for dense forward-Euler layers of one
+        class the closed-form product with the gathered weights bound (the operations of
+        :meth:`DenseRHS.euler_vjp`, so the same bits)."""
+        idx = np.asarray(idx)
+
+        def general(V):
+            return self.vjp_state(None, V, idx, dt, D)
+
+        groups = self._groups(idx)
+        cid = groups[0][0]
+        c = self.k.classes[cid]
+        if len(groups) != 1 or not self._closed_form(c, D):
+            return general
+        W, dt3 = self._gather(cid, idx, dt.device)[0][c.dense.weight], dt.reshape(-1, 1, 1)
+
+        def fused(V):
+            V3 = V.reshape(V.shape[0], -1, V.shape[-1])
+            return torch.baddbmm(V3, V3 * D * dt3, W).reshape(V.shape)
+
+        return fused
 
     def _step_class(self, cid, idx, U, dt):
         c = self.k.classes[cid]

@@ -63,9 +63,9 @@ def layer_parallel_case(case, bad):
         def patched():
             kp = bind()
             if case == "step":
-                kp.step = raiser("a layer of the forward solve")
+                kp.step = kp.stepper = raiser("a layer of the forward solve")
             else:
-                kp.vjp_state = raiser("a vector-Jacobian product of the adjoint solve")
+                kp.vjp_state = kp.vjp_stepper = raiser("a vector-Jacobian product of the adjoint solve")
             return kp
 
         lp.kernel.bind = patched

@@ -83,9 +83,9 @@ def inject(lp, case):
         def patched():
             kp = bind()
             if case == "forward":
-                kp.step = raiser("a layer of the forward solve")
+                kp.step = kp.stepper = raiser("a layer of the forward solve")
             else:
-                kp.vjp_state = raiser("a vector-Jacobian product of the adjoint solve")
+                kp.vjp_state = kp.vjp_stepper = raiser("a vector-Jacobian product of the adjoint solve")
             return kp
 
         lp.kernel.bind = patched
