@@ -684,19 +684,21 @@ class LayerParallel(nn.Module):
         self._probed = True
 
     def _exchange_halo(self, kp):
-        """Owners send the current parameters and buffers of halo layers to their users."""
+        """Owners send the current parameters and buffers of halo layers to their users: one message
+        per (owner, user) pair, the tensors' bytes packed in halo order."""
         c, r = self._comm, self._comm.rank
+        pairs: dict = {}
         for owner, user, j in self.plan.halo:
-            if owner == r:
+            if r in (owner, user):
                 p, b = kp.value(j)
-                for v in list(p.values()) + list(b.values()):
-                    c.send(v.detach(), user, Tag.HALO)
+                pairs.setdefault((owner, user), []).extend(list(p.values()) + list(b.values()))
+        for (owner, user), vs in pairs.items():
+            if owner == r and vs:
+                c.send(_packed(vs), user, Tag.HALO)
         with torch.no_grad():
-            for owner, user, j in self.plan.halo:
-                if user == r:
-                    p, b = kp.value(j)
-                    for v in list(p.values()) + list(b.values()):
-                        v.copy_(c.recv(v.detach(), owner, Tag.HALO))
+            for (owner, user), vs in pairs.items():
+                if user == r and vs:
+                    _unpack(c.recv(_packed(vs), owner, Tag.HALO), vs)
 
     def _with_ghost(self, U):
         """Prepend the left neighbour's last state ``u_{lo-1}`` to this rank's states."""
@@ -918,6 +920,25 @@ def _foreign_leaves(out, allowed: set) -> list:
             found.append(var)
         todo.extend(f for f, _ in fn.next_functions)
     return found
+
+
+def _bytes_of(v):
+    return v.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _packed(tensors):
+    """The bytes of ``tensors`` one after the other, as one uint8 tensor (one message)."""
+    device = tensors[0].device
+    return torch.cat([_bytes_of(v).to(device) for v in tensors])
+
+
+def _unpack(buf, tensors) -> None:
+    """Copy the bytes ``_packed`` made back into ``tensors`` (in place)."""
+    off = 0
+    for v in tensors:
+        n = v.numel() * v.element_size()
+        v.copy_(buf[off: off + n].clone().view(v.dtype).reshape(v.shape))  # (clone: aligned for view)
+        off += n
 
 
 def _free_quietly(comm) -> None:
