@@ -74,6 +74,9 @@ class Result:
     final_residual : float or None
         Residual norm of the returned solution (only with ``solve(..., final_residual=True)``;
         0 for one level, which is exact).
+
+    On several ranks :meth:`with_ghost` gives this rank's states with the left
+    neighbour's last state in front, without a message or a copy.
     """
 
     u: object
@@ -89,6 +92,22 @@ class Result:
     rank: int = 0
     size: int = 1
     comm: object = field(default=None, repr=False)
+    #: this rank's level-0 stack with the ghost (the left neighbour's last point) in slot 0, or None
+    _local: object = field(default=None, repr=False)
+
+    def with_ghost(self):
+        """``(states, first)``: :attr:`u` with the state at global index ``index.start - 1`` (the
+        left neighbour's last point) in front, and the global index of the first row.
+
+        The solver's last level-0 operation (the final F-relaxation, or the sequential chain of
+        a one-level solve) receives that state from the neighbour after its final update, so
+        it is the neighbour's returned value, bit for bit. The rows are a view of the solver's
+        storage (no copy). Without a left neighbour (the first rank, one process, or a rank
+        that owns no point) this is ``(u, index.start)``.
+        """
+        if self._local is None or len(self._local) == len(self.u):
+            return self.u, self.index.start
+        return self._local, self.index.start - 1
 
     @property
     def factors(self) -> list:

@@ -320,11 +320,13 @@ def _run(hierarchy, states, u0, comm, opts: Options) -> Result:
         iterations = len(residuals)
         status = Status.CONVERGED if converged else (Status.DIVERGED if _diverged(residuals) else Status.MAX_ITER)
     w0 = states[0]
+    local = None
     if w0 is None:
         u_local, t_local, index = B.empty_stack(0, u0), np.zeros(0), range(0, 0)
     else:
         own0 = w0.lo - w0.g0
         u_local, t_local, index = w0.u[own0:], np.array(w0.tl[own0:]), range(w0.lo, w0.hi + 1)
+        local = w0.u if own0 and w0.left is not None else None
     return Result(
         u=u_local,
         t=t_local,
@@ -339,6 +341,7 @@ def _run(hierarchy, states, u0, comm, opts: Options) -> Result:
         rank=comm.rank,
         size=comm.size,
         comm=comm,
+        _local=local,
     )
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import InSession, Tag, args_signature, as_communicator
+from mgrit.comm import InSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
 from .module import _free_quietly, _warn_without_progress
@@ -516,7 +516,7 @@ class ParallelGRU(nn.Module):
                                   final_residual=True)
                 U, g0 = res.u, lay.lo
                 if keep:
-                    U, g0 = self._with_ghost(U, lay)
+                    U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
                 out = self._gather_points(U[max(1, lay.lo) - g0:] if lay.hi >= lay.lo else U[:0],
                                           max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
                 root = lay.plan.owner_of_point(L)
@@ -525,15 +525,6 @@ class ParallelGRU(nn.Module):
         _warn_without_progress(res, f"forward (GRU layer {l})", "fwd_iters")
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
-
-    def _with_ghost(self, U, lay):
-        """Prepend the left neighbour's last state ``h_{lo-1}`` to this rank's states."""
-        c = self._comm
-        if len(U) and lay.right is not None:
-            c.send(U[-1], lay.right, Tag.GHOST)
-        if len(U) and lay.left is not None:
-            return torch.cat([c.recv(U[-1], lay.left, Tag.GHOST)[None], U]), lay.lo - 1
-        return U, lay.lo
 
     def _gather_points(self, piece, start: int, L: int, like):
         """Rows ``start ..`` of the sequence from every rank, as the full ``(L, ...)`` tensor on every rank.

@@ -622,7 +622,7 @@ class LayerParallel(nn.Module):
             U, g0 = res.u, self.lo
             self._check_side_effects(kp, versions, rng)
             if P > 1:
-                U, g0 = self._with_ghost(U)
+                U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
             if kp.batch_stats:
                 self._update_running_stats(kp, U, g0, x)
             if P == 1:
@@ -699,16 +699,6 @@ class LayerParallel(nn.Module):
             for (owner, user), vs in pairs.items():
                 if user == r and vs:
                     _unpack(c.recv(_packed(vs), owner, Tag.HALO), vs)
-
-    def _with_ghost(self, U):
-        """Prepend the left neighbour's last state ``u_{lo-1}`` to this rank's states."""
-        c, r = self._comm, self._comm.rank
-        left, right = self.plan.left[r], self.plan.right[r]
-        if len(U) and right is not None:
-            c.send(U[-1], right, Tag.GHOST)
-        if len(U) and left is not None:
-            return torch.cat([c.recv(U[-1], left, Tag.GHOST)[None], U]), self.lo - 1
-        return U, self.lo
 
     # -- backward -------------------------------------------------------------
     def _adjoint(self, saved, gy, params):

@@ -199,6 +199,11 @@ def check_case(comm, name, prop, u0, t, kw) -> list:
         bad.append(f"iterations/status differ: {res.iterations} {res.status} vs {ref.iterations} {ref.status}")
     if list(counts) != list(ref.counts):
         bad.append(f"propagator calls summed over ranks {list(counts)} != serial {ref.counts}")
+    ghosted, first = res.with_ghost()
+    want = idx if first == res.index.start else np.concatenate([[first], idx])
+    expect = res.index.start - 1 if len(idx) and res.index.start > 0 else res.index.start
+    if first != expect or not same(ghosted, ref.u[want] if len(want) else ref.u[0:0]):
+        bad.append("with_ghost() is not the serial states from the left neighbour's last point on")
     if (res.rank, res.size) != (rank, size):
         bad.append("res.rank / res.size are wrong")
     model = predict(res.hierarchy, size, res.iterations, cycle=kw.get("cycle", "V"), skip=kw.get("skip", True),

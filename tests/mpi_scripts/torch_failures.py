@@ -8,7 +8,7 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``check``: a bad input on that rank only (an integer tensor);
 * ``halo``: while sending / receiving neighbours' parameters;
 * ``forward``: in a layer, inside the forward MGRIT solve;
-* ``ghost``: while exchanging the boundary states and broadcasting the output;
+* ``ghost``: after the forward solve, before the output is broadcast (the checks of its side effects);
 * ``adjoint``: in a vector-Jacobian product, inside the adjoint MGRIT solve;
 * ``params``: while computing the parameter gradients;
 * ``inplace``: a parameter modified in place between forward and backward on that rank only;
@@ -74,7 +74,7 @@ def inject(lp, case):
     if case == "halo":
         lp._exchange_halo = raiser("halo exchange")
     elif case == "ghost":
-        lp._with_ghost = raiser("ghost exchange")
+        lp._check_side_effects = raiser("the checks after the forward solve")
     elif case == "params":
         lp._parameter_gradients = raiser("parameter gradients")
     elif case in ("forward", "adjoint"):
