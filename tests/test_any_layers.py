@@ -654,6 +654,55 @@ def test_pattern_steppers_give_the_general_paths_bits(make, dtype):
     assert torch.equal(adj.step_batch(V, tau0, tau1), adj.step_batch(V, tau0, tau1))
 
 
+def test_reused_adjoint_propagator_follows_its_linearization_and_the_refreshed_pass():
+    """An AdjointPropagator kept across passes (its linearization rebound, or changed in place, and
+    the forward propagator refreshed) steps with the new derivatives and weights, like a new one."""
+    from propagators.torch import AdjointPropagator, ODEPropagator
+
+    torch.manual_seed(3)
+    layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()).double() for _ in range(8)]
+    prop = ODEPropagator(layers, h=0.125)
+    U = torch.randn(9, 4, 5, dtype=torch.float64)
+    D = prop.kernel.linearize(U[:8], np.arange(8))
+    adj = AdjointPropagator(prop, lambda ia: U[torch.as_tensor(ia)], 8, (D, 0))
+    V = torch.randn(2, 4, 5, dtype=torch.float64)
+    tau0, tau1 = np.array([0.0, 0.5]), np.array([0.25, 0.75])
+    before = adj.step_batch(V, tau0, tau1)
+    with torch.no_grad():
+        for m in layers:
+            for q in m.parameters():
+                q.mul_(0.5)
+    prop.refresh()
+    U2 = torch.randn(9, 4, 5, dtype=torch.float64)
+    D2 = prop.kernel.linearize(U2[:8], np.arange(8))
+    adj.linearization = (D2, 0)
+    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2, 0))
+    after = adj.step_batch(V, tau0, tau1)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh.step_batch(V, tau0, tau1))
+    with torch.no_grad():
+        D2.mul_(2.0)  # the derivatives changed in place
+    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2.clone(), 0))
+    assert torch.equal(adj.step_batch(V, tau0, tau1), fresh.step_batch(V, tau0, tau1))
+
+
+def test_halo_packing_round_trips_every_kind_of_tensor():
+    """The halo exchange packs the tensors of a layer into one byte message: every dtype, 0-d and
+    empty tensors, non-contiguous and offset views, and lazily conjugated or negated views come
+    back exactly."""
+    from propagators.torch.module import _packed, _unpack
+
+    base = torch.randn(6, 4, dtype=torch.complex128)
+    src = [torch.randn(3, 4), torch.tensor(7, dtype=torch.int64), torch.tensor([True, False, True]),
+           torch.randn(5, dtype=torch.float16), torch.randn(2, 3, dtype=torch.bfloat16), torch.zeros(0),
+           torch.randn(4, 6).t(), torch.arange(10, dtype=torch.int8)[3:7], base.conj(), torch.randn(3)._neg_view(),
+           torch.tensor(2.5, dtype=torch.float64)]
+    dst = [torch.zeros(v.shape, dtype=v.dtype) for v in src]
+    _unpack(_packed(src), dst)
+    for a, b in zip(src, dst):
+        assert torch.equal(a.resolve_conj().resolve_neg(), b), (a.dtype, tuple(a.shape))
+
+
 def test_pattern_stepper_error_names_the_layer():
     """A state the fused step cannot take (wrong width) fails through the general path, which
     names the layer."""

@@ -44,7 +44,6 @@ class AdjointPropagator(mgrit.Propagator):
     def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
         self.linearization = linearization
-        self._steps: dict = {}  # pattern of time points -> step function (with the linearization)
         self._plans = forward.kernel.k.plan_cache(("adjoint", self.N, forward.h, forward.layer_index))
 
     def intervals(self, tau0, tau1):
@@ -73,14 +72,15 @@ class AdjointPropagator(mgrit.Propagator):
             ia, layers, dt = self.plan(tau0, tau1, V)
             return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
         tau0, tau1 = np.asarray(tau0, dtype=np.float64), np.asarray(tau1, dtype=np.float64)
-        key = (tau0.tobytes(), tau1.tobytes(), V.dtype, V.device)
-        step = self._steps.get(key)
-        if step is None:  # once per pattern and pass: the derivatives of its intervals, gathered
+        D, i0 = self.linearization
+        steps = self.fwd.kernel.steppers(self._plans)  # kept by the forward's pass (its parameter values)
+        key = (tau0.tobytes(), tau1.tobytes(), V.dtype, V.device, i0)
+        hit = steps.get(key)
+        if hit is None or hit[0] is not D or hit[1] != D._version:  # once per pattern, pass and linearization
             ia, layers, dt = self.plan(tau0, tau1, V)
-            D, i0 = self.linearization
-            step = self._steps[key] = self.fwd.kernel.vjp_stepper(
-                layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
-        return step(V)
+            hit = steps[key] = (D, D._version, self.fwd.kernel.vjp_stepper(
+                layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device))))
+        return hit[2](V)
 
 
 def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):

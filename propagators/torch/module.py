@@ -913,7 +913,7 @@ def _foreign_leaves(out, allowed: set) -> list:
 
 
 def _bytes_of(v):
-    return v.detach().contiguous().reshape(-1).view(torch.uint8)
+    return v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _packed(tensors):
