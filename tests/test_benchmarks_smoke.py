@@ -95,6 +95,8 @@ def test_layer_parallel_quick_run_and_rank_sweep():
     if (Path(sys.executable).parent / "mpiexec").exists():
         assert "1 -> 2 ranks:" in out
         sweep = run_benchmark("layer_parallel.py", "--sweep", "16", "32", "--levels", "3", "--repeat", "2",
-                              "--width", "4", "--batch", "2")
-        rows = [r for r in map(str.split, sweep.splitlines()) if len(r) == 5 and r[0].isdigit()]
-        assert [int(r[0]) for r in rows] == [16, 32] and all(r[-1].endswith("x") for r in rows)
+                              "--width", "4", "--batch", "2", "--launches", "2")
+        rows = [r for r in map(str.split, sweep.splitlines()) if len(r) == 7 and r[0].isdigit()]
+        assert [int(r[0]) for r in rows] == [16, 32] and all(r[4].endswith("x") for r in rows)
+        # the reported ratio is one of the launches' (the median launch)
+        assert all(f"{float(r[4][:-1]):.2f}" in r[5:] for r in rows)
