@@ -690,17 +690,18 @@ def test_halo_packing_round_trips_every_kind_of_tensor():
     """The halo exchange packs the tensors of a layer into one byte message: every dtype, 0-d and
     empty tensors, non-contiguous and offset views, and lazily conjugated or negated views come
     back exactly."""
-    from propagators.torch.module import _packed, _unpack
+    from propagators.torch.module import _halo_order, _packed, _unpack
 
     base = torch.randn(6, 4, dtype=torch.complex128)
     src = [torch.randn(3, 4), torch.tensor(7, dtype=torch.int64), torch.tensor([True, False, True]),
            torch.randn(5, dtype=torch.float16), torch.randn(2, 3, dtype=torch.bfloat16), torch.zeros(0),
            torch.randn(4, 6).t(), torch.arange(10, dtype=torch.int8)[3:7], base.conj(), torch.randn(3)._neg_view(),
            torch.tensor(2.5, dtype=torch.float64)]
-    dst = [torch.zeros(v.shape, dtype=v.dtype) for v in src]
-    _unpack(_packed(src), dst)
-    for a, b in zip(src, dst):
-        assert torch.equal(a.resolve_conj().resolve_neg(), b), (a.dtype, tuple(a.shape))
+    for order in (src, _halo_order(src)):  # any order (misaligned runs are copied), and the aligned one
+        dst = [torch.zeros(v.shape, dtype=v.dtype) for v in order]
+        _unpack(_packed(order), dst)
+        for a, b in zip(order, dst):
+            assert torch.equal(a.resolve_conj().resolve_neg(), b), (a.dtype, tuple(a.shape))
 
 
 def test_pattern_stepper_error_names_the_layer():

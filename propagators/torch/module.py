@@ -694,11 +694,12 @@ class LayerParallel(nn.Module):
                 pairs.setdefault((owner, user), []).extend(list(p.values()) + list(b.values()))
         for (owner, user), vs in pairs.items():
             if owner == r and vs:
-                c.send(_packed(vs), user, Tag.HALO)
+                c.send(_packed(_halo_order(vs)), user, Tag.HALO)
         with torch.no_grad():
             for (owner, user), vs in pairs.items():
                 if user == r and vs:
-                    _unpack(c.recv(_packed(vs), owner, Tag.HALO), vs)
+                    like = torch.empty(_packed_size(vs), dtype=torch.uint8, device=vs[0].device)
+                    _unpack(c.recv(like, owner, Tag.HALO), _halo_order(vs))
 
     # -- backward -------------------------------------------------------------
     def _adjoint(self, saved, gy, params):
@@ -913,7 +914,16 @@ def _foreign_leaves(out, allowed: set) -> list:
 
 
 def _bytes_of(v):
-    return v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    v = v.detach()
+    if v.is_conj() or v.is_neg():
+        v = v.resolve_conj().resolve_neg()
+    return v.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _halo_order(tensors) -> list:
+    """Largest elements first: packed in this order, every tensor's bytes start at a multiple of its
+    element size, so they can be read back in place (the same order on every rank)."""
+    return sorted(tensors, key=lambda v: -v.element_size())
 
 
 def _packed(tensors):
@@ -922,13 +932,20 @@ def _packed(tensors):
     return torch.cat([_bytes_of(v).to(device) for v in tensors])
 
 
+def _packed_size(tensors) -> int:
+    return sum(v.numel() * v.element_size() for v in tensors)
+
+
 def _unpack(buf, tensors) -> None:
     """Copy the bytes ``_packed`` made back into ``tensors`` (in place)."""
     off = 0
     for v in tensors:
-        n = v.numel() * v.element_size()
-        v.copy_(buf[off: off + n].clone().view(v.dtype).reshape(v.shape))  # (clone: aligned for view)
-        off += n
+        size = v.element_size()
+        chunk = buf[off: off + v.numel() * size]
+        if off % size or chunk.data_ptr() % size:
+            chunk = chunk.clone()  # (not aligned for a view as v's dtype)
+        v.copy_(chunk.view(v.dtype).view(v.shape))
+        off += chunk.numel()
 
 
 def _free_quietly(comm) -> None:
