@@ -606,8 +606,11 @@ class LayerParallel(nn.Module):
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
-            versions = self._buffer_versions(kp)
-            rng = (torch.random.get_rng_state(), np.random.get_state())
+            # dense layers are stepped by the traced linear map and activations alone: no code of theirs
+            # runs in the solve, so there is nothing to check for side effects
+            pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
+            versions = None if pure else self._buffer_versions(kp)
+            rng = None if pure else (torch.random.get_rng_state(), np.random.get_state())
             with torch.no_grad():
                 if exact:
                     res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._solve_comm(),
@@ -620,7 +623,8 @@ class LayerParallel(nn.Module):
                                       callback=self.callback, final_residual=True, spatial=transfers)
             self.last_forward = res
             U, g0 = res.u, self.lo
-            self._check_side_effects(kp, versions, rng)
+            if rng is not None:
+                self._check_side_effects(kp, versions, rng)
             if P > 1:
                 U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
             if kp.batch_stats:

@@ -8,7 +8,8 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``check``: a bad input on that rank only (an integer tensor);
 * ``halo``: while sending / receiving neighbours' parameters;
 * ``forward``: in a layer, inside the forward MGRIT solve;
-* ``ghost``: after the forward solve, before the output is broadcast (the checks of its side effects);
+* ``ghost``: after the forward solve, taking the left neighbour's boundary state, before the output
+  is broadcast;
 * ``adjoint``: in a vector-Jacobian product, inside the adjoint MGRIT solve;
 * ``params``: while computing the parameter gradients;
 * ``inplace``: a parameter modified in place between forward and backward on that rank only;
@@ -74,7 +75,13 @@ def inject(lp, case):
     if case == "halo":
         lp._exchange_halo = raiser("halo exchange")
     elif case == "ghost":
-        lp._check_side_effects = raiser("the checks after the forward solve")
+        original = mgrit.result.Result.with_ghost
+
+        def failing(self):
+            mgrit.result.Result.with_ghost = original  # once: the later cases and the clean step use it
+            raise Injected("injected failure in taking the boundary state after the forward solve")
+
+        mgrit.result.Result.with_ghost = failing
     elif case == "params":
         lp._parameter_gradients = raiser("parameter gradients")
     elif case in ("forward", "adjoint"):
