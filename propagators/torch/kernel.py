@@ -213,9 +213,12 @@ class DenseRHS:
         b3 = params[self.bias].unsqueeze(1) if self.bias is not None else None
 
         def f(U):
-            X = U.reshape(U.shape[0], -1, U.shape[-1])
-            Z = torch.bmm(X, Wt) if b3 is None else torch.baddbmm(b3, X, Wt)
-            Z = Z.reshape(tuple(U.shape[:-1]) + (out,))
+            if U.dim() == 3:  # (intervals, rows, features) already: the reshapes would be views of it
+                Z = torch.bmm(U, Wt) if b3 is None else torch.baddbmm(b3, U, Wt)
+            else:
+                X = U.reshape(U.shape[0], -1, U.shape[-1])
+                Z = torch.bmm(X, Wt) if b3 is None else torch.baddbmm(b3, X, Wt)
+                Z = Z.reshape(tuple(U.shape[:-1]) + (out,))
             return Z if act is None else act(Z)
 
         return f

@@ -131,10 +131,7 @@ class ODEPropagator(mgrit.Propagator):
         return cached_plan(self._plans, t0, t1, like, make)
 
     def step_batch(self, U, t0, t1):
-        t0, t1 = np.asarray(t0, dtype=np.float64), np.asarray(t1, dtype=np.float64)
-        steps = self.kernel.steppers(self._plans)  # this pass's step function per pattern
-        key = (t0.tobytes(), t1.tobytes(), U.dtype, U.device)
-        step = steps.get(key)
-        if step is None:
-            step = steps[key] = self.kernel.stepper(*self.plan(t0, t1, U))
+        # this pass's step function for the pattern (kept by the pass: its parameter values)
+        step = cached_plan(self.kernel.steppers(self._plans), t0, t1, U,
+                           lambda a, b: self.kernel.stepper(*self.plan(a, b, U)))
         return step(U)
