@@ -805,6 +805,11 @@ class KernelPass:
             d = self._steppers[id(owner)] = (owner, {})
         return d[1]
 
+    def _sole_class(self, idx: np.ndarray):
+        """The class id of the intervals ``idx`` when they all belong to one class, else None."""
+        groups = self._groups(idx)
+        return groups[0][0] if len(groups) == 1 else None
+
     def stepper(self, idx: np.ndarray, dt):
         """``U -> step(U, idx, dt)`` for one pattern of intervals, made once per pass.
 
@@ -819,11 +824,10 @@ class KernelPass:
         def general(U):
             return self.step(U, idx, dt)
 
-        groups = self._groups(idx)
-        cid = groups[0][0]
-        c = self.k.classes[cid]
-        if len(groups) != 1 or c.mode != "dense" or self.k.scheme is not forward_euler:
+        cid = self._sole_class(idx)
+        if cid is None or self.k.classes[cid].mode != "dense" or self.k.scheme is not forward_euler:
             return general
+        c = self.k.classes[cid]
         f, shape = c.dense.bound(self._gather(cid, idx, dt.device)[0]), {}
 
         def fused(U):
@@ -847,11 +851,10 @@ class KernelPass:
         def general(V):
             return self.vjp_state(None, V, idx, dt, D)
 
-        groups = self._groups(idx)
-        cid = groups[0][0]
-        c = self.k.classes[cid]
-        if len(groups) != 1 or not self._closed_form(c, D):
+        cid = self._sole_class(idx)
+        if cid is None or not self._closed_form(self.k.classes[cid], D):
             return general
+        c = self.k.classes[cid]
         W, dt3 = self._gather(cid, idx, dt.device)[0][c.dense.weight], dt.reshape(-1, 1, 1)
 
         def fused(V):
