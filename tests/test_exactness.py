@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import mgrit
@@ -158,6 +158,8 @@ def test_multilevel_v_cycle_counts_from_reference(m, levels, relax, expected, rn
     poor_coarse=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
+@example(name="brusselator", N=23, cf=[4], relax=["FCF"], levels=2, cycle="V", skip=False, grid="uniform",
+         poor_coarse=False, seed=1994)  # (its coarse RK4 steps overflow: discarded, see solve_without_overflow)
 @HYP
 def test_exact_after_bound_property(name, N, cf, relax, levels, cycle, skip, grid, poor_coarse, seed):
     """Any N (ragged or not), per-level cf / relax lists, 2..4 levels, V or F cycles:
@@ -176,11 +178,28 @@ def test_exact_after_bound_property(name, N, cf, relax, levels, cycle, skip, gri
     props = [pb.prop, Scaled(0.5)] if poor_coarse else pb.prop
     kw = dict(cf=cf, max_levels=levels, min_coarse=1, relax=relax, cycle=cycle, skip=skip,
               tol=None, initial_guess=perturbed(ref, rng))
-    res = mgrit.solve(props, pb.u0, t, max_iter=K, **kw)
+    res = solve_without_overflow(props, pb.u0, t, max_iter=K, **kw)
     assert max_err(res.u, ref) <= 1e-11 * scale(ref)
     if poor_coarse and K > 1:
-        before = mgrit.solve(props, pb.u0, t, max_iter=K - 1, **kw)
+        before = solve_without_overflow(props, pb.u0, t, max_iter=K - 1, **kw)
         assert max_err(before.u, ref) > 1e-10 * scale(ref)
+
+
+def solve_without_overflow(*args, **kwargs):
+    """``mgrit.solve``, with the examples whose propagators overflow discarded.
+
+    The exactness bound holds in exact arithmetic, for any coarse propagator. A coarse
+    explicit step beyond its stability limit, started from a perturbed guess, can overflow
+    (Brusselator, cf 4 on 23 points: RK4 steps of 0.35). That example is outside floating
+    point, so another one is drawn. A DivergenceError of the solver itself is still a failure.
+    """
+    try:
+        with np.errstate(over="raise"):
+            return mgrit.solve(*args, **kwargs)
+    except FloatingPointError as exc:
+        if isinstance(exc, mgrit.DivergenceError):
+            raise
+        assume(False)
 
 
 # --------------------------------------------------------------------------- warm start
