@@ -105,7 +105,7 @@ class Result:
         storage (no copy). Without a left neighbour (the first rank, one process, or a rank
         that owns no point) this is ``(u, index.start)``.
         """
-        if self._local is None or len(self._local) == len(self.u):
+        if self._local is None:  # (set only on a rank with a left neighbour and points of its own)
             return self.u, self.index.start
         return self._local, self.index.start - 1
 

@@ -71,16 +71,19 @@ class AdjointPropagator(mgrit.Propagator):
         if self.linearization is None:
             ia, layers, dt = self.plan(tau0, tau1, V)
             return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
-        tau0, tau1 = np.asarray(tau0, dtype=np.float64), np.asarray(tau1, dtype=np.float64)
         D, i0 = self.linearization
-        steps = self.fwd.kernel.steppers(self._plans)  # kept by the forward's pass (its parameter values)
-        key = (tau0.tobytes(), tau1.tobytes(), V.dtype, V.device, i0)
-        hit = steps.get(key)
-        if hit is None or hit[0] is not D or hit[1] != D._version:  # once per pattern, pass and linearization
-            ia, layers, dt = self.plan(tau0, tau1, V)
-            hit = steps[key] = (D, D._version, self.fwd.kernel.vjp_stepper(
-                layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device))))
-        return hit[2](V)
+        # the step functions are kept by the forward's pass (its parameter values), afresh for a new or
+        # changed linearization
+        per_pass = self.fwd.kernel.steppers(self._plans)
+        held = per_pass.get("linearization")
+        if held is None or held[0] is not D or held[1] != (D._version, i0):
+            held = per_pass["linearization"] = (D, (D._version, i0), {})
+
+        def make(a, b):
+            ia, layers, dt = self.plan(a, b, V)
+            return self.fwd.kernel.vjp_stepper(layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
+
+        return cached_plan(held[2], tau0, tau1, V, make)(V)
 
 
 def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):
