@@ -25,21 +25,31 @@ its stored states, one per point it owns on every level, forward and adjoint,
 plus owned and halo parameters).
 
 Then a critical-path model predicts all of them for P = 8 .. 512 from measured
-per-layer forward/backward costs and the measured gloo message time:
+per-layer forward/backward costs and the measured gloo message time. Its probes
+run in the same interleaved loop as the four methods (same processes, same
+phase of the machine, whose speed drifts by tens of percent between launches):
+the *serial reference* (the rank's own layers forward + backward at batch B, no
+message), the two schedules with one layer per stage, and LayerParallel with
+trivial layers. ``c`` is the reference's time per layer on 1 rank; ``s`` the same
+on 2 ranks (all ranks running it at once) divided by ``c``, taken as constant
+for P > 2 (1 on 1 rank):
 
-* model parallel: ``N (f + b) + 2 (P - 1) msg(B)`` plus what the measured 1-rank step has on
-  top of ``N (f + b)`` (the loss, bookkeeping)
+* model parallel: ``s N c + 2 (P - 1) msg(B)`` plus what the measured 1-rank step has on
+  top of the reference (the loss, bookkeeping)
 * GPipe / 1F1B with m micro-batches: ``(m + P - 1) (N/P f_mb + c + o)`` for the
-  forward plus the same with ``b_mb`` for the backward, where ``o`` is the schedule's own
-  overhead per stage pass (the schedule with a 1-layer stage on 1 rank) and ``c`` its
-  message cost per stage pass (the same on 2 ranks, minus ``o``); in the prediction table
-  m is chosen best among the powers of two <= B;
+  forward plus the same with ``b_mb`` for the backward, where ``f_mb``, ``b_mb`` are the
+  per-layer costs at the micro-batch size (measured after the timed steps, brought to the
+  reference's level, times ``s``), ``o`` is the schedule's own overhead per stage pass (the
+  schedule with a 1-layer stage on 1 rank) and ``c`` its message cost per stage pass (the
+  same on 2 ranks, minus ``o``); in the prediction table m is chosen best among the powers
+  of two <= B;
 * LayerParallel: ``mgrit.model.predict`` of the forward and adjoint solves with
   measured call costs (as benchmarks/layer_parallel.py) plus the parameter VJP over
-  N/P layers, times its measured/modelled ratio on 1 rank, plus on P > 1 a distributed
-  overhead per step measured on 2 ranks with a trivial-layer probe (width 1, batch 1,
-  same hierarchy), taken as constant in P, plus the ping-pong latency of LayerParallel's
-  communicator for every critical-path message beyond P = 2's.
+  N/P layers, times its measured/modelled ratio on 1 rank and ``s``, plus on P > 1 a
+  distributed overhead per step measured on 2 ranks with the trivial-layer probe (width 1,
+  batch 1, same hierarchy; the same for every w and B, so its median over all runs of that N),
+  taken as constant in P, plus the ping-pong latency of
+  LayerParallel's communicator for every critical-path message beyond P = 2's.
 
 No constant is fitted to the N-layer P = 2 times: those are the check.
 
@@ -303,20 +313,58 @@ def worker(a):
                 p.grad = None
             lp(x).square().sum().backward()
 
-        t_mp, t_gp, t_fb, t_lp = timed([mp_step_ordered, gp_step, fb_step, lp_step], a.repeat)
-        for fn in (mp_step_ordered, gp_step, fb_step):  # one more step each, counting saved bytes
-            fn(hooks=True)
+        # probes for the model, timed interleaved with the four methods (same processes, same phase of the
+        # machine): (1) the serial reference, this rank's own layers forward + backward at batch B with no
+        # message (what model parallelism computes; on P ranks all ranks run it at once); (2) the two
+        # schedules with one layer per stage (schedule overhead + its messages); (3) LayerParallel with the
+        # same hierarchy and trivial layers (width 1, batch 1): its communication and bookkeeping with next
+        # to no layer work
+        ref_blk = copy_block(lo, hi)
+        ref_params = list(ref_blk.parameters())
+        u_ref = x.clone().requires_grad_(rank > 0)
 
-        # probe: the same schedules with one layer per stage (schedule overhead + its messages)
-        probe = [timed([make_pipe(kind, lo, lo + 1)[1]], 2 * a.repeat)[0] for kind in ("GPipe", "1F1B")]
+        def ref_step():
+            for p in ref_params:
+                p.grad = None
+            u_ref.grad = None
+            ref_blk(u_ref).square().sum().backward()
 
-        # probe: LayerParallel with the same hierarchy and trivial layers (width 1, batch 1): its
-        # communication and bookkeeping per critical-path message, with next to no layer work
+        probe_steps = [make_pipe(kind, lo, lo + 1)[1] for kind in ("GPipe", "1F1B")]
         lp_probe_net = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
                                      max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
                                      comm=dist.group.WORLD)
         x1 = torch.randn(1, 1)
-        lp_probe = timed([lambda: lp_probe_net(x1).square().sum().backward()], 2 * a.repeat)[0]
+
+        def lp_probe_step():
+            lp_probe_net(x1).square().sum().backward()
+
+        def ref_alone_step():  # the same blocks one rank after the other, the others idle (as in model parallelism)
+            for r in range(P):
+                if r:
+                    dist.barrier()
+                if rank == r:
+                    ref_step()
+
+        fns = [mp_step_ordered, gp_step, fb_step, lp_step, ref_step, *probe_steps, lp_probe_step]
+        if P > 1:
+            fns.append(ref_alone_step)
+        if P == 1:  # (4) the first half of the layers: the same work as one rank's block on 2 ranks
+            half_blk = copy_block(0, -(-N // 2))
+            half_params = list(half_blk.parameters())
+
+            def half_step():
+                for p in half_params:
+                    p.grad = None
+                half_blk(x).square().sum().backward()
+
+            fns.append(half_step)
+        times = timed(fns, a.repeat)
+        t_mp, t_gp, t_fb, t_lp, t_ref = times[:5]
+        probe, lp_probe = times[5:7], times[7]
+        t_half = times[8] if P == 1 else None
+        t_alone = times[8] if P > 1 else t_ref
+        for fn in (mp_step_ordered, gp_step, fb_step):  # one more step each, counting saved bytes
+            fn(hooks=True)
 
         # gradient errors (after the last timed step of each)
         def block_pairs(blk, lo_):
@@ -350,7 +398,7 @@ def worker(a):
             lpmsg = lp_pingpong(B * w)
         row = {"N": N, "w": w, "B": B, "P": P, "m": m, "time": [t_mp, t_gp, t_fb, t_lp], "err": err, "mem": mem,
                "costs": costs, "msg": msg, "lpmsg": lpmsg,
-               "probe": probe, "lp_probe": lp_probe}
+               "probe": probe, "lp_probe": lp_probe, "ref": t_ref, "half": t_half, "alone": t_alone}
         if P == 1:
             from layer_parallel import measure_costs
 
@@ -452,7 +500,22 @@ class Model:
         self.h = self._hierarchy()
         t1 = r1["time"]
         f, b = per_layer(self.costs, self.B)
-        self.mp_over = t1[0] - self.N * (f + b)            # loss etc.: additive, measured on 1 rank
+        # the serial reference (this rank's layers forward + backward at batch B, timed interleaved with
+        # the methods) sets the level of the per-layer costs, which are measured after the timed steps
+        self.c1 = r1["ref"] / self.N                      # seconds per layer, forward + backward, 1 rank
+        self.k1 = self.c1 / (f + b)
+        # on P > 1 ranks a layer of a block of N/P layers costs what the reference costs per layer there
+        # (all ranks compute at once: the processes' own speed, their contention for memory and cores,
+        # and a block of fewer layers that fits better in cache), measured on 2 ranks; the pipelines run
+        # such blocks at once
+        self.s2 = (r2["ref"] / -(-self.N // 2)) / self.c1 if r2 else 1.0
+        # LayerParallel's states and parameters do not split into such blocks: its work is scaled by the
+        # speed of the processes alone, the same work (the first half of the layers) on 2 ranks and on 1
+        self.v2 = r2["ref"] / r1["half"] if r2 else 1.0
+        self.mp_over = t1[0] - r1["ref"]                  # loss etc.: additive, measured on 1 rank
+        # model parallelism runs the blocks one rank after the other: the reference run that way on 2 ranks
+        # (each rank's block in turn, the others idle) against the whole net on 1
+        self.a2 = r2["alone"] / r1["ref"] if r2 else 1.0
         # pipeline: per stage pass, the schedule's own overhead (1-layer probe on 1 rank) and its
         # message cost (1-layer probe on 2 ranks minus that overhead); no fit to the N-layer times
         self.pipe_over = [r1["probe"][k] / (2 * self.m) for k in (0, 1)]
@@ -508,12 +571,14 @@ class Model:
         return sum(self._lp_parts(P))
 
     def mp(self, P):
-        f, b = per_layer(self.costs, self.B)
-        return self.N * (f + b) + 2 * (P - 1) * msg_time(self.msg, self.B * self.w) + self.mp_over
+        alone = 1.0 if P == 1 else self.a2
+        return self.N * self.c1 * alone + 2 * (P - 1) * msg_time(self.msg, self.B * self.w) + self.mp_over
 
     def pipe(self, P, m=None, k=0):
         m = m or self.m
-        f, b = per_layer(self.costs, max(self.B // m, 1))
+        # the P fill and drain ticks of the m + P - 1 run one stage at a time, the other m - 1 all at once
+        sp = 1.0 if P == 1 else (P * self.a2 + (m - 1) * self.s2) / (m + P - 1)
+        f, b = (v * self.k1 * sp for v in per_layer(self.costs, max(self.B // m, 1)))
         c = self.pipe_msg[k] if P > 1 else 0.0
         L = self.N / P
         return (m + P - 1) * (L * f + c + self.pipe_over[k]) + (m + P - 1) * (L * b + c + self.pipe_over[k])
@@ -527,7 +592,7 @@ class Model:
         if P == 1:
             return self.lp_calib * work
         extra = max(self._lp_msgs(P) - self._lp_msgs(2), 0) * self.lpmsg
-        return self.lp_calib * work + self.lp_over + extra   # the 1-rank factor scales the work only
+        return self.lp_calib * work * self.v2 + self.lp_over + extra   # the 1-rank factor scales the work only
 
 
 def merge(rows):
@@ -556,6 +621,10 @@ def main(argv=None):
         for P in ranks:
             runs[P].append(launch(a, P, argv))
     res = {P: {c: merge([run[c] for run in runs[P]]) for c in a.configs} for P in ranks}
+    for P in ranks:  # the trivial-layer probe does not depend on w and B: its median over every run of that N
+        for c in a.configs:
+            res[P][c]["lp_probe"] = statistics.median(run[d]["lp_probe"] for run in runs[P] for d in a.configs
+                                                      if d[0] == c[0])
     print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
           f"torch.distributed gloo for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
           f"cf {a.cf}, {a.levels} levels, {a.fwd_iters}/{a.bwd_iters} cycles; medians of {a.repeat} interleaved "
@@ -604,7 +673,9 @@ def main(argv=None):
               f"messages on the critical path at P = 2: {models[a.configs[0]]._lp_msgs(2)}")
         print("model constants: " + "; ".join(
             f"N {c[0]} w {c[1]} B {c[2]}: MP +{1e3 * models[c].mp_over:.1f} ms, GPipe {1e3 * models[c].pipe_over[0]:.2f} ms/stage "
-            f"pass (+{1e3 * models[c].pipe_msg[0]:.2f} ms messages on P > 1), LP x{models[c].lp_calib:.2f}" for c in a.configs))
+            f"pass (+{1e3 * models[c].pipe_msg[0]:.2f} ms messages on P > 1), LP x{models[c].lp_calib:.2f}, layer cost on 2 ranks "
+            f"x{models[c].a2:.2f} in turn, x{models[c].s2:.2f} in blocks at once, x{models[c].v2:.2f} same work "
+            f"at once" for c in a.configs))
         print("\nmodelled time per step [ms] for more ranks (GPipe: best m of the powers of two <= B; "
               "1F1B has GPipe's critical path, less memory)")
         print(f"{'N':>5}{'w':>4}{'B':>5}{'P':>5}{'model par.':>12}{'GPipe (m)':>16}{'LayerParallel':>15}"
@@ -628,7 +699,8 @@ def main(argv=None):
         data = {"settings": {k: v for k, v in vars(a).items() if k != "configs"}, "configs": []}
         for c in a.configs:
             d = {"N": c[0], "w": c[1], "B": c[2], "methods": METHODS,
-                 "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks}}
+                 "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks},
+                 "probes": {P: res[P][c] for P in ranks}}
             if 2 in ranks:
                 M = models[c]
                 Ps = [2 ** j for j in range(10) if 2 ** j <= c[0]]
