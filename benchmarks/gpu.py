@@ -19,7 +19,11 @@ Runs in a few minutes on one GPU:
 3. with several GPUs, the same LayerParallel over NCCL, one process per GPU
    (``torch.distributed.run``): output and gradients against one process, and
    the time of one forward+backward. With one GPU the single-process path of
-   step 2 is the whole story.
+   step 2 is the whole story;
+4. layer-parallel against layer-wise model parallelism and pipelines (GPipe,
+   1F1B): ``benchmarks/vs_model_parallel.py --device cuda`` (NCCL, one GPU per
+   rank) on 1 GPU, and on 1 and 2 GPUs where there are two, N = 1024, widths 16
+   and 64, batch 16 and 256, one launch per rank count.
 
 Run from the repository root (the GPU machine needs only python3 with torch and numpy;
 scipy and pytest for step 1)::
@@ -212,6 +216,25 @@ def nccl_child(a) -> int:
     return 0
 
 
+def compare(a) -> None:
+    """Step 4: benchmarks/vs_model_parallel.py on the GPUs (a tiny CPU run for ``--device cpu``)."""
+    import torch
+
+    script = str(Path(__file__).resolve().parent / "vs_model_parallel.py")
+    if a.device == "cuda":
+        ranks = "1,2" if torch.cuda.device_count() >= 2 else "1"
+        size = (["--widths", "16", "--batches", "16"] if a.quick else ["--widths", "16,64", "--batches", "16,256"])
+        opts = ["--device", "cuda", "--ranks", ranks, "--layers", str(a.layers), *size, "--rounds", "1",
+                "--repeat", "3"]
+    else:  # the dry run: the same code path, tiny
+        opts = ["--device", "cpu", "--ranks", "1", "--layers", str(a.layers), "--widths", a.widths.split(",")[0],
+                "--batches", a.batches.split(",")[0], "--rounds", "1", "--repeat", "1", "--levels", "2"]
+    print(f"\n$ {' '.join(['benchmarks/vs_model_parallel.py', *opts])}", flush=True)
+    out = subprocess.run([sys.executable, script, *opts], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    print(out.stdout[-6000:] + ("" if out.returncode == 0 else out.stderr[-4000:]), flush=True)
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     if a.nccl_child:
@@ -238,6 +261,7 @@ def main(argv=None) -> int:
               f"{1e3 * r['streams']:>15.2f}{r['plain_small'] / r['streams']:>10.2f}")
     if a.device == "cuda":
         nccl(a)
+    compare(a)
     return 0 if rc in (0, 5) else rc  # 5: pytest collected no CUDA test
 
 

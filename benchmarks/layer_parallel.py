@@ -288,8 +288,10 @@ def _fmt(residuals):
     return ["-" if r is None else "%.2e" % r for r in residuals]
 
 
-def measure_costs(lp, x, repeat=20):
-    """StepCost of the forward and the adjoint propagator, fitted from batches of 1 and n."""
+def measure_costs(lp, x, repeat=20, sync=lambda: None):
+    """StepCost of the forward and the adjoint propagator, fitted from batches of 1 and n.
+
+    ``sync`` waits for the device (``torch.cuda.synchronize`` for states on a GPU)."""
     from mgrit.model import StepCost
     from propagators.torch import AdjointPropagator, ODEPropagator
 
@@ -297,12 +299,12 @@ def measure_costs(lp, x, repeat=20):
     n = lp.n_layers // lp.options["cf"]
     U = x.detach()[None].repeat(n, *([1] * x.dim()))
     states = U  # forward states for the adjoint (values do not change the cost)
-    adj = AdjointPropagator(prop, lambda ia: states.index_select(0, torch.as_tensor(ia % n)), lp.n_layers)
+    adj = AdjointPropagator(prop, lambda ia: states.index_select(0, torch.as_tensor(ia % n, device=states.device)), lp.n_layers)
     t0, t1 = np.arange(n) * lp.h, (np.arange(n) + 1) * lp.h
 
     def best(fn):
         fn()
-        return min(_time(fn) for _ in range(repeat))
+        return min(_time(fn, sync) for _ in range(repeat))
 
     costs = []
     for P in (prop, adj):
@@ -314,9 +316,11 @@ def measure_costs(lp, x, repeat=20):
     return costs
 
 
-def _time(fn):
+def _time(fn, sync=lambda: None):
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 

@@ -3,7 +3,7 @@
 The same deep residual network (``N`` layers ``u <- u + h tanh(Linear(u))``, width
 ``w``, ``h = 1/N``), the same weights and batch, one training step (forward +
 backward of ``loss = sum(u_N ** 2)``) on ``P`` ranks, four ways, all over
-torch.distributed (gloo), one engine for all:
+torch.distributed (gloo; with ``--device cuda`` NCCL, one GPU per rank), one engine for all:
 
 * ``model parallel``: rank p holds layers [pN/P, (p+1)N/P); the activation is sent
   rank to rank (``dist.send``/``dist.recv``), autograd within each rank's block,
@@ -25,38 +25,46 @@ its stored states, one per point it owns on every level, forward and adjoint,
 plus owned and halo parameters).
 
 Then a critical-path model predicts all of them for P = 8 .. 512 from measured
-per-layer forward/backward costs and the measured gloo message time. Its probes
-run in the same interleaved loop as the four methods (same processes, same
-phase of the machine, whose speed drifts by tens of percent between launches):
-the *serial reference* (the rank's own layers forward + backward at batch B, no
-message), the two schedules with one layer per stage, and LayerParallel with
-trivial layers. ``c`` is the reference's time per layer on 1 rank; ``s`` the same
-on 2 ranks (all ranks running it at once) divided by ``c``, taken as constant
-for P > 2 (1 on 1 rank):
+per-layer forward/backward costs and the measured message time. Its probes run
+in the same interleaved loop as the four methods (same processes, same phase of
+the machine, whose speed drifts by tens of percent between launches and whose
+two cores slow each other down by up to 1.9x when both compute): the *serial
+reference* (each rank's own block forward + backward at batch B, no message), run
+by all ranks at once and, on P > 1, by one rank after the other; on 1 rank also
+the first half of the layers; the two schedules with one layer per stage; and
+LayerParallel with trivial layers. From them, per layer and relative to 1 rank,
+measured on 2 ranks and taken as constant for more: ``a`` (blocks run in turn),
+``s`` (blocks run at once) and ``v`` (the same work, the first half, run at once);
+``c`` is the reference's time per layer on 1 rank:
 
-* model parallel: ``s N c + 2 (P - 1) msg(B)`` plus what the measured 1-rank step has on
-  top of the reference (the loss, bookkeeping)
+* model parallel: ``a N c + 2 (P - 1) msg(B)`` plus what the measured 1-rank step has on
+  top of the reference (the loss, bookkeeping);
 * GPipe / 1F1B with m micro-batches: ``(m + P - 1) (N/P f_mb + c + o)`` for the
   forward plus the same with ``b_mb`` for the backward, where ``f_mb``, ``b_mb`` are the
   per-layer costs at the micro-batch size (measured after the timed steps, brought to the
-  reference's level, times ``s``), ``o`` is the schedule's own overhead per stage pass (the
-  schedule with a 1-layer stage on 1 rank) and ``c`` its message cost per stage pass (the
-  same on 2 ranks, minus ``o``); in the prediction table m is chosen best among the powers
-  of two <= B;
+  reference's level, times ``(P a + (m - 1) s) / (m + P - 1)``: the fill and drain ticks
+  run one stage at a time, the others all at once), ``o`` is the schedule's own overhead
+  per stage pass (the schedule with a 1-layer stage on 1 rank) and ``c`` its message cost
+  per stage pass (the same on 2 ranks, minus ``o``); in the prediction table m is chosen
+  best among the powers of two <= B;
 * LayerParallel: ``mgrit.model.predict`` of the forward and adjoint solves with
   measured call costs (as benchmarks/layer_parallel.py) plus the parameter VJP over
-  N/P layers, times its measured/modelled ratio on 1 rank and ``s``, plus on P > 1 a
+  N/P layers, times its measured/modelled ratio on 1 rank and ``v``, plus on P > 1 a
   distributed overhead per step measured on 2 ranks with the trivial-layer probe (width 1,
   batch 1, same hierarchy; the same for every w and B, so its median over all runs of that N),
-  taken as constant in P, plus the ping-pong latency of
-  LayerParallel's communicator for every critical-path message beyond P = 2's.
+  taken as constant in P, plus the ping-pong latency of LayerParallel's communicator for
+  every critical-path message beyond P = 2's.
 
 No constant is fitted to the N-layer P = 2 times: those are the check.
 
 Run (do not run it under a launcher: it starts its own gloo ranks)::
 
-    .venv/bin/python benchmarks/vs_model_parallel.py            # ~7 minutes on 2 cores
+    .venv/bin/python benchmarks/vs_model_parallel.py            # ~8 minutes on 2 cores
     .venv/bin/python benchmarks/vs_model_parallel.py --quick    # smoke run, < 1 minute
+    python3 benchmarks/vs_model_parallel.py --device cuda --ranks 1,2   # on 2 GPUs (benchmarks/gpu.py step 4)
+
+The ``--device cuda`` path (NCCL, states and layers on the GPUs, timings with
+``torch.cuda.synchronize``) has not run yet: no GPU was available here.
 """
 from __future__ import annotations
 
@@ -94,6 +102,8 @@ def parse(argv=None):
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
     p.add_argument("--json", default=None, help="also write measured and modelled numbers to this file")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank, NCCL for every method (benchmarks/gpu.py runs it this way)")
     p.add_argument("--quick", action="store_true", help="N 64, width 16, batch 16, P 1 and 2, 2 repetitions")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -113,17 +123,17 @@ def worker(a):
     from torch import nn
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def allmax(v):
-        t = torch.tensor([float(v)], dtype=torch.float64)
+        t = torch.tensor([float(v)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def allsum(v):
-        t = torch.tensor([float(v)], dtype=torch.float64)
-        dist.all_reduce(t)
         return float(t)
 
     class Block(nn.Module):
@@ -176,13 +186,15 @@ def worker(a):
         for _ in range(repeat):
             for k, fn in enumerate(fns):
                 dist.barrier()
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 times[k].append(allmax(time.perf_counter() - t0))
         return [statistics.median(t) for t in times]
 
     def pingpong(n, reps=200):
-        buf = torch.zeros(n)
+        buf = torch.zeros(n, device=dev)
         ts = []
         for k in range(reps + 20):
             t0 = time.perf_counter()
@@ -192,6 +204,7 @@ def worker(a):
             elif rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+            sync()
             if k >= 20:
                 ts.append((time.perf_counter() - t0) / 2)
         return allmax(statistics.median(ts)) if rank < 2 else 0.0
@@ -201,7 +214,7 @@ def worker(a):
         from mgrit.comm import Tag, as_communicator
 
         comm = as_communicator(dist.group.WORLD)
-        state, ts = torch.zeros(n), []
+        state, ts = torch.zeros(n, device=dev), []
         with comm.session():
             for k in range(reps + 20):
                 t0 = time.perf_counter()
@@ -211,6 +224,7 @@ def worker(a):
                 elif rank == 1:
                     state = comm.recv(state, 0, Tag.USER)
                     comm.send(state, 0, Tag.USER)
+                sync()
                 if k >= 20:
                     ts.append((time.perf_counter() - t0) / 2)
         return allmax(statistics.median(ts)) if rank < 2 else 0.0
@@ -222,8 +236,8 @@ def worker(a):
     for N, w, B in a.configs:
         h = 1.0 / N
         torch.manual_seed(0)
-        all_layers = [nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(N)]
-        x = torch.randn(B, w, generator=torch.Generator().manual_seed(1))
+        all_layers = [nn.Sequential(nn.Linear(w, w), nn.Tanh()).to(dev) for _ in range(N)]
+        x = torch.randn(B, w, generator=torch.Generator().manual_seed(1)).to(dev)
         m = min(a.microbatches, B)
         lo, hi = rank * N // P, (rank + 1) * N // P
 
@@ -259,13 +273,13 @@ def worker(a):
                 if rank == 0:
                     u = x
                 else:
-                    u = torch.empty(B, w)
+                    u = torch.empty(B, w, device=dev)
                     dist.recv(u, rank - 1)
                     u.requires_grad_(True)
                 y = mp(u)
             if rank < P - 1:
                 dist.send(y.detach().contiguous(), rank + 1)
-                g = torch.empty(B, w)
+                g = torch.empty(B, w, device=dev)
                 dist.recv(g, rank + 1)
                 y.backward(g)
             else:
@@ -276,12 +290,12 @@ def worker(a):
         # (b) torch.distributed.pipelining, GPipe and 1F1B
         def make_pipe(kind, lo=lo, hi=hi):
             blk = copy_block(lo, hi)
-            stage = PipelineStage(blk, rank, P, torch.device("cpu"), group=dist.group.WORLD)
+            stage = PipelineStage(blk, rank, P, dev, group=dist.group.WORLD)
             loss = (lambda y, t: y.square().sum())
             sched = (ScheduleGPipe if kind == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss, scale_grads=False)
             params = list(blk.parameters())
             saved = Saved(params)
-            target = torch.zeros(B, 1)
+            target = torch.zeros(B, 1, device=dev)
 
             def step(hooks=False):
                 for p in params:
@@ -305,7 +319,7 @@ def worker(a):
         torch.manual_seed(0)
         lp = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
                            max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
-                           comm=dist.group.WORLD)
+                           comm=dist.group.WORLD).to(dev)
         lp_params = list(lp.parameters())
 
         def lp_step():
@@ -332,8 +346,8 @@ def worker(a):
         probe_steps = [make_pipe(kind, lo, lo + 1)[1] for kind in ("GPipe", "1F1B")]
         lp_probe_net = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
                                      max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
-                                     comm=dist.group.WORLD)
-        x1 = torch.randn(1, 1)
+                                     comm=dist.group.WORLD).to(dev)
+        x1 = torch.randn(1, 1, device=dev)
 
         def lp_probe_step():
             lp_probe_net(x1).square().sum().backward()
@@ -390,7 +404,7 @@ def worker(a):
 
         # costs for the model: per-layer forward and backward at batch B and B/m; messages
         costs = layer_costs(torch, Block, all_layers[lo:hi] if hi > lo else all_layers[:1], h, w,
-                            sorted({B, max(B // m, 1), 1}))
+                            sorted({B, max(B // m, 1), 1}), sync=sync)
         msg, lpmsg = {}, 0.0
         if P >= 2:
             for n in sorted({B * w, max(B // m, 1) * w, 16, 1 << 18}):
@@ -402,7 +416,7 @@ def worker(a):
         if P == 1:
             from layer_parallel import measure_costs
 
-            fc, ac = measure_costs(lp, x)
+            fc, ac = measure_costs(lp, x, sync=sync)
             row["lp_costs"] = [[c.single, c.per_state, c.per_call] for c in (fc, ac)]
             row["skip"] = lp.skip
         if rank == 0:
@@ -412,21 +426,24 @@ def worker(a):
     return 0
 
 
-def layer_costs(torch, Block, layers, h, w, sizes, reps=5):
+def layer_costs(torch, Block, layers, h, w, sizes, reps=5, sync=lambda: None):
     """Seconds per layer of forward (with autograd recording) and backward, per batch size."""
     import copy
 
     blk = Block([copy.deepcopy(f) for f in layers], h)
     res = {}
     for s in sizes:
-        u0 = torch.randn(s, w)
+        u0 = torch.randn(s, w, device=next(blk.parameters()).device)
         fw, bw = [], []
         for k in range(reps + 1):
             u = u0.clone().requires_grad_(True)
+            sync()
             t0 = time.perf_counter()
             y = blk(u)
+            sync()
             t1 = time.perf_counter()
             y.backward(torch.ones_like(y))
+            sync()
             t2 = time.perf_counter()
             if k:
                 fw.append((t1 - t0) / len(layers))
@@ -625,8 +642,9 @@ def main(argv=None):
         for c in a.configs:
             res[P][c]["lp_probe"] = statistics.median(run[d]["lp_probe"] for run in runs[P] for d in a.configs
                                                       if d[0] == c[0])
+    engine = "NCCL, one GPU per rank" if a.device == "cuda" else "gloo"
     print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
-          f"torch.distributed gloo for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
+          f"torch.distributed {engine} for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
           f"cf {a.cf}, {a.levels} levels, {a.fwd_iters}/{a.bwd_iters} cycles; medians of {a.repeat} interleaved "
           f"repetitions per launch, slowest rank, medians over {a.rounds} interleaved launches per P")
     print("grad err = max|g - g_serial| / max|g_serial| over all parameters; mem = counted bytes per rank "

@@ -53,6 +53,9 @@ def test_gpu_script_runs_dry_on_the_cpu_and_skips_cleanly_without_cuda():
     out = run_benchmark("gpu.py", "--device", "cpu", "--layers", "16", "--widths", "4", "--batches", "2",
                         "--repeat", "1")
     assert "LP batched ms" in out
+    # step 4, the comparison with model parallelism and pipelines, ran (tiny, on the CPU) and printed its table
+    assert "benchmarks/vs_model_parallel.py --device cpu" in out and "LayerParallel ms" in out, out
+    assert "grad err" in out, out
     if not torch.cuda.is_available():
         assert "no CUDA device" in run_benchmark("gpu.py", timeout=120)
 
