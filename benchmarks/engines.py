@@ -15,9 +15,14 @@ What it measures
   for about 1 ms (matrix products, as a relaxation sweep would), then receive:
   the time spent in ``recv`` (median). The message was sent a millisecond
   earlier, so an engine that moves it while both ranks compute waits next to
-  nothing. gloo's point-to-point is a rendezvous carried out by a transport
-  thread of each process: when every core runs a busy rank, that thread gets
-  a core only at the scheduler's next slice, and the receive waits for it.
+  nothing.
+* ``wait at rest``: the same with both ranks asleep (``time.sleep``) instead of
+  computing, so that no core is busy. gloo's point-to-point is a rendezvous
+  carried out by a transport thread of each process: a send posted before the
+  peer's receive is moved only after the peer's "ready" notice has woken the
+  sender's transport thread, and the data then wakes the receiver's; when this
+  wait is as long at rest as under load, its cost is these wake-ups in turn, not
+  a lack of cores.
 * ``... recv posted first``: the same with the engine's own non-blocking calls
   (``Irecv`` / ``dist.irecv`` before ``Isend`` / ``dist.isend``): when the
   receive is already posted when the peer sends, gloo moves the data at once.
@@ -126,18 +131,27 @@ def worker(args) -> None:
         lat[n] = float(np.median(times))
     # the wait for a message sent a millisecond earlier, both ranks computing in between
     A = torch.randn(64, 64)
-    state, waits = torch.zeros(SMALL), []
-    with comm.session():
-        for k in range(args.pings // 3 + 5):
-            comm.send(state, 1 - rank, Tag.USER)
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 1e-3:
-                A @ A
-            t1 = time.perf_counter()
-            state = comm.recv(state, 1 - rank, Tag.USER)
-            if k >= 5:
-                waits.append(time.perf_counter() - t1)
-    loaded = slowest(float(np.median(waits)))
+
+    def compute(seconds):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            A @ A
+
+    def wait_after(pause):
+        """Median time in recv for a state the peer sent before ``pause(1 ms)``, both ranks alike."""
+        state, waits = torch.zeros(SMALL), []
+        with comm.session():
+            for k in range(args.pings // 3 + 5):
+                comm.send(state, 1 - rank, Tag.USER)
+                pause(1e-3)
+                t1 = time.perf_counter()
+                state = comm.recv(state, 1 - rank, Tag.USER)
+                if k >= 5:
+                    waits.append(time.perf_counter() - t1)
+        return slowest(float(np.median(waits)))
+
+    loaded = wait_after(compute)
+    rest = wait_after(time.sleep)  # the same with both ranks asleep: no core is busy
     # the same with the raw engine, the receive posted before the send
     if args.worker == "mpi":
         raw.Barrier()
@@ -164,7 +178,7 @@ def worker(args) -> None:
     first = slowest(float(np.median(waits)))
     if rank == 0:
         print(json.dumps({"step": steps, "small": lat[SMALL], "large": lat[LARGE], "loaded": loaded,
-                          "first": first}), flush=True)
+                          "rest": rest, "first": first}), flush=True)
     if args.worker == "gloo":
         import torch.distributed as dist
 
@@ -219,14 +233,14 @@ def main(argv=None) -> int:
           f"2 forward / 1 backward cycles, float32; medians of {args.rounds} x {args.repeat} steps "
           f"and {args.rounds} x {args.pings} round trips")
     print(f"{'engine':<28}{'fwd+bwd step':>14}{'latency 64 B':>15}{'latency 1 MiB':>15}{'wait under load':>18}"
-          f"{'... recv posted first':>24}")
+          f"{'wait at rest':>15}{'... recv posted first':>24}")
     names = {"mpi": "mpi4py (MPICH)", "gloo": "torch.distributed (gloo)"}
     for e in engines:
         step = statistics.median(t for r in runs[e] for t in r["step"])
-        small, large, loaded, first = (statistics.median(r[k] for r in runs[e])
-                                       for k in ("small", "large", "loaded", "first"))
+        small, large, loaded, rest, first = (statistics.median(r[k] for r in runs[e])
+                                             for k in ("small", "large", "loaded", "rest", "first"))
         print(f"{names[e]:<28}{step * 1e3:>11.1f} ms{small * 1e6:>12.1f} us{large * 1e6:>12.1f} us"
-              f"{loaded * 1e6:>15.1f} us{first * 1e6:>21.1f} us")
+              f"{loaded * 1e6:>15.1f} us{rest * 1e6:>12.1f} us{first * 1e6:>21.1f} us")
     return 0
 
 

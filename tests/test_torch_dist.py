@@ -155,6 +155,7 @@ def test_engines_benchmark_quick_run():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "torch.distributed (gloo)" in proc.stdout and "latency 64 B" in proc.stdout, proc.stdout
     assert "wait under load" in proc.stdout and "recv posted first" in proc.stdout, proc.stdout
+    assert "wait at rest" in proc.stdout, proc.stdout
 
 
 # --------------------------------------------------------------------------- no process group needed
