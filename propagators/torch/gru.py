@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import InSession, args_signature, as_communicator
+from mgrit.comm import InSession, RemoteRankError, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
-from .module import _free_quietly, _warn_without_progress
+from .module import _forward_numbering, _free_quietly, _warn_without_progress
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -248,8 +248,11 @@ class _GRULayerFunction(torch.autograd.Function):
                     "with the serial GRU (`model.to_gru()`)")
             x, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
-                                          need_x=needs[4], need_h0=needs[5])
+        try:
+            gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
+                                              need_x=needs[4], need_h0=needs[5])
+        except RemoteRankError as exc:  # the adjoint solve runs on the reversed communicator: the user's numbering
+            raise _forward_numbering(exc, gru._adj_comm, gru._comm).with_traceback(exc.__traceback__) from None
         return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 

@@ -6,7 +6,9 @@ the input, h0 and every weight equal nn.GRU's with copied weights to 1e-10, for
 one and two layers, batch_first, no bias, h0 given or None, return_sequence=False,
 sequences shorter than the number of ranks, eval mode (exact stepping), and after
 optimizer steps (the weights stay equal on every rank); a bad input on one rank
-makes every rank raise. Prints "rank r OK" on success and exits 1 otherwise.
+makes every rank raise, and so does a failing step of the adjoint solve, with the
+failed rank numbered as on the module's communicator. Prints "rank r OK" on
+success and exits 1 otherwise.
 """
 
 import torch
@@ -156,6 +158,42 @@ def settings_mismatch_raises_everywhere():
         fail(f"a settings mismatch: output shape {tuple(y.shape)} afterwards")
 
 
+def backward_failure_raises_everywhere():
+    """A step of the adjoint solve fails on the last rank: that rank raises its error and every other
+    rank RemoteRankError naming it as the module's communicator numbers it (the adjoint solve runs on
+    the reversed communicator; no second numbering); then forward and backward still work."""
+    from propagators.torch import gru as gru_module
+
+    original = gru_module.GRUAdjointPropagator.step_batch
+
+    def failing(self, *args):
+        raise RuntimeError("injected adjoint failure")
+
+    par = ParallelGRU(3, 4, comm=world, **TIGHT)
+    y, _ = par(torch.randn(9, 2, 3))
+    if rank == size - 1:
+        gru_module.GRUAdjointPropagator.step_batch = failing
+    try:
+        y.square().sum().backward()
+    except mgrit.RemoteRankError as exc:
+        if rank == size - 1:
+            fail(f"a failing adjoint step: RemoteRankError on the failing rank: {exc}")
+        if exc.rank != size - 1 or "of this communicator" in str(exc) or f"rank {size - 1} " not in str(exc):
+            fail(f"a failing adjoint step: not numbered as on the module's communicator (rank {exc.rank}): {exc}")
+    except RuntimeError as exc:
+        if rank != size - 1 or "injected adjoint failure" not in str(exc):
+            fail(f"a failing adjoint step: unexpected RuntimeError: {exc}")
+    else:
+        fail("a failing adjoint step: no rank raised")
+    finally:
+        gru_module.GRUAdjointPropagator.step_batch = original
+    x = torch.randn(9, 2, 3, requires_grad=True)
+    y, _ = par(x)
+    y.square().sum().backward()
+    if x.grad is None or not bool(torch.isfinite(x.grad).all()):
+        fail("a failing adjoint step: no input gradient afterwards")
+
+
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
 case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
 case(11, 2, False, False, True, False, 2, 4, "F")
@@ -164,4 +202,6 @@ case(2, 1, True, True, True, True, 2, 2, "FCF")
 bad_input_raises_everywhere()
 solve_failure_raises_everywhere()
 settings_mismatch_raises_everywhere()
+if size > 1:
+    backward_failure_raises_everywhere()
 print(f"rank {rank} OK", flush=True)
