@@ -210,7 +210,7 @@ def worker(a):
         return allmax(statistics.median(ts)) if rank < 2 else 0.0
 
     def lp_pingpong(n, reps=200):
-        """Half a round trip of one state through LayerParallel's communicator (mgrit.comm over gloo)."""
+        """Half a round trip of one state through LayerParallel's communicator (mgrit.comm)."""
         from mgrit.comm import Tag, as_communicator
 
         comm = as_communicator(dist.group.WORLD)
@@ -292,7 +292,11 @@ def worker(a):
             blk = copy_block(lo, hi)
             stage = PipelineStage(blk, rank, P, dev, group=dist.group.WORLD)
             loss = (lambda y, t: y.square().sum())
-            sched = (ScheduleGPipe if kind == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss, scale_grads=False)
+            schedule = ScheduleGPipe if kind == "GPipe" else Schedule1F1B
+            try:
+                sched = schedule(stage, m, loss_fn=loss, scale_grads=False)
+            except TypeError:  # torch < 2.7: no scale_grads, and the gradients are not scaled
+                sched = schedule(stage, m, loss_fn=loss)
             params = list(blk.parameters())
             saved = Saved(params)
             target = torch.zeros(B, 1, device=dev)
@@ -464,6 +468,7 @@ def _free_port():
 def launch(a, P, argv):
     here = str(Path(__file__).resolve())
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               **({"GLOO_SOCKET_IFNAME": "lo"} if a.device == "cuda" else {}),  # the control group: all ranks local
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(P),
                LOCAL_WORLD_SIZE=str(P))
     procs = [subprocess.Popen([sys.executable, here, *argv, "--worker", str(P)],
@@ -632,6 +637,12 @@ def main(argv=None):
     if a.worker:
         return worker(a)
     ranks = [int(r) for r in a.ranks.split(",")]
+    if a.device == "cuda":
+        import torch
+
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if max(ranks) > n_gpu:
+            raise SystemExit(f"--device cuda needs one GPU per rank: {n_gpu} GPU(s) here, --ranks {a.ranks}")
     t_start = time.perf_counter()
     runs = {P: [] for P in ranks}
     for _ in range(a.rounds):
@@ -682,10 +693,10 @@ def main(argv=None):
             print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
         print(f"|difference|: median {statistics.median(diffs):.0f}%, max {max(diffs):.0f}%, "
               f"{sum(d <= 15 for d in diffs)}/{len(diffs)} within 15%")
-        print("\nmessage time (gloo, half a ping-pong): " + ", ".join(
+        print(f"\nmessage time ({'NCCL' if a.device == 'cuda' else 'gloo'}, half a ping-pong): " + ", ".join(
             f"{int(n) * 4} B {1e6 * t:.0f} us" for n, t in sorted(res[2][a.configs[0]]["msg"].items(),
                                                                   key=lambda kv: int(kv[0]))))
-        print(f"LayerParallel's communicator (mgrit.comm over gloo), one state of B x w float32: "
+        print(f"LayerParallel's communicator (mgrit.comm over {'NCCL' if a.device == 'cuda' else 'gloo'}), one state of B x w float32: "
               f"{1e6 * res[2][a.configs[0]]['lpmsg']:.0f} us (ping-pong); distributed overhead per step on 2 ranks "
               f"(trivial-layer probe): " + ", ".join(f"{1e3 * models[c].lp_over:.1f}" for c in a.configs) + " ms; "
               f"messages on the critical path at P = 2: {models[a.configs[0]]._lp_msgs(2)}")
