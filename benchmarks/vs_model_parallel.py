@@ -532,7 +532,8 @@ class Model:
         # such blocks at once
         self.s2 = (r2["ref"] / -(-self.N // 2)) / self.c1 if r2 else 1.0
         # LayerParallel's states and parameters do not split into such blocks: its work is scaled by the
-        # speed of the processes alone, the same work (the first half of the layers) on 2 ranks and on 1
+        # speed of the processes only, the same work (the first half of the layers) at once on 2 ranks
+        # against 1 rank
         self.v2 = r2["ref"] / r1["half"] if r2 else 1.0
         self.mp_over = t1[0] - r1["ref"]                  # loss etc.: additive, measured on 1 rank
         # model parallelism runs the blocks one rank after the other: the reference run that way on 2 ranks
@@ -614,7 +615,7 @@ class Model:
         if P == 1:
             return self.lp_calib * work
         extra = max(self._lp_msgs(P) - self._lp_msgs(2), 0) * self.lpmsg
-        return self.lp_calib * work * self.v2 + self.lp_over + extra   # the 1-rank factor scales the work only
+        return self.lp_calib * work * self.v2 + self.lp_over + extra   # the factors scale the work only
 
 
 def merge(rows):
