@@ -679,7 +679,7 @@ def main(argv=None):
         return 0
     models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs}
     if 2 in ranks:
-        print("\nmodel check at P = 2 (constants from P = 1 and from 1-layer / trivial-layer probes on 2 ranks; "
+        print("\nmodel check at P = 2 (constants from probes timed with the steps on 1 and 2 ranks; "
               "nothing fitted to these times): measured / model ms (difference)")
         print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
         diffs = []
