@@ -337,16 +337,19 @@ def worker(a):
         # schedules with one layer per stage (schedule overhead + its messages); (3) LayerParallel with the
         # same hierarchy and trivial layers (width 1, batch 1): its communication and bookkeeping with next
         # to no layer work
-        ref_blk = copy_block(lo, hi)
-        ref_params = list(ref_blk.parameters())
-        u_ref = x.clone().requires_grad_(rank > 0)
+        def serial_step(blk, u):
+            """Forward + backward of ``blk`` from ``u``, no message."""
+            params = list(blk.parameters())
 
-        def ref_step():
-            for p in ref_params:
-                p.grad = None
-            u_ref.grad = None
-            ref_blk(u_ref).square().sum().backward()
+            def step():
+                for p in params:
+                    p.grad = None
+                u.grad = None
+                blk(u).square().sum().backward()
 
+            return step
+
+        ref_step = serial_step(copy_block(lo, hi), x.clone().requires_grad_(rank > 0))
         probe_steps = [make_pipe(kind, lo, lo + 1)[1] for kind in ("GPipe", "1F1B")]
         lp_probe_net = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
                                      max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
@@ -363,24 +366,14 @@ def worker(a):
                 if rank == r:
                     ref_step()
 
-        fns = [mp_step_ordered, gp_step, fb_step, lp_step, ref_step, *probe_steps, lp_probe_step]
-        if P > 1:
-            fns.append(ref_alone_step)
-        if P == 1:  # (4) the first half of the layers: the same work as one rank's block on 2 ranks
-            half_blk = copy_block(0, -(-N // 2))
-            half_params = list(half_blk.parameters())
-
-            def half_step():
-                for p in half_params:
-                    p.grad = None
-                half_blk(x).square().sum().backward()
-
-            fns.append(half_step)
-        times = timed(fns, a.repeat)
+        # (4) on P > 1 the reference in turn; on 1 rank the first half of the layers (the same work as one
+        # rank's block on 2 ranks)
+        extra = ref_alone_step if P > 1 else serial_step(copy_block(0, -(-N // 2)), x)
+        times = timed([mp_step_ordered, gp_step, fb_step, lp_step, ref_step, *probe_steps, lp_probe_step, extra],
+                      a.repeat)
         t_mp, t_gp, t_fb, t_lp, t_ref = times[:5]
         probe, lp_probe = times[5:7], times[7]
-        t_half = times[8] if P == 1 else None
-        t_alone = times[8] if P > 1 else t_ref
+        t_half, t_alone = (None, times[8]) if P > 1 else (times[8], t_ref)
         for fn in (mp_step_ordered, gp_step, fb_step):  # one more step each, counting saved bytes
             fn(hooks=True)
 
