@@ -169,9 +169,23 @@ def nccl(a) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
            "--nccl-child", f"--layers={a.layers}", f"--repeat={a.repeat}"]
     print(f"\n$ {' '.join(cmd[2:])}", flush=True)
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    print(out.stdout[-4000:] + ("" if out.returncode == 0 else out.stderr[-4000:]))
+    _run_step(cmd, 300, "step 3")
+
+
+def _run_step(cmd, timeout: int, what: str, **env) -> int:
+    """Run ``cmd`` (a launcher and its ranks, in a session of their own), print the end of its output,
+    and kill them all if it has not finished after ``timeout`` seconds. Returns its exit code."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        print(out[-6000:] + f"\n{what} did not finish within {timeout} s", flush=True)
+        return 1
+    print(out[-6000:] + ("" if proc.returncode == 0 else err[-4000:]), flush=True)
+    return proc.returncode
 
 
 def nccl_child(a) -> int:
@@ -233,18 +247,7 @@ def compare(a) -> int:
     print(f"\n$ {' '.join(['benchmarks/vs_model_parallel.py', *opts])}", flush=True)
     if a.device == "cuda":
         torch.cuda.empty_cache()  # the ranks get the GPUs' memory
-    proc = subprocess.Popen([sys.executable, script, *opts], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:  # its rank processes too (they are in its session)
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        print(out[-6000:] + "\nstep 4 did not finish within 600 s", flush=True)
-        return 1
-    print(out[-6000:] + ("" if proc.returncode == 0 else err[-4000:]), flush=True)
-    return proc.returncode
+    return _run_step([sys.executable, script, *opts], 600, "step 4", OMP_NUM_THREADS="1")
 
 
 def main(argv=None) -> int:
