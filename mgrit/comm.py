@@ -349,7 +349,7 @@ class Communicator(ABC):
     size: int = 1
 
     # -- sessions -------------------------------------------------------------
-    def open(self, failure: BaseException | None = None, signature=None) -> None:
+    def open(self, failure: BaseException | None = None, signature=None, share=None) -> list | None:
         """Start a session (collective): the handshake.
 
         Every rank calls this after checking its input locally, passing the
@@ -359,7 +359,13 @@ class Communicator(ABC):
         exception after this returns, and no session is opened). If the
         signatures differ every rank raises ``ValueError``. Nothing is sent
         before this point.
+
+        ``share`` (any picklable object) travels with the handshake: every
+        rank gets the list of all ranks' ``share``, in rank order, as the
+        return value (an all-gather that costs no message of its own). The
+        rank that failed gets None.
         """
+        return None if failure is not None else [share]
 
     def close(self, error: BaseException | None = None) -> None:
         """End the innermost session.
@@ -370,7 +376,7 @@ class Communicator(ABC):
         in time) and release it. Does not raise ``error``.
         """
 
-    def session(self, signature=None) -> "Session":
+    def session(self, signature=None, share=None) -> "Session":
         """A context manager around one collective piece of work.
 
         On entry :meth:`open` (the handshake; raises :class:`RemoteRankError`
@@ -381,13 +387,15 @@ class Communicator(ABC):
         :class:`RemoteRankError` within milliseconds), then the exception
         propagates. Sessions nest (a solve inside a session opens its own;
         through :class:`InSession` it runs inside the open one instead).
-        The value of the ``with`` statement is the communicator.
+        The value of the ``with`` statement is the communicator; with a
+        ``share`` (see :meth:`open`), the session's ``shared`` attribute holds
+        every rank's after entry.
 
         >>> with SerialComm().session() as c:
         ...     c.allreduce(2.0)
         2.0
         """
-        return Session(self, signature)
+        return Session(self, signature, share)
 
     def _depth(self) -> int:
         """Number of open sessions (the serial communicator keeps none)."""
@@ -512,14 +520,14 @@ class Communicator(ABC):
 class Session:
     """The context manager of :meth:`Communicator.session`."""
 
-    __slots__ = ("comm", "signature", "depth")
+    __slots__ = ("comm", "signature", "share", "shared", "depth")
 
-    def __init__(self, comm: Communicator, signature=None):
-        self.comm, self.signature, self.depth = comm, signature, None
+    def __init__(self, comm: Communicator, signature=None, share=None):
+        self.comm, self.signature, self.share, self.shared, self.depth = comm, signature, share, None, None
 
     def __enter__(self) -> Communicator:
         self.depth = self.comm._depth()
-        self.comm.open(signature=self.signature)
+        self.shared = self.comm.open(signature=self.signature, share=self.share)
         return self.comm
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -561,9 +569,13 @@ class InSession(Communicator):
     def __init__(self, comm: Communicator):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
 
-    def open(self, failure=None, signature=None):
+    def open(self, failure=None, signature=None, share=None):
         if self.size > 1 and self.comm._depth() == 0:
             raise RuntimeError("InSession needs a session open on its communicator (`with comm.session():`)")
+        if share is not None and self.size > 1:
+            raise RuntimeError("InSession has no handshake to share values in: pass `share` to the enclosing "
+                               "session")
+        return None if failure is not None else [share]
 
     def close(self, error=None):
         pass  # the enclosing session closes (and, with ``error``, tells the others)
@@ -618,6 +630,51 @@ class InSession(Communicator):
 
     def world_rank(self, r=None):
         return self.comm.world_rank(r)
+
+
+class ReversedInSession(InSession):
+    """:class:`InSession` with the ranks in reverse order: rank ``r`` of the view is rank
+    ``size - 1 - r`` of ``comm``.
+
+    What :meth:`Communicator.reversed` numbers, without a communicator of its
+    own: the messages travel on the channel of the session open on ``comm``.
+    A solve backwards in time (the adjoint of a layer-parallel module) runs on
+    it inside the caller's session, so it needs neither a handshake nor a
+    closing barrier of its own, and a failure anywhere in the caller's
+    session reaches it. Errors name ranks as ``comm`` numbers them (the
+    numbering the caller knows). Reductions are those of ``comm``: their
+    values do not depend on the numbering (:meth:`Communicator.sum_exact` and
+    :meth:`Communicator.norm2_exact` are exact).
+    """
+
+    def __init__(self, comm: Communicator):
+        super().__init__(comm)
+        self.rank = comm.size - 1 - comm.rank
+
+    def _peer(self, r: int) -> int:
+        return self.size - 1 - r
+
+    def send(self, x, dest, tag):
+        self.comm.send(x, self._peer(dest), tag)
+
+    def recv(self, like, source, tag):
+        return self.comm.recv(like, self._peer(source), tag)
+
+    def gather(self, obj, root=0):
+        parts = self.comm.gather(obj, None if root is None else self._peer(root))
+        return None if parts is None else parts[::-1]
+
+    def bcast(self, obj, root=0):
+        return self.comm.bcast(obj, self._peer(root))
+
+    def bcast_state(self, x, like, root=0):
+        return self.comm.bcast_state(x, like, self._peer(root))
+
+    def split(self, color, key=0):
+        raise RuntimeError("split the communicator a ReversedInSession view was made from, not the view")
+
+    def world_rank(self, r=None):
+        return self.comm.world_rank(None if r is None else self._peer(r))
 
 
 def _local_max(values) -> float:
@@ -709,27 +766,28 @@ class _SessionComm(Communicator):
 
     @staticmethod
     def _verdict(notes: list):
-        failed = [(r, n) for r, (n, _, _, _) in enumerate(notes) if n is not None]
-        sigs = [s for _, s, _, _ in notes]
+        failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
+        sigs = [s for _, s, *_ in notes]
         bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, _ in notes[1:]))
+        common = set(notes[0][2]).intersection(*(set(p) for _, _, p, *_ in notes[1:]))
         reuse = max(common) if common else None
-        return failed, bad, reuse, max(i for _, _, _, i in notes)
+        return failed, bad, reuse, max(i for *_, i, _ in notes), [sh for *_, sh in notes]
 
     def _can_clean(self, ch) -> bool:
         """Whether a failed channel can be cleaned up (False: abandon it)."""
         return True
 
-    def _handshake(self, ch, failure, signature, next_id):
+    def _handshake(self, ch, failure, signature, next_id, share=None):
         """The handshake on channel ``ch``: every rank's (failure, signature, pool,
-        next channel id) to rank 0, its verdict back. Returns ``(reuse, new_id)``:
-        the pooled channel every rank holds clean (or None) and the id for a new one;
-        None on a rank that failed. Raises when another rank failed or the
-        signatures differ."""
-        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id)
+        next channel id, share) to rank 0, its verdict back. Returns ``(reuse, new_id,
+        shares)``: the pooled channel every rank holds clean (or None), the id for a new
+        one and every rank's ``share``; None on a rank that failed. Raises when another
+        rank failed or the signatures differ."""
+        mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id,
+                None if failure is not None else share)
         notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
         verdict = None if notes is None else self._verdict(notes)
-        failed, bad, reuse, new_id = self._from_root(ch, verdict, Tag.HANDSHAKE)
+        failed, bad, reuse, new_id, shares = self._from_root(ch, verdict, Tag.HANDSHAKE)
         self._after_handshake(ch)
         if failure is not None:
             return None
@@ -743,7 +801,7 @@ class _SessionComm(Communicator):
                 f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
                 "rank must pass the same"
             )
-        return reuse, new_id
+        return reuse, new_id, shares
 
     def _after_handshake(self, ch) -> None:
         """Engine hook between the verdict and acting on it."""
@@ -1088,20 +1146,21 @@ class MPIComm(_SessionComm):
             return obj
         return self._recv_obj(ch, 0, tag)
 
-    def open(self, failure=None, signature=None):
+    def open(self, failure=None, signature=None, share=None):
         if failure is not None and self._broken is not None:
-            return  # the caller re-raises its own exception
+            return None  # the caller re-raises its own exception
         self._usable()
-        agreed = self._handshake(self._top, failure, signature, self._next_id)
+        agreed = self._handshake(self._top, failure, signature, self._next_id, share)
         if agreed is None:
-            return
-        reuse, new_id = agreed
+            return None
+        reuse, new_id, shares = agreed
         if reuse is not None:
             new = self._pool.pop(reuse)
         else:
             new = _Channel(self._base.comm.Dup(), new_id, self.size)
             self._next_id = new_id + 1
         self._stack.append(new)
+        return shares
 
     def _release(self, ch: _Channel) -> None:
         """Put a clean channel into the pool (freeing the oldest beyond its size)."""

@@ -604,19 +604,20 @@ class TorchDistComm(_SessionComm):
             return obj
         return self._recv_obj(ch, 0, tag, log)
 
-    def open(self, failure=None, signature=None):
+    def open(self, failure=None, signature=None, share=None):
         if failure is not None and self._broken is not None:
-            return
+            return None
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
         if self.size == 1:
-            if failure is None:
-                self._stack.append(_Channel(self._base.space, 1))
-            return
+            if failure is not None:
+                return None
+            self._stack.append(_Channel(self._base.space, 1))
+            return [share]
         ch = self._top
-        agreed = self._handshake(ch, failure, signature, self._g.next_space)
+        agreed = self._handshake(ch, failure, signature, self._g.next_space, share)
         if agreed is None:
-            return
-        reuse, new_space = agreed
+            return None
+        reuse, new_space, shares = agreed
         if reuse is not None:
             new = self._pool.pop(reuse)
         else:
@@ -624,6 +625,7 @@ class TorchDistComm(_SessionComm):
             self._g.next_space = max(self._g.next_space, new_space + 1)
         new.epoch += 1
         self._stack.append(new)
+        return shares
 
     def _release(self, ch: _Channel) -> None:
         if self.size == 1:

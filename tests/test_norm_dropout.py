@@ -125,7 +125,7 @@ def test_masks_are_drawn_once_per_pass_and_differ_between_layers():
     lp, _ = pair(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), 6)
     x = torch.randn(8, 4, dtype=torch.float64)
     kp = lp.kernel.bind()
-    calls = lp._dropout_plan(kp, x)
+    calls = lp._dropout_plan(kp, x, lp._dropout_note(x)[0])
     assert sorted(calls) == list(range(6)) and all(c == [("dropout", (8, 4), 0.5)] for c in calls.values())
     torch.manual_seed(0)
     lp._draw_masks(kp, calls, x)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -27,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import InSession, RemoteRankError, args_signature, as_communicator
+from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
-from .module import _forward_numbering, _free_quietly, _warn_without_progress
+from .module import _warn_without_progress
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -240,19 +239,20 @@ class _GRULayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_hL):
         gru = ctx.gru
-        with gru._session():  # a failure of these checks on one rank reaches every rank
+        try:  # a failure of these checks on one rank reaches every rank in the handshake of the layer's session
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "ParallelGRU does not support double backward (backward with create_graph=True): its "
                     "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
                     "with the serial GRU (`model.to_gru()`)")
             x, *weights = ctx.saved_tensors
+        except BaseException as exc:
+            if gru._comm.size > 1:
+                gru._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
+            raise
         needs = ctx.needs_input_grad
-        try:
-            gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
-                                              need_x=needs[4], need_h0=needs[5])
-        except RemoteRankError as exc:  # the adjoint solve runs on the reversed communicator: the user's numbering
-            raise _forward_numbering(exc, gru._adj_comm, gru._comm).with_traceback(exc.__traceback__) from None
+        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
+                                          need_x=needs[4], need_h0=needs[5])
         return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
@@ -374,9 +374,6 @@ class ParallelGRU(nn.Module):
                 self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
         self.reset_parameters()
         self._comm = as_communicator(comm)
-        self._adj_comm = self._comm.reversed() if self._comm.size > 1 else self._comm
-        if self._comm.size > 1:  # free the reversed communicator with the module
-            weakref.finalize(self, _free_quietly, self._adj_comm)
         self._layouts: dict = {}
         #: mgrit.Result of the last forward and adjoint solve of every layer
         self.last_forward: list = [None] * self.num_layers
@@ -558,19 +555,26 @@ class ParallelGRU(nn.Module):
             terminal = terminal + g_hL.detach()
         GH = prop.hidden(U)  # hidden projections at the stored states: one matrix product
         adj = GRUAdjointPropagator(prop, L, U, GH, g0, forcing)
-        with torch.no_grad():
-            res = mgrit.solve(adj, terminal.contiguous(), lay.t, **self._mgrit_options(exact, False),
-                              initial_guess=0.0, comm=self._adj_comm,
-                              partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
-        self.last_backward[l] = res
-        _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
-        lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
-        gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
+        opts = self._mgrit_options(exact, False)
         if P == 1:
-            gx = gx_piece if need_x else None
-            gh0 = lam[0] if need_h0 else None
-            return gx, gh0, gw
-        with self._comm.session():
+            with torch.no_grad():
+                res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0, comm=self._comm,
+                                  final_residual=True)
+            lam = self._adjoint_done(l, res)
+            gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
+            return (gx_piece if need_x else None), (lam[0] if need_h0 else None), gw
+        # one session per layer and pass around the adjoint solve (in reverse rank order, inside it: no
+        # handshake or closing barrier of its own) and the gradients' reductions; its handshake compares
+        # what the solve and the reductions need every rank to agree on
+        sig = args_signature(tuple(opts.items()), tuple(terminal.shape), str(terminal.dtype), lay.t.tobytes(),
+                             need_x, need_h0)
+        with self._comm.session(signature=sig):
+            with torch.no_grad():
+                res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
+                                  comm=ReversedInSession(self._comm), partition=lay.plan.adj_partition,
+                                  final_residual=True)
+            lam = self._adjoint_done(l, res)
+            gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
             flat = torch.cat([g.reshape(-1) for g in gw])
             flat = self._comm.allreduce_array(flat)  # the weights are shared by all steps of all ranks
             sizes = [g.numel() for g in gw]
@@ -582,6 +586,12 @@ class ParallelGRU(nn.Module):
                 root = lay.plan.owner_of_point(0)
                 gh0 = self._comm.bcast_state(lam[0].clone() if r == root else None, zeros, root=root)
         return gx, gh0, gw
+
+    def _adjoint_done(self, l, res):
+        """Keep the adjoint solve's result of layer ``l``; the adjoints at the points lo..hi."""
+        self.last_backward[l] = res
+        _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
+        return torch.flip(res.u, dims=[0])
 
     def _step_gradients(self, prop, U, GH, g0, lam, lay, x, w_ih, need_x: bool):
         """Weight gradients (this rank's steps) and the input gradient at their positions.

@@ -17,7 +17,6 @@ import contextlib
 import copy
 import operator
 import warnings
-import weakref
 import zlib
 from typing import Sequence
 
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import InSession, MPIComm, RemoteRankError, Tag, args_signature, as_communicator
+from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
@@ -128,36 +127,23 @@ class _LayerParallelFunction(torch.autograd.Function):
             try:  # the local checks first: a rank that fails here tells the others in the handshake
                 params = _backward_checks(ctx)
                 _check_output_gradient(gy)
+                sig = lp._adjoint_signature(gy)
             except BaseException as exc:
                 if lp._comm.size > 1:
                     lp._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
                 raise
             # one session around the whole backward pass on the module's communicator (so that it hears
-            # a session the user has open there), the adjoint solve nested in its own session on the
-            # reversed communicator (which compares the solve's arguments in its own handshake): a
-            # failure of the solve or of the gradients reaches every rank
-            with lp._session():
+            # a session the user has open there), the adjoint solve inside it in reverse rank order
+            # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
+            # the solve's arguments): a failure of the solve or of the gradients reaches every rank
+            with lp._session(signature=sig):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
                     gx, grads = lp._adjoint(ctx.saved, gy, params)
-        except RemoteRankError as exc:
-            lp._alarm(exc)
-            raise _forward_numbering(exc, lp._adj_comm, lp._comm).with_traceback(exc.__traceback__) from None
         except BaseException as exc:
             lp._alarm(exc)
             raise
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
-
-
-def _forward_numbering(exc: RemoteRankError, adj, fwd) -> RemoteRankError:
-    """``exc`` raised on the backward pass's reversed communicator ``adj``, with the failed rank
-    numbered as on the module's communicator ``fwd`` (the numbering the user knows)."""
-    if exc.rank is None or adj is fwd or not hasattr(adj, "_who") or not hasattr(fwd, "_who"):
-        return exc
-    r, msg, head = adj.size - 1 - exc.rank, str(exc), adj._who(exc.rank)
-    if not msg.startswith(head) or adj.world_rank(exc.rank) != fwd.world_rank(r):
-        return exc  # raised on the module's communicator: numbered as the user knows already
-    return RemoteRankError(fwd._who(r) + msg[len(head):], rank=r, world_rank=exc.world_rank)
 
 
 def _check_output_gradient(gy):
@@ -358,9 +344,6 @@ class LayerParallel(nn.Module):
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
         self._halo = {j: modules[j] for j in held if j not in self.owned_layers}
-        self._adj_comm = self._comm.reversed() if P > 1 else self._comm
-        if P > 1:  # free the reversed communicator with the module (MPI has a few thousand)
-            weakref.finalize(self, _free_quietly, self._adj_comm)
         self._build_kernel()
         self._warm: tuple | None = None
         #: mgrit.Result of the last forward and adjoint solve
@@ -439,18 +422,25 @@ class LayerParallel(nn.Module):
         normalise with the batch statistics of their input and leave the running ones alone."""
         return [s for _, s in self._special if isinstance(s, _STATEFUL) and s.training and s.track_running_stats]
 
-    def _dropout_plan(self, kp, x):
+    def _dropout_note(self, x):
+        """``(key, note)``: what the dropout plan of inputs like ``x`` depends on on this rank, and
+        what the pass's handshake shares of it with the other ranks (None on one process)."""
+        key = (tuple(x.shape), x.dtype, str(x.device),
+               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)))
+        if self._comm.size == 1:
+            return key, None
+        return key, (self._comm.rank, key != self._dropout_key, _rng_digest(x.device), key[:2])
+
+    def _dropout_plan(self, kp, x, key, parts=None):
         """The dropout calls of every layer for inputs like ``x`` (collective on several ranks):
         ``{layer: [(function name, input shape, p), ...]}`` for the layers that drop out.
 
         Recorded again whenever the input's shape, the dropout rates or the layers' modes changed on
         any rank; on several ranks the random states of all ranks must agree when there are masks.
+        ``key`` and ``parts`` (every rank's note, on several ranks) come from :meth:`_dropout_note`.
         """
-        key = (tuple(x.shape), x.dtype, str(x.device),
-               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)))
         stale, digests = key != self._dropout_key, None
-        if self._comm.size > 1:
-            parts = self._comm.gather((self._comm.rank, stale, _rng_digest(x.device), key[:2]), root=None)
+        if parts is not None:
             shapes = {r: k for r, _, _, k in parts}
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"the ranks of the layer communicator pass inputs of different shapes or dtypes "
@@ -533,9 +523,11 @@ class LayerParallel(nn.Module):
             self._alarm(exc)
             raise
 
-    def _session(self, signature=None):
+    def _session(self, signature=None, share=None):
         """A failure-aware communicator session on several ranks; nothing on one."""
-        return self._comm.session(signature=signature) if self._comm.size > 1 else contextlib.nullcontext()
+        if self._comm.size > 1:
+            return self._comm.session(signature=signature, share=share)
+        return contextlib.nullcontext()
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares
@@ -553,8 +545,22 @@ class LayerParallel(nn.Module):
     def _solve_comm(self):
         """The communicator the forward solve runs on: inside the pass's session (InSession), so that
         it adds no handshake and no closing barrier of its own; failures reach every rank through the
-        pass's session. (The adjoint solve runs on the reversed communicator, in its own session.)"""
+        pass's session. (The adjoint solve runs in reverse rank order inside the backward pass's session.)"""
         return InSession(self._comm) if self._comm.size > 1 else self._comm
+
+    def _adjoint_signature(self, gy):
+        """What every rank must agree on for the adjoint solve (the backward pass's session handshake
+        compares it, in place of the solve's own check): the output gradient's shape and dtype, the
+        time grid and the adjoint solve's settings. None on one process (no handshake)."""
+        if self._comm.size == 1:
+            return None
+        return args_signature(tuple(gy.shape), str(gy.dtype), self.t.tobytes(), tuple(self.options.items()),
+                              self.bwd_iters, self.bwd_tol, self.tol_type, self.skip, self.spatial is None)
+
+    def _adjoint_comm(self):
+        """The communicator the adjoint solve runs on: the module's, in reverse rank order (the solve runs
+        backwards in time), inside the backward pass's session."""
+        return ReversedInSession(self._comm) if self._comm.size > 1 else self._comm
 
     def _alarm(self, exc):
         if self._data_comm is not None and self._data_comm.size > 1:
@@ -591,16 +597,19 @@ class LayerParallel(nn.Module):
             self._check_layers()
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
+            key, note = self._dropout_note(x)
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
             raise
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
-        # compares what the solve needs every rank to agree on): a failure anywhere reaches every rank.
-        with self._session(signature=sig):
+        # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes):
+        # a failure anywhere reaches every rank.
+        session = self._session(signature=sig, share=note)
+        with session:
             if P > 1:
                 self._exchange_halo(kp)
-            calls = self._dropout_plan(kp, x)
+            calls = self._dropout_plan(kp, x, key, session.shared if P > 1 else None)
             if calls:
                 self._draw_masks(kp, calls, x)
             if not self._probed:
@@ -721,7 +730,7 @@ class LayerParallel(nn.Module):
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         with torch.no_grad():
             res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
-                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adj_comm,
+                              tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adjoint_comm(),
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res
@@ -950,18 +959,6 @@ def _unpack(buf, tensors) -> None:
             chunk = chunk.clone()  # (not aligned for a view as v's dtype)
         v.copy_(chunk.view(v.dtype).view(v.shape))
         off += chunk.numel()
-
-
-def _free_quietly(comm) -> None:
-    if not isinstance(comm, MPIComm):  # torch.distributed views need no freeing
-        return
-    from mpi4py import MPI
-
-    if not MPI.Is_finalized():
-        try:
-            comm.free()
-        except Exception:  # noqa: BLE001 - at interpreter exit, or in the middle of a failed session
-            pass
 
 
 def serial_forward(layers, x, h: float, scheme=forward_euler):

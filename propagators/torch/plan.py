@@ -11,8 +11,9 @@ can lie in a neighbour's block (parameter injection takes the layer at the
 start of a coarse interval). Those are the *halo*: their parameters are sent
 by the owner before every forward pass.
 
-The adjoint runs in reverse layer-time on the reversed communicator, on the
-mirrored blocks, so that every rank's adjoint points are its forward points.
+The adjoint runs in reverse layer-time with the ranks numbered in reverse (rank r
+is rank P - 1 - r there), on the mirrored blocks, so that every rank's adjoint
+points are its forward points.
 """
 from __future__ import annotations
 

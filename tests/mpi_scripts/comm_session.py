@@ -32,7 +32,10 @@ channels this rank abandoned in the case). Cases:
   it next waits.
 
 Afterwards: sessions still work (ring exchange, reductions equal on every
-rank) and a solve equals the serial one bit for bit: ``rank r: sessions OK``. With ``--cost`` it times empty sessions,
+rank), a session's ``share`` reaches every rank in rank order, a solve on
+:class:`ReversedInSession` (inside a session, ranks in reverse) equals the serial
+one bit for bit and a failure in it names the failed rank as the session's
+communicator does, and a solve equals the serial one bit for bit: ``rank r: sessions OK``. With ``--cost`` it times empty sessions,
 sessions with one reduction and, for comparison, ``MPI_Comm_dup`` + free and
 ``MPI_Barrier``: ``rank r: cost session <us> us, session+allreduce <us> us,
 dup+free <us> us, barrier <us> us``.
@@ -45,7 +48,8 @@ import time
 import numpy as np
 
 import mgrit
-from mgrit.comm import InSession, MPIComm, Tag, abandoned_channels, as_communicator
+from mgrit.comm import (InSession, MPIComm, RemoteRankError, ReversedInSession, Tag, abandoned_channels,
+                        as_communicator)
 from propagators import Dahlquist
 
 
@@ -157,6 +161,63 @@ def run_case(c, name: str, bad: int):
     return None
 
 
+def check_share_and_reversed(c) -> list:
+    """The handshake's ``share`` (every rank's value, in rank order) and a :class:`ReversedInSession`
+    view (numbering, messages, gather, broadcasts, world ranks, a solve equal to the serial one bit
+    for bit, a failure in it reaching every rank under the caller's numbering). Returns what failed."""
+    r, P, bad = c.rank, c.size, []
+    s = c.session(share={"rank": r, "sq": [r * r]})
+    with s:
+        if s.shared != [{"rank": i, "sq": [i * i]} for i in range(P)]:
+            bad.append(f"session share: {s.shared}")
+        v = ReversedInSession(c)
+        if (v.rank, v.size, v.world_rank(), v.world_rank(0)) != (P - 1 - r, P, c.world_rank(),
+                                                                 c.world_rank(P - 1)):
+            bad.append("ReversedInSession numbering")
+        if P > 1:
+            v.send(np.full(2, float(v.rank)), (v.rank + 1) % P, Tag.USER)
+            got = v.recv(np.zeros(2), (v.rank - 1) % P, Tag.USER)
+            if not np.array_equal(got, np.full(2, float((v.rank - 1) % P))):
+                bad.append("ReversedInSession ring exchange")
+        if v.gather(v.rank, root=None) != list(range(P)) or v.bcast(v.rank if v.rank == 0 else None, 0) != 0:
+            bad.append("ReversedInSession gather / bcast")
+        x = np.arange(3.0) + 10
+        got = v.bcast_state(x if v.rank == 0 else None, np.zeros(3), root=0)
+        if not np.array_equal(got, x):
+            bad.append("ReversedInSession bcast_state")
+    try:
+        with c.session():
+            InSession(c).open(share=1)
+        if P > 1:
+            bad.append("InSession accepted a share")
+    except RuntimeError as exc:
+        if "no handshake" not in str(exc):
+            bad.append(f"InSession share: {exc}")
+    prop, t = Dahlquist(-1.0), np.linspace(0.0, 4.0, 65)
+    kw = dict(cf=2, max_levels=4, relax="FCF", tol=1e-12, max_iter=30)
+    ref = mgrit.solve(prop, np.array([1.0, 0.5]), t, **kw)
+    with c.session():
+        res = mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=ReversedInSession(c), **kw, final_residual=True)
+        whole = mgrit.gather(res, root=None)
+    if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals):
+        bad.append("a solve on ReversedInSession differs from the serial solve")
+    starts = c.gather(res.index.start, root=None)
+    if starts != sorted(starts, reverse=True):
+        bad.append(f"ReversedInSession blocks not in reverse rank order: {starts}")
+    try:
+        with c.session():
+            mgrit.solve(Faulty(r == P - 1), np.array([1.0]), np.linspace(0.0, 2.0, 17),
+                        comm=ReversedInSession(c), **solve_kw())
+        bad.append("a failure in a ReversedInSession solve raised nothing")
+    except Injected:
+        if r != P - 1:
+            bad.append("the wrong rank raised Injected")
+    except RemoteRankError as exc:
+        if r == P - 1 or exc.rank != P - 1 or not str(exc).startswith(f"rank {c.world_rank(P - 1)}"):
+            bad.append(f"ReversedInSession failure: {exc} (rank {exc.rank})")
+    return bad
+
+
 def check_clean(c, bad_lines: list) -> None:
     """Sessions, reductions and a solve work after the failures."""
     r, P = c.rank, c.size
@@ -201,6 +262,7 @@ def check_clean(c, bad_lines: list) -> None:
             after = c.allreduce(1.0)
         if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals and after == P):
             bad_lines.append("a solve inside the session differs from the serial solve")
+    bad_lines += check_share_and_reversed(c)
     try:
         mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=InSession(c), **kw)
         bad_lines.append("InSession without an open session did not raise")
