@@ -454,6 +454,15 @@ class Communicator(ABC):
         ``inf`` when any value is NaN or infinite)."""
         return _local_max(values)
 
+    def exact_many(self, parts: list, kind: str) -> list:
+        """:meth:`norm2_exact` (``kind="norm2"``), :meth:`sum_exact` (``"sum"``) or
+        :meth:`max` (``"max"``) of every entry of ``parts`` (each rank passes as many),
+        in one reduction. Each value equals the single call's, bit for bit.
+        """
+        _check_kind(kind)
+        single = {"norm2": self.norm2_exact, "sum": self.sum_exact, "max": self.max}[kind]
+        return [single(v) for v in parts]
+
     def notify_failure(self, exc: BaseException) -> None:
         """Tell the other ranks of the innermost session that this one failed
         (no-op outside a session and on one process)."""
@@ -607,6 +616,9 @@ class InSession(Communicator):
     def max(self, values):
         return self.comm.max(values)
 
+    def exact_many(self, parts, kind):
+        return self.comm.exact_many(parts, kind)
+
     def notify_failure(self, exc):
         self.comm.notify_failure(exc)
 
@@ -675,6 +687,11 @@ class ReversedInSession(InSession):
 
     def world_rank(self, r=None):
         return self.comm.world_rank(None if r is None else self._peer(r))
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ("norm2", "sum", "max"):
+        raise ValueError(f"`kind` must be 'norm2', 'sum' or 'max', got {kind!r}")
 
 
 def _local_max(values) -> float:
@@ -950,6 +967,15 @@ class _SessionComm(Communicator):
 
     def max(self, values):
         return self.allreduce(_local_max(values), "max")
+
+    def exact_many(self, parts, kind):
+        _check_kind(kind)
+        if kind == "max":
+            return self._reduce(np.array([_local_max(v) for v in parts], dtype=np.float64), np.maximum).tolist()
+        bins, value = (square_bins, square_bins_root) if kind == "norm2" else (exact_bins, bins_value)
+        rows = np.stack([bins(v) for v in parts]) if parts else np.zeros((0, 1))
+        total = self._reduce(rows.ravel(), np.add).reshape(rows.shape)
+        return [value(b) for b in total]
 
 
 class MPIComm(_SessionComm):

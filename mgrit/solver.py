@@ -144,7 +144,9 @@ def solve(
         C-point sweep; none with ``residual="cycle_end"``, whose last entry is
         already that residual): ``Result.final_residual``. With
         ``residual="xbraid"`` the history is measured before each cycle's
-        coarse correction, so its last entry lags the returned solution by one cycle.
+        coarse correction, so its last entry lags the returned solution by one cycle;
+        without a ``callback`` that entry's all-reduce is the final residual's (one
+        synchronisation of the ranks less, the same values).
     callback : callable, optional
         Called after every cycle with an :class:`IterationInfo`.
     comm : None, mpi4py communicator or Communicator

@@ -23,7 +23,7 @@ from mgrit.comm import (
     square_bins,
     square_bins_root,
 )
-from mgrit.cycle import temporal_norm
+from mgrit.cycle import temporal_norm, temporal_norms
 
 # --------------------------------------------------------------------------- the exact 2-norm
 ordinary = st.floats(min_value=-1e100, max_value=1e100, allow_nan=False).filter(lambda v: v == 0 or abs(v) > 1e-100)
@@ -41,6 +41,20 @@ def test_norm2_exact_is_todays_value_for_ordinary_magnitudes_whatever_the_split(
     total = sum((square_bins(p) for p in reversed(parts)), np.zeros_like(square_bins(x)))
     assert square_bins_root(total) == expected
     assert temporal_norm(x, 2, SerialComm()) == expected
+
+
+def test_exact_many_and_temporal_norms_equal_the_single_reductions():
+    """One reduction for several parts gives each part's value bit for bit (2-norm, sum, max,
+    temporal norms with p = 2, 1 and inf); an unknown kind is a ValueError."""
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal(7) * 1e150, np.zeros(0), np.array([0.1] * 10), np.array([1.0, np.inf])]
+    c = SerialComm()
+    for kind, single in (("norm2", c.norm2_exact), ("sum", c.sum_exact), ("max", c.max)):
+        assert c.exact_many(parts, kind) == [single(v) for v in parts]
+    for p in (2, 1, math.inf):
+        assert temporal_norms(parts[:3], p, c) == [temporal_norm(v, p, c) for v in parts[:3]]
+    with pytest.raises(ValueError, match="kind"):
+        c.exact_many(parts, "mean")
 
 
 @pytest.mark.parametrize("k", [700, -700, 1000, -1000])

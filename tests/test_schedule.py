@@ -81,6 +81,43 @@ def test_one_two_level_fcf_cycle_is_the_schedule_of_reference_1b():
                        ("sequential_solve", 1), ("correct", 0), ("residual_norm",), ("f_relax", 0), ("finish",)]
 
 
+class BatchRecorder(Recorder):
+    def residual_norms(self, Rs):
+        self.log.append(("residual_norms", len(Rs)))
+        return [1.0] * len(Rs)
+
+    def residual_norm(self, R):
+        self.log.append(("residual_norm",))
+        return 1.0
+
+
+def test_the_final_residual_shares_the_last_cycles_all_reduce():
+    """With ``final_residual``, no callback and the residual at XBraid's point, the last cycle's
+    norm waits for the final residual: one all-reduce for both, after the final F-relaxation, and
+    every cycle still reports its norm. A callback reads the norm at its cycle: two all-reduces."""
+    h = mgrit.build_hierarchy(np.linspace(0, 1, 9), cf=2, max_levels=2, relax="FCF")
+    for callback, tail in [(None, [("correct", 0), ("f_relax", 0), ("c_residual", 0), ("residual_norms", 2),
+                                   ("finish",)]),
+                           (lambda info: None, [("correct", 0), ("residual_norm",), ("f_relax", 0),
+                                                ("c_residual", 0), ("residual_norm",), ("finish",)])]:
+        ops, seen = BatchRecorder(), []
+        final = run(ops, h, Options(skip=False, max_iter=3, tol=None, final_residual=True, callback=callback),
+                    lambda k, r: seen.append((k, r)))
+        assert ops.log[-len(tail):] == tail and seen == [(0, 1.0), (1, 1.0), (2, 1.0)] and final == 1.0
+        assert ops.log.count(("residual_norm",)) == (4 if callback else 2)
+
+
+def test_deferred_norms_equal_the_solve_with_a_callback():
+    """The shared all-reduce changes no value: the residual history, the final residual and the
+    solution equal those of the same solve with a callback (one all-reduce each)."""
+    t = np.linspace(0.0, 4.0, 65)
+    kw = dict(cf=2, max_levels=4, relax="FCF", tol=None, max_iter=4, final_residual=True)
+    a = mgrit.solve(Dahlquist(-1.0), np.array([1.0, 0.5]), t, **kw)
+    b = mgrit.solve(Dahlquist(-1.0), np.array([1.0, 0.5]), t, **kw, callback=lambda info: None)
+    assert a.residuals == b.residuals and a.final_residual == b.final_residual and np.array_equal(a.u, b.u)
+    assert a.residuals[-1] is not None and a.final_residual > 0
+
+
 # --------------------------------------------------------------------------- Options
 def test_options_are_frozen_and_normalized():
     o = Options(cf=[2, 4], relax=["F", "FCF"], norm="inf", partition=[0, 5])

@@ -35,7 +35,9 @@ Afterwards: sessions still work (ring exchange, reductions equal on every
 rank), a session's ``share`` reaches every rank in rank order, a solve on
 :class:`ReversedInSession` (inside a session, ranks in reverse) equals the serial
 one bit for bit and a failure in it names the failed rank as the session's
-communicator does, and a solve equals the serial one bit for bit: ``rank r: sessions OK``. With ``--cost`` it times empty sessions,
+communicator does, ``exact_many`` equals the single reductions bit for bit, and
+a solve equals the serial one bit for bit: ``rank r: sessions OK``. With
+``--cost`` it times empty sessions,
 sessions with one reduction and, for comparison, ``MPI_Comm_dup`` + free and
 ``MPI_Barrier``: ``rank r: cost session <us> us, session+allreduce <us> us,
 dup+free <us> us, barrier <us> us``.
@@ -218,6 +220,29 @@ def check_share_and_reversed(c) -> list:
     return bad
 
 
+def check_exact_many(c) -> list:
+    """``exact_many`` gives every part's ``norm2_exact`` / ``sum_exact`` / ``max``, bit for bit, in
+    one reduction (parts with nothing on some ranks, NaN, huge values). Returns what failed."""
+    r, bad = c.rank, []
+    rng = np.random.default_rng(r)
+    parts = [rng.standard_normal(5) * 10.0 ** r, np.zeros(0) if r % 2 else np.array([1e200, 3.0]),
+             np.array([0.1] * (r + 1)), np.array([np.nan]) if r == c.size - 1 else np.ones(2)]
+    with c.session():
+        for kind, single in (("norm2", c.norm2_exact), ("sum", c.sum_exact), ("max", c.max)):
+            many = c.exact_many(parts, kind)
+            ones = [single(v) for v in parts]
+            if len(many) != len(ones) or any(not (a == b or (a != a and b != b)) for a, b in zip(many, ones)):
+                bad.append(f"exact_many {kind}: {many} != {ones}")
+        if c.exact_many([], "sum") != []:
+            bad.append("exact_many of no parts")
+    try:
+        c.exact_many(parts, "mean")
+        bad.append("exact_many accepted kind 'mean'")
+    except ValueError:
+        pass
+    return bad
+
+
 def check_clean(c, bad_lines: list) -> None:
     """Sessions, reductions and a solve work after the failures."""
     r, P = c.rank, c.size
@@ -262,7 +287,7 @@ def check_clean(c, bad_lines: list) -> None:
             after = c.allreduce(1.0)
         if not (np.array_equal(whole, ref.u) and res.residuals == ref.residuals and after == P):
             bad_lines.append("a solve inside the session differs from the serial solve")
-    bad_lines += check_share_and_reversed(c)
+    bad_lines += check_share_and_reversed(c) + check_exact_many(c)
     try:
         mgrit.solve(prop, np.array([1.0, 0.5]), t, comm=InSession(c), **kw)
         bad_lines.append("InSession without an open session did not raise")
