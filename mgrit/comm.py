@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import sys
 import time
 import zlib
@@ -536,7 +537,10 @@ class Session:
 
     def __enter__(self) -> Communicator:
         self.depth = self.comm._depth()
-        self.shared = self.comm.open(signature=self.signature, share=self.share)
+        if self.share is None:  # (communicators written before `share` existed keep working)
+            self.shared = self.comm.open(signature=self.signature)
+        else:
+            self.shared = self.comm.open(signature=self.signature, share=self.share)
         return self.comm
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -572,7 +576,9 @@ class InSession(Communicator):
     come. So the caller opens its session with a ``signature`` covering
     everything the solve needs every rank to agree on (as the layer-parallel
     modules do), and every rank raises ``ValueError`` in that handshake
-    instead. Everything else is delegated to ``comm``.
+    instead. A ``share`` given to :meth:`open` (every rank gives one, or none)
+    is all-gathered on the open session's channel, since there is no
+    handshake to carry it. Everything else is delegated to ``comm``.
     """
 
     def __init__(self, comm: Communicator):
@@ -581,10 +587,11 @@ class InSession(Communicator):
     def open(self, failure=None, signature=None, share=None):
         if self.size > 1 and self.comm._depth() == 0:
             raise RuntimeError("InSession needs a session open on its communicator (`with comm.session():`)")
-        if share is not None and self.size > 1:
-            raise RuntimeError("InSession has no handshake to share values in: pass `share` to the enclosing "
-                               "session")
-        return None if failure is not None else [share]
+        if failure is not None:
+            return None
+        if share is not None and self.size > 1:  # no handshake to ride on: an all-gather in the open session
+            return self.comm.gather(share, root=None)
+        return [share]
 
     def close(self, error=None):
         pass  # the enclosing session closes (and, with ``error``, tells the others)
@@ -800,12 +807,21 @@ class _SessionComm(Communicator):
         shares)``: the pooled channel every rank holds clean (or None), the id for a new
         one and every rank's ``share``; None on a rank that failed. Raises when another
         rank failed or the signatures differ."""
+        bad_share = None
+        if failure is None and share is not None:
+            try:  # an object that cannot travel fails this rank here, not in the middle of the handshake
+                pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
+                bad_share = TypeError(f"the `share` of a session must be picklable: {exc}")
+                failure, share = bad_share, None
         mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id,
                 None if failure is not None else share)
         notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
         verdict = None if notes is None else self._verdict(notes)
         failed, bad, reuse, new_id, shares = self._from_root(ch, verdict, Tag.HANDSHAKE)
         self._after_handshake(ch)
+        if bad_share is not None:
+            raise bad_share
         if failure is not None:
             return None
         if failed:
@@ -816,7 +832,8 @@ class _SessionComm(Communicator):
             raise ValueError(
                 "the arguments of this collective call differ between ranks (for `solve`: time "
                 f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
-                "rank must pass the same"
+                "rank must pass the same (or ranks are at different collective calls: one skipped a "
+                "call the others made, e.g. a backward pass)"
             )
         return reuse, new_id, shares
 

@@ -211,6 +211,22 @@ def test_interrupt_during_validation_still_reaches_the_handshake(exc):
     assert len(comm.opened) == 1 and isinstance(comm.opened[0], exc)
 
 
+def test_a_communicator_written_before_share_still_opens_sessions():
+    """``open(failure, signature)`` without ``share``: sessions without a share still work
+    (``shared`` is what that ``open`` returned); one with a share needs the keyword."""
+    comm = Recording()
+    s = comm.session(signature=7)
+    with s as c:
+        assert c is comm and s.shared is None
+    assert comm.opened == [None]
+    with pytest.raises(TypeError, match="share"):
+        with comm.session(share=1):
+            pass
+    s = mgrit.SerialComm().session(share={"a": 1})
+    with s:
+        assert s.shared == [{"a": 1}]
+
+
 # --------------------------------------------------------------------------- g. bools as integers
 @pytest.mark.parametrize("name,value", [
     ("max_levels", True), ("min_coarse", True), ("cf", True), ("cf", [2, True]),

@@ -238,21 +238,24 @@ class _GRULayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_out, g_hL):
-        gru = ctx.gru
-        try:  # a failure of these checks on one rank reaches every rank in the handshake of the layer's session
+        gru, needs = ctx.gru, ctx.needs_input_grad
+        try:  # everything local before the layer's session: a failure on one rank reaches every rank in its handshake
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "ParallelGRU does not support double backward (backward with create_graph=True): its "
                     "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
                     "with the serial GRU (`model.to_gru()`)")
             x, *weights = ctx.saved_tensors
+            for g in (g_out, g_hL):
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    raise ValueError("the gradient of a ParallelGRU output contains NaN or Inf on this rank (it "
+                                     "comes from the loss: check the loss and what follows the GRU)")
+            setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
         except BaseException as exc:
             if gru._comm.size > 1:
                 gru._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
             raise
-        needs = ctx.needs_input_grad
-        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, weights, g_out, g_hL,
-                                          need_x=needs[4], need_h0=needs[5])
+        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5])
         return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
@@ -539,11 +542,12 @@ class ParallelGRU(nn.Module):
         return full
 
     # -- backward --------------------------------------------------------------------
-    def _layer_backward(self, l, saved, x, weights, g_out, g_hL, need_x: bool, need_h0: bool):
+    def _adjoint_setup(self, saved, weights, g_out, g_hL, need_x: bool, need_h0: bool):
+        """The local part of a layer's backward pass, before its collective part: the adjoint
+        propagator, its terminal state, the solve's options and the signature of the layer's session."""
         prop, U, g0, L, B, exact = saved
-        P, r, H = self._comm.size, self._comm.rank, self.hidden_size
-        lay = self._layout(L)
-        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(l, weights))
+        H = self.hidden_size
+        w_ih = weights[0].detach()
         zeros = U.new_zeros(B, H)
         terminal = zeros
         forcing = None
@@ -556,6 +560,16 @@ class ParallelGRU(nn.Module):
         GH = prop.hidden(U)  # hidden projections at the stored states: one matrix product
         adj = GRUAdjointPropagator(prop, L, U, GH, g0, forcing)
         opts = self._mgrit_options(exact, False)
+        sig = None if self._comm.size == 1 else args_signature(
+            tuple(opts.items()), tuple(terminal.shape), str(terminal.dtype), self._layout(L).t.tobytes(), need_x,
+            need_h0)
+        return w_ih, zeros, terminal, GH, adj, opts, sig
+
+    def _layer_backward(self, l, saved, x, setup, need_x: bool, need_h0: bool):
+        prop, U, g0, L, B, exact = saved
+        P, r = self._comm.size, self._comm.rank
+        lay = self._layout(L)
+        w_ih, zeros, terminal, GH, adj, opts, sig = setup
         if P == 1:
             with torch.no_grad():
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0, comm=self._comm,
@@ -566,8 +580,6 @@ class ParallelGRU(nn.Module):
         # one session per layer and pass around the adjoint solve (in reverse rank order, inside it: no
         # handshake or closing barrier of its own) and the gradients' reductions; its handshake compares
         # what the solve and the reductions need every rank to agree on
-        sig = args_signature(tuple(opts.items()), tuple(terminal.shape), str(terminal.dtype), lay.t.tobytes(),
-                             need_x, need_h0)
         with self._comm.session(signature=sig):
             with torch.no_grad():
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,

@@ -187,14 +187,20 @@ def check_share_and_reversed(c) -> list:
         got = v.bcast_state(x if v.rank == 0 else None, np.zeros(3), root=0)
         if not np.array_equal(got, x):
             bad.append("ReversedInSession bcast_state")
-    try:
-        with c.session():
-            InSession(c).open(share=1)
-        if P > 1:
-            bad.append("InSession accepted a share")
-    except RuntimeError as exc:
-        if "no handshake" not in str(exc):
-            bad.append(f"InSession share: {exc}")
+    with c.session():  # no handshake inside a session: the share is all-gathered there
+        if InSession(c).open(share=("in", r)) != [("in", i) for i in range(P)]:
+            bad.append("InSession share")
+    try:  # a share that cannot be pickled fails its rank in the handshake; the others hear of it
+        with c.session(share=(lambda: r) if r == P - 1 else r):
+            pass
+        if P > 1:  # (one process shares without pickling)
+            bad.append("an unpicklable share raised nothing")
+    except TypeError as exc:
+        if r != P - 1 or "picklable" not in str(exc):
+            bad.append(f"unpicklable share: {exc}")
+    except RemoteRankError as exc:
+        if r == P - 1 or exc.rank != P - 1 or "picklable" not in str(exc):
+            bad.append(f"unpicklable share on another rank: {exc}")
     prop, t = Dahlquist(-1.0), np.linspace(0.0, 4.0, 65)
     kw = dict(cf=2, max_levels=4, relax="FCF", tol=1e-12, max_iter=30)
     ref = mgrit.solve(prop, np.array([1.0, 0.5]), t, **kw)

@@ -160,8 +160,9 @@ def settings_mismatch_raises_everywhere():
 
 def backward_failure_raises_everywhere():
     """A step of the adjoint solve fails on the last rank: that rank raises its error and every other
-    rank RemoteRankError naming it as the module's communicator numbers it (the adjoint solve runs on
-    the reversed communicator; no second numbering); then forward and backward still work."""
+    rank RemoteRankError naming it as the module's communicator numbers it (the adjoint solve runs with
+    the ranks in reverse; no second numbering); then forward and backward still work. The same for a
+    NaN output gradient and a failing adjoint set-up on the last rank (before the layer's session)."""
     from propagators.torch import gru as gru_module
 
     original = gru_module.GRUAdjointPropagator.step_batch
@@ -187,11 +188,44 @@ def backward_failure_raises_everywhere():
         fail("a failing adjoint step: no rank raised")
     finally:
         gru_module.GRUAdjointPropagator.step_batch = original
+    still_trains(par, "a failing adjoint step")
+    # failures before the layer's session: a NaN output gradient, and the adjoint set-up (the hidden
+    # projections at the stored states) on the last rank only
+    original_hidden = gru_module.GRUPropagator.hidden
+
+    def failing_hidden(self, U):
+        raise RuntimeError("injected set-up failure")
+
+    for what, text, error in (("a NaN output gradient", "NaN or Inf", ValueError),
+                              ("a failing adjoint set-up", "injected set-up failure", RuntimeError)):
+        y, _ = par(torch.randn(9, 2, 3, requires_grad=True))
+        g = torch.ones_like(y)
+        if rank == size - 1 and what.startswith("a NaN"):
+            g[0, 0, 0] = float("nan")  # a position that another rank owns
+        if rank == size - 1 and what.startswith("a failing"):
+            gru_module.GRUPropagator.hidden = failing_hidden
+        try:
+            y.backward(g)
+        except mgrit.RemoteRankError as exc:
+            if rank == size - 1 or exc.rank != size - 1 or text not in str(exc):
+                fail(f"{what}: unexpected RemoteRankError: {exc}")
+        except error as exc:
+            if rank != size - 1 or text not in str(exc):
+                fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
+        else:
+            fail(f"{what}: no rank raised")
+        finally:
+            gru_module.GRUPropagator.hidden = original_hidden
+    still_trains(par, "failures before the layer's session")
+
+
+def still_trains(par, what: str) -> None:
+    """Forward and backward work after a failure: a finite input gradient."""
     x = torch.randn(9, 2, 3, requires_grad=True)
     y, _ = par(x)
     y.square().sum().backward()
     if x.grad is None or not bool(torch.isfinite(x.grad).all()):
-        fail("a failing adjoint step: no input gradient afterwards")
+        fail(f"{what}: no input gradient afterwards")
 
 
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
