@@ -977,13 +977,13 @@ class _SessionComm(Communicator):
         return self._reduce(a, np.add).reshape(a.shape)
 
     def sum_exact(self, values):
-        return bins_value(self._reduce(exact_bins(values), np.add))
+        return self.exact_many([values], "sum")[0]
 
     def norm2_exact(self, values):
-        return square_bins_root(self._reduce(square_bins(values), np.add))
+        return self.exact_many([values], "norm2")[0]
 
     def max(self, values):
-        return self.allreduce(_local_max(values), "max")
+        return self.exact_many([values], "max")[0]
 
     def exact_many(self, parts, kind):
         _check_kind(kind)

@@ -99,11 +99,7 @@ def temporal_norm(norms: np.ndarray, p, comm) -> float:
     overflow or underflow (:meth:`Communicator.norm2_exact`: one reduction):
     states near ``1e200`` give their true residual, not a false divergence.
     """
-    if p == 2:
-        return comm.norm2_exact(norms)
-    if p == 1:
-        return comm.sum_exact(norms)
-    return max(comm.max(norms), 0.0)
+    return temporal_norms([norms], p, comm)[0]
 
 
 def temporal_norms(parts: list, p, comm) -> list:
@@ -219,8 +215,6 @@ class Levels(LevelOps):
     def residual_norms(self, Rs):
         w0 = self.states[0]
         parts = [w0.prop.norms(R) if w0 is not None and R is not None else np.zeros(0) for R in Rs]
-        if len(parts) == 1:
-            return [temporal_norm(parts[0], self.p, self.comm)]
         return temporal_norms(parts, self.p, self.comm)
 
     def finish(self):

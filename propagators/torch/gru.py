@@ -29,7 +29,7 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_levels
 
-from .module import _warn_without_progress
+from .module import _check_output_gradient, _warn_without_progress
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -247,9 +247,8 @@ class _GRULayerFunction(torch.autograd.Function):
                     "with the serial GRU (`model.to_gru()`)")
             x, *weights = ctx.saved_tensors
             for g in (g_out, g_hL):
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    raise ValueError("the gradient of a ParallelGRU output contains NaN or Inf on this rank (it "
-                                     "comes from the loss: check the loss and what follows the GRU)")
+                if g is not None:
+                    _check_output_gradient(g, "a ParallelGRU output", "the GRU")
             setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
         except BaseException as exc:
             if gru._comm.size > 1:
@@ -405,9 +404,9 @@ class ParallelGRU(nn.Module):
         return gru
 
     # -- helpers ---------------------------------------------------------------------
-    def _session(self):
+    def _session(self, signature=None):
         """A failure-aware communicator session on several ranks; nothing on one."""
-        return self._comm.session() if self._comm.size > 1 else contextlib.nullcontext()
+        return self._comm.session(signature=signature) if self._comm.size > 1 else contextlib.nullcontext()
 
     def _layout(self, L: int) -> _Layout:
         lay = self._layouts.get(L)
@@ -570,23 +569,20 @@ class ParallelGRU(nn.Module):
         P, r = self._comm.size, self._comm.rank
         lay = self._layout(L)
         w_ih, zeros, terminal, GH, adj, opts, sig = setup
-        if P == 1:
-            with torch.no_grad():
-                res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0, comm=self._comm,
-                                  final_residual=True)
-            lam = self._adjoint_done(l, res)
-            gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
-            return (gx_piece if need_x else None), (lam[0] if need_h0 else None), gw
-        # one session per layer and pass around the adjoint solve (in reverse rank order, inside it: no
-        # handshake or closing barrier of its own) and the gradients' reductions; its handshake compares
-        # what the solve and the reductions need every rank to agree on
-        with self._comm.session(signature=sig):
+        # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
+        # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
+        # handshake compares what the solve and the reductions need every rank to agree on
+        with self._session(signature=sig):
             with torch.no_grad():
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
-                                  comm=ReversedInSession(self._comm), partition=lay.plan.adj_partition,
-                                  final_residual=True)
-            lam = self._adjoint_done(l, res)
+                                  comm=ReversedInSession(self._comm) if P > 1 else self._comm,
+                                  partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
+            self.last_backward[l] = res
+            _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
+            lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
+            if P == 1:
+                return (gx_piece if need_x else None), (lam[0] if need_h0 else None), gw
             flat = torch.cat([g.reshape(-1) for g in gw])
             flat = self._comm.allreduce_array(flat)  # the weights are shared by all steps of all ranks
             sizes = [g.numel() for g in gw]
@@ -598,12 +594,6 @@ class ParallelGRU(nn.Module):
                 root = lay.plan.owner_of_point(0)
                 gh0 = self._comm.bcast_state(lam[0].clone() if r == root else None, zeros, root=root)
         return gx, gh0, gw
-
-    def _adjoint_done(self, l, res):
-        """Keep the adjoint solve's result of layer ``l``; the adjoints at the points lo..hi."""
-        self.last_backward[l] = res
-        _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
-        return torch.flip(res.u, dims=[0])
 
     def _step_gradients(self, prop, U, GH, g0, lam, lay, x, w_ih, need_x: bool):
         """Weight gradients (this rank's steps) and the input gradient at their positions.

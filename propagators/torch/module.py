@@ -146,10 +146,10 @@ class _LayerParallelFunction(torch.autograd.Function):
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
 
 
-def _check_output_gradient(gy):
+def _check_output_gradient(gy, output: str = "the LayerParallel output", follows: str = "the block"):
     if not bool(torch.isfinite(gy).all()):
-        raise ValueError("the gradient of the LayerParallel output contains NaN or Inf on this rank (it comes "
-                         "from the loss: check the loss and what follows the block)")
+        raise ValueError(f"the gradient of {output} contains NaN or Inf on this rank (it comes from the loss: "
+                         f"check the loss and what follows {follows})")
 
 
 def _backward_checks(ctx):

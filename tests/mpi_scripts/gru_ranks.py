@@ -165,58 +165,45 @@ def backward_failure_raises_everywhere():
     NaN output gradient and a failing adjoint set-up on the last rank (before the layer's session)."""
     from propagators.torch import gru as gru_module
 
-    original = gru_module.GRUAdjointPropagator.step_batch
-
     def failing(self, *args):
         raise RuntimeError("injected adjoint failure")
-
-    par = ParallelGRU(3, 4, comm=world, **TIGHT)
-    y, _ = par(torch.randn(9, 2, 3))
-    if rank == size - 1:
-        gru_module.GRUAdjointPropagator.step_batch = failing
-    try:
-        y.square().sum().backward()
-    except mgrit.RemoteRankError as exc:
-        if rank == size - 1:
-            fail(f"a failing adjoint step: RemoteRankError on the failing rank: {exc}")
-        if exc.rank != size - 1 or "of this communicator" in str(exc) or f"rank {size - 1} " not in str(exc):
-            fail(f"a failing adjoint step: not numbered as on the module's communicator (rank {exc.rank}): {exc}")
-    except RuntimeError as exc:
-        if rank != size - 1 or "injected adjoint failure" not in str(exc):
-            fail(f"a failing adjoint step: unexpected RuntimeError: {exc}")
-    else:
-        fail("a failing adjoint step: no rank raised")
-    finally:
-        gru_module.GRUAdjointPropagator.step_batch = original
-    still_trains(par, "a failing adjoint step")
-    # failures before the layer's session: a NaN output gradient, and the adjoint set-up (the hidden
-    # projections at the stored states) on the last rank only
-    original_hidden = gru_module.GRUPropagator.hidden
 
     def failing_hidden(self, U):
         raise RuntimeError("injected set-up failure")
 
-    for what, text, error in (("a NaN output gradient", "NaN or Inf", ValueError),
-                              ("a failing adjoint set-up", "injected set-up failure", RuntimeError)):
+    par = ParallelGRU(3, 4, comm=world, **TIGHT)
+    # (what, the patched method and its replacement or None, the error on the last rank, its text);
+    # the last two fail before the layer's session: a NaN output gradient (at a position another rank
+    # owns) and the adjoint set-up (the hidden projections at the stored states)
+    cases = [("a failing adjoint step", (gru_module.GRUAdjointPropagator, "step_batch", failing), RuntimeError,
+              "injected adjoint failure"),
+             ("a NaN output gradient", None, ValueError, "NaN or Inf"),
+             ("a failing adjoint set-up", (gru_module.GRUPropagator, "hidden", failing_hidden), RuntimeError,
+              "injected set-up failure")]
+    for what, patch, error, text in cases:
         y, _ = par(torch.randn(9, 2, 3, requires_grad=True))
         g = torch.ones_like(y)
-        if rank == size - 1 and what.startswith("a NaN"):
-            g[0, 0, 0] = float("nan")  # a position that another rank owns
-        if rank == size - 1 and what.startswith("a failing"):
-            gru_module.GRUPropagator.hidden = failing_hidden
+        original = None if patch is None else getattr(patch[0], patch[1])
+        if rank == size - 1 and patch is None:
+            g[0, 0, 0] = float("nan")
+        if rank == size - 1 and patch is not None:
+            setattr(patch[0], patch[1], patch[2])
         try:
             y.backward(g)
         except mgrit.RemoteRankError as exc:
-            if rank == size - 1 or exc.rank != size - 1 or text not in str(exc):
-                fail(f"{what}: unexpected RemoteRankError: {exc}")
+            if rank == size - 1 or exc.rank != size - 1 or text not in str(exc) \
+                    or "of this communicator" in str(exc) or f"rank {size - 1} " not in str(exc):
+                fail(f"{what}: not raised as RemoteRankError naming rank {size - 1} as the module's communicator "
+                     f"numbers it (rank {exc.rank}): {exc}")
         except error as exc:
             if rank != size - 1 or text not in str(exc):
                 fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
         else:
             fail(f"{what}: no rank raised")
         finally:
-            gru_module.GRUPropagator.hidden = original_hidden
-    still_trains(par, "failures before the layer's session")
+            if patch is not None:
+                setattr(patch[0], patch[1], original)
+        still_trains(par, what)
 
 
 def still_trains(par, what: str) -> None:
