@@ -585,9 +585,42 @@ class LayerParallel(nn.Module):
         return guess
 
     def _forward_solve(self, kp, x):
-        kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
-        with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
-            return self._forward_solve_in_modes(kp, x)
+        while True:
+            kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
+            with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
+                out = self._forward_solve_in_modes(kp, x)
+            if out is not None:
+                return out
+            # a halo copy's training flags were set to its owner's (every rank returned None): regroup
+            # the layers and run the pass again (collective; the flags now agree, so once)
+            self._build_kernel()
+            kp = self.kernel.bind()
+
+    def _halo_flags(self) -> dict:
+        """``{layer: training flags of its submodules}`` of the layers this rank sends or receives in
+        the halo: the owners' flags are the truth, the receivers' copies must follow them."""
+        r, halo, own = self._comm.rank, self._halo, self.layers
+        return {j: bytes(map(_TRAINING, (halo[j] if u == r else own[j]).modules()))
+                for o, u, j in self.plan.halo if r in (o, u)}
+
+    def _adopt_halo_modes(self, flags) -> bool:
+        """Set this rank's halo copies to their owners' training flags (``flags``: every rank's
+        :meth:`_halo_flags`). True on every rank when some copy on some rank differed."""
+        r, stale = self._comm.rank, False
+        for owner, user, j in self.plan.halo:
+            want, have = flags[owner][j], flags[user][j]
+            if want == have:
+                continue
+            stale = True
+            if user == r:
+                subs = list(self._halo[j].modules())
+                if len(subs) != len(want):
+                    raise ValueError(
+                        f"layer {j} differs between ranks: rank {owner} (its owner) has {len(want)} submodules, "
+                        f"rank {r} has {len(subs)}; every rank must build the same layers")
+                for s, t in zip(subs, want):
+                    s.training = bool(t)
+        return stale
 
     def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
@@ -598,18 +631,22 @@ class LayerParallel(nn.Module):
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
+            share = (note, self._halo_flags()) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
             raise
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
-        # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes):
-        # a failure anywhere reaches every rank.
-        session = self._session(signature=sig, share=note)
+        # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
+        # halo layers' training flags): a failure anywhere reaches every rank.
+        session = self._session(signature=sig, share=share)
         with session:
             if P > 1:
+                # layers set to train/eval one by one (not through lp.train()/eval()) on their owner only
+                if self._adopt_halo_modes([f for _, f in session.shared]):
+                    return None
                 self._exchange_halo(kp)
-            calls = self._dropout_plan(kp, x, key, session.shared if P > 1 else None)
+            calls = self._dropout_plan(kp, x, key, [n for n, _ in session.shared] if P > 1 else None)
             if calls:
                 self._draw_masks(kp, calls, x)
             if not self._probed:

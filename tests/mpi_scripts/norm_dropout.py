@@ -9,6 +9,8 @@ Checks on every rank, against the serial network built from the same weights
   gradient of every owned parameter, the running statistics of every owned
   layer, and the random generator's state after the forward pass;
 * eval mode afterwards (running statistics) equals the serial network;
+* layers set to train / eval one by one on their owner rank only: converged, the
+  serial network; after one cycle each way, the one-process module;
 * ranks whose random states differ raise a clear error on every rank, and the
   module works again once they agree.
 
@@ -17,6 +19,7 @@ Prints "rank r OK" on success and exits 1 with a message otherwise.
 import copy
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from checks import TIGHT, check, fail, rank, size, world
@@ -34,6 +37,29 @@ NETWORKS = {
 }
 
 
+def compare_step(what, lp, ref, x, seed):
+    """Forward (masks drawn after ``torch.manual_seed(seed)``) and backward of ``lp`` and ``ref`` from
+    ``x``: output, input gradient, generator state after forward, and the gradients and buffers of
+    every layer ``lp`` owns agree."""
+    outs = []
+    for model in (lp, ref):
+        xg = x.clone().requires_grad_(True)
+        torch.manual_seed(seed)
+        y = model(xg)
+        rng = torch.random.get_rng_state()
+        (y.pow(2).sum() + y.sum()).backward()
+        outs.append((y.detach(), xg.grad, rng))
+    check(f"{what} output", outs[0][0], outs[1][0])
+    check(f"{what} input gradient", outs[0][1], outs[1][1])
+    if not torch.equal(outs[0][2], outs[1][2]):
+        fail(f"{what}: the generator state after forward differs from the reference's")
+    for j in lp.owned_layers:
+        for (pn, p), q in zip(lp.layers[j].named_parameters(), ref.layers[j].parameters()):
+            check(f"{what} layer {j} {pn} gradient", p.grad, q.grad)
+        for (bn, b), c in zip(lp.layers[j].named_buffers(), ref.layers[j].buffers()):
+            check(f"{what} layer {j} {bn}", b.double(), c.double())
+
+
 def run(name):
     make, n, shape = NETWORKS[name]
     torch.manual_seed(3)
@@ -43,24 +69,7 @@ def run(name):
     opt, opt_s = torch.optim.SGD(lp.parameters(), lr=0.05), torch.optim.SGD(serial.parameters(), lr=0.05)
     for step in range(3):
         torch.manual_seed(50 + step)  # the same input and the same masks on every rank
-        x = torch.randn(*shape)
-        outs = []
-        for model in (lp, serial):
-            xg = x.clone().requires_grad_(True)
-            torch.manual_seed(500 + step)
-            y = model(xg)
-            rng = torch.random.get_rng_state()
-            (y.pow(2).sum() + y.sum()).backward()
-            outs.append((y.detach(), xg.grad, rng))
-        check(f"{name} step {step} output", outs[0][0], outs[1][0])
-        check(f"{name} step {step} input gradient", outs[0][1], outs[1][1])
-        if not torch.equal(outs[0][2], outs[1][2]):
-            fail(f"{name} step {step}: the generator state after forward differs from serial's")
-        for j in lp.owned_layers:
-            for (pn, p), q in zip(lp.layers[j].named_parameters(), serial.layers[j].parameters()):
-                check(f"{name} step {step} layer {j} {pn} gradient", p.grad, q.grad)
-            for (bn, b), c in zip(lp.layers[j].named_buffers(), serial.layers[j].buffers()):
-                check(f"{name} step {step} layer {j} {bn}", b.double(), c.double())
+        compare_step(f"{name} step {step}", lp, serial, torch.randn(*shape), 500 + step)
         opt.step()
         opt_s.step()
         opt.zero_grad()
@@ -74,8 +83,38 @@ def run(name):
     return lp, shape
 
 
+def per_layer_modes():
+    """Layers put in train or eval mode one by one, on their owner only (``lp.layers[j].eval()``): the
+    halo copies other ranks hold follow their owner's modes. Converged: serial's output, gradients
+    and running statistics; after one cycle each way: the one-process module's."""
+    make, n, shape = NETWORKS["dense"]
+    torch.manual_seed(4)
+    layers = [make() for _ in range(n)]
+    serial = ODENet(copy.deepcopy(layers), T=1.0)
+    kw = dict(T=1.0, cf=2, max_levels=3)
+    nets = {"converged": (LayerParallel(copy.deepcopy(layers), comm=world, **kw, **TIGHT), serial),
+            "one cycle": (LayerParallel(copy.deepcopy(layers), comm=world, **kw, fwd_iters=1, bwd_iters=1),
+                          LayerParallel(copy.deepcopy(layers), comm=MPI.COMM_SELF, **kw, fwd_iters=1, bwd_iters=1))}
+    for step, evaluated in enumerate([lambda j: j < n // 2, lambda j: j % 2 == 1, lambda j: False]):
+        for label, (lp, ref) in nets.items():
+            lp.train()
+            ref.train()
+            for j, m in lp.layers.items():
+                m.train(not evaluated(j))
+            for j in range(n):
+                ref.layers[j].train(not evaluated(j))
+            stale = sum(any(s.training != (not evaluated(j)) for s in m.modules()) for j, m in lp._halo.items())
+            if step < 2 and world.allreduce(stale) == 0:
+                fail(f"per-layer modes, step {step}: no halo copy differs from its owner; the check checks nothing")
+            torch.manual_seed(70 + step)
+            compare_step(f"per-layer modes ({label}), step {step}", lp, ref, torch.randn(*shape), 700 + step)
+            lp.zero_grad()
+            ref.zero_grad()
+
+
 lp, shape = run("dense")
 run("conv")
+per_layer_modes()
 
 # different random states: every rank raises the same clear error, then the module works again
 torch.manual_seed(9)
