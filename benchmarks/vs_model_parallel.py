@@ -32,7 +32,8 @@ two cores slow each other down by up to 1.9x when both compute): the *serial
 reference* (each rank's own block forward + backward at batch B, no message), run
 by all ranks at once and, on P > 1, by one rank after the other; LayerParallel of
 the first half of the layers on one process (no message), run by all ranks at once;
-the two schedules with one layer per stage; and LayerParallel with trivial layers.
+the two schedules with one layer per stage; and LayerParallel with trivial layers
+(width 1, batch 1), on all P ranks and, the first half, on one process each.
 From them, relative to 1 rank, measured on 2 ranks and taken as constant for
 more: ``a`` (blocks run in turn), ``s`` (blocks run at once) and ``v``
 (LayerParallel's half-net work run at once: its batched tensors, N/2 states per
@@ -49,13 +50,15 @@ compute); ``c`` is the reference's time per layer on 1 rank:
   per stage pass (the schedule with a 1-layer stage on 1 rank) and ``c`` its message cost
   per stage pass (the same on 2 ranks, minus ``o``); in the prediction table m is chosen
   best among the powers of two <= B;
-* LayerParallel: ``mgrit.model.predict`` of the forward and adjoint solves with
-  measured call costs (as benchmarks/layer_parallel.py) plus the parameter VJP over
-  N/P layers, times its measured/modelled ratio on 1 rank and ``v``, plus on P > 1 a
-  distributed overhead per step measured on 2 ranks with the trivial-layer probe (width 1,
-  batch 1, same hierarchy; the same for every w and B, so its median over all runs of that N),
-  taken as constant in P, plus the ping-pong latency of LayerParallel's communicator for
-  every critical-path message beyond P = 2's.
+* LayerParallel: on P > 1, one rank's work plus a distributed overhead per step. The
+  work at P = 2 is measured directly (the half-net probe at once on 2 ranks) and scaled
+  to P ranks by ``mgrit.model.predict``'s critical-path work of the forward and adjoint
+  solves with measured call costs (as benchmarks/layer_parallel.py) plus the parameter
+  VJP over N/P layers, relative to P = 2's. The overhead is the trivial-layer probe's
+  2-rank time minus its own half-net at once (the probe is the same for every w and B,
+  so its medians over all runs of that N), taken as constant in P, plus the ping-pong
+  latency of LayerParallel's communicator for every critical-path message beyond P = 2's.
+  On 1 rank the same predicted work times its measured/modelled ratio.
 
 No constant is fitted to the N-layer P = 2 times: those are the check.
 
@@ -374,6 +377,14 @@ def worker(a):
             lp_half.zero_grad(set_to_none=True)
             lp_half(x).square().sum().backward()
 
+        # (5) the same for the trivial layers: the slowdown of the probe's own (per-call, Python) work
+        lp_probe_half = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(-(-N // 2))],
+                                      T=0.5, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
+                                      bwd_iters=a.bwd_iters).to(dev)
+
+        def lp_probe_half_step():
+            lp_probe_half(x1).square().sum().backward()
+
         def ref_alone_step():  # the same blocks one rank after the other, the others idle (as in model parallelism)
             for r in range(P):
                 if r:
@@ -381,13 +392,13 @@ def worker(a):
                 if rank == r:
                     ref_step()
 
-        # (5) on P > 1 the reference in turn
+        # (6) on P > 1 the reference in turn
         extra = [ref_alone_step] if P > 1 else []
         times = timed([mp_step_ordered, gp_step, fb_step, lp_step, ref_step, *probe_steps, lp_probe_step,
-                       lp_half_step, *extra], a.repeat)
+                       lp_half_step, lp_probe_half_step, *extra], a.repeat)
         t_mp, t_gp, t_fb, t_lp, t_ref = times[:5]
-        probe, lp_probe, t_lp_half = times[5:7], times[7], times[8]
-        t_alone = times[9] if P > 1 else t_ref
+        probe, lp_probe, t_lp_half, t_probe_half = times[5:7], times[7], times[8], times[9]
+        t_alone = times[10] if P > 1 else t_ref
         for fn in (mp_step_ordered, gp_step, fb_step):  # one more step each, counting saved bytes
             fn(hooks=True)
 
@@ -423,12 +434,12 @@ def worker(a):
             lpmsg = lp_pingpong(B * w)
         row = {"N": N, "w": w, "B": B, "P": P, "m": m, "time": [t_mp, t_gp, t_fb, t_lp], "err": err, "mem": mem,
                "costs": costs, "msg": msg, "lpmsg": lpmsg,
-               "probe": probe, "lp_probe": lp_probe, "ref": t_ref, "lp_half": t_lp_half, "alone": t_alone}
+               "probe": probe, "lp_probe": lp_probe, "ref": t_ref, "lp_half": t_lp_half, "probe_half": t_probe_half,
+               "alone": t_alone}
         if P == 1:
             from layer_parallel import measure_costs
 
-            fc, ac = measure_costs(lp, x, sync=sync)
-            row["lp_costs"] = [[c.single, c.per_state, c.per_call] for c in (fc, ac)]
+            row["lp_costs"] = [[c.single, c.per_state, c.per_call] for c in measure_costs(lp, x, sync=sync)]
             row["skip"] = lp.skip
         if rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
@@ -538,10 +549,6 @@ class Model:
         # and a block of fewer layers that fits better in cache), measured on 2 ranks; the pipelines run
         # such blocks at once
         self.s2 = (r2["ref"] / -(-self.N // 2)) / self.c1 if r2 else 1.0
-        # LayerParallel's states and parameters do not split into such blocks: its work is scaled by the
-        # slowdown of its own batched work when the ranks compute at once, measured on the same work
-        # (LayerParallel of the first half of the layers on one process) at once on 2 ranks against 1 rank
-        self.v2 = r2["lp_half"] / r1["lp_half"] if r2 else 1.0
         self.mp_over = t1[0] - r1["ref"]                  # loss etc.: additive, measured on 1 rank
         # model parallelism runs the blocks one rank after the other: the reference run that way on 2 ranks
         # (each rank's block in turn, the others idle) against the whole net on 1
@@ -552,22 +559,17 @@ class Model:
         self.pipe_msg = ([max(r2["probe"][k] / (2 * (self.m + 1)) - self.pipe_over[k], 0.0) for k in (0, 1)]
                          if r2 else [0.0, 0.0])
         self.lp_calib = t1[3] / self._lp_raw(1)
-        # LayerParallel on P > 1: a distributed overhead per step (halo exchange, every level's boundary
-        # exchanges and reductions through gloo's helper threads), measured on 2 ranks by the trivial-layer
-        # probe (its 1-rank time scaled by the critical path's propagator calls, the rest is overhead); taken
-        # as constant in P (each rank talks to its two neighbours), plus the ping-pong latency for every
-        # critical-path message beyond P = 2's
-        if r2:
-            u1, u2 = self._lp_units(1), self._lp_units(2)
-            self.lp_over = max(r2["lp_probe"] - r1["lp_probe"] * u2 / u1, 0.0)
-        else:
-            self.lp_over = 0.0
-
-    def _lp_units(self, P):
-        from mgrit.model import predict
-
-        return sum(predict(self.h, P, it, skip=self.skip).time for it in (self.a.fwd_iters, self.a.bwd_iters)) + \
-            -(-self.N // P)
+        # LayerParallel on P > 1: one rank's work does not split into such blocks (states and parameters
+        # of every level); at P = 2 it is measured directly: LayerParallel of the first half of the layers
+        # on one process, every rank at once (its ratio to 1 rank, v, is printed); for more ranks it is
+        # scaled by the critical path's modelled work (mgrit.model.predict with the measured call costs).
+        # On top, a distributed overhead per step (halo exchange, every level's boundary exchanges,
+        # reductions and sessions through gloo's helper threads): the trivial-layer probe on 2 ranks minus
+        # its own first half on one process at once; taken as constant in P (each rank talks to its two
+        # neighbours), plus the ping-pong latency for every critical-path message beyond P = 2's
+        self.v2 = r2["lp_half"] / r1["lp_half"] if r2 else 1.0
+        self.lp_work2 = r2["lp_half"] if r2 else None
+        self.lp_over = max(r2["lp_probe"] - r2["probe_half"], 0.0) if r2 else 0.0
 
     def _lp_msgs(self, P):
         from mgrit.model import predict
@@ -622,7 +624,7 @@ class Model:
         if P == 1:
             return self.lp_calib * work
         extra = max(self._lp_msgs(P) - self._lp_msgs(2), 0) * self.lpmsg
-        return self.lp_calib * work * self.v2 + self.lp_over + extra   # the factors scale the work only
+        return self.lp_work2 * work / self._lp_parts(2)[0] + self.lp_over + extra
 
 
 def merge(rows):
@@ -659,8 +661,8 @@ def main(argv=None):
     res = {P: {c: merge([run[c] for run in runs[P]]) for c in a.configs} for P in ranks}
     for P in ranks:  # the trivial-layer probe does not depend on w and B: its median over every run of that N
         for c in a.configs:
-            res[P][c]["lp_probe"] = statistics.median(run[d]["lp_probe"] for run in runs[P] for d in a.configs
-                                                      if d[0] == c[0])
+            for k in ("lp_probe", "probe_half"):
+                res[P][c][k] = statistics.median(run[d][k] for run in runs[P] for d in a.configs if d[0] == c[0])
     engine = "NCCL, one GPU per rank" if a.device == "cuda" else "gloo"
     print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
           f"torch.distributed {engine} for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
@@ -701,6 +703,11 @@ def main(argv=None):
             print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
         print(f"|difference|: median {statistics.median(diffs):.0f}%, max {max(diffs):.0f}%, "
               f"{sum(d <= 15 for d in diffs)}/{len(diffs)} within 15%")
+        if a.rounds > 1:  # how far the measurement itself moves between launches of the same processes' code
+            spread = [100 * (max(ts) / min(ts) - 1) for c in a.configs
+                      for ts in zip(*(run[c]["time"] for run in runs[2]))]
+            print(f"the measured P = 2 times themselves, largest over smallest of the {a.rounds} launches per cell: "
+                  f"median +{statistics.median(spread):.0f}%, max +{max(spread):.0f}%")
         print(f"\nmessage time ({'NCCL' if a.device == 'cuda' else 'gloo'}, half a ping-pong): " + ", ".join(
             f"{int(n) * 4} B {1e6 * t:.0f} us" for n, t in sorted(res[2][a.configs[0]]["msg"].items(),
                                                                   key=lambda kv: int(kv[0]))))
@@ -737,7 +744,8 @@ def main(argv=None):
         for c in a.configs:
             d = {"N": c[0], "w": c[1], "B": c[2], "methods": METHODS,
                  "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks},
-                 "probes": {P: res[P][c] for P in ranks}}
+                 "probes": {P: res[P][c] for P in ranks},
+                 "launches": {P: [run[c]["time"] for run in runs[P]] for P in ranks}}
             if 2 in ranks:
                 M = models[c]
                 Ps = [2 ** j for j in range(10) if 2 ** j <= c[0]]
