@@ -99,11 +99,13 @@ the reserved tags sit at ``0x7A00`` and up; users of the interface take
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import pickle
 import sys
 import time
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from enum import IntEnum
@@ -141,6 +143,38 @@ class Tag(IntEnum):
 #: kept alive so that MPI never touches freed memory; this only grows on failures.
 _ABANDONED: list = []
 _N_ABANDONED = [0]
+
+
+#: MPI communicators of this process with several ranks (weakly held), alarmed if it exits
+#: on an unhandled exception: see :func:`_guard_exit`.
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _guard_exit(comm) -> None:
+    """Register ``comm`` (MPI, several ranks): when this process ends on an unhandled exception,
+    every other rank of it hears of it (:meth:`Communicator.alarm`) instead of waiting for it
+    for ever.
+
+    Python prints the traceback and then finalises MPI, which waits for the other ranks, while
+    a rank waiting in a handshake or a receive for the one that failed would wait for ever:
+    nobody ends the job (``python -m mpi4py`` would: MPI_Abort). Over torch.distributed the
+    peers see the closed connection instead. Exits without an exception alarm nobody.
+    """
+    if not _LIVE:
+        atexit.unregister(_alarm_at_exit)  # at most one registration
+        atexit.register(_alarm_at_exit)  # after mpi4py's import: runs before MPI is finalised
+    _LIVE.add(comm)
+
+
+def _alarm_at_exit() -> None:
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set for an unhandled one
+    if exc is None:
+        return
+    for comm in list(_LIVE):
+        try:
+            comm.alarm(exc)
+        except Exception:  # noqa: BLE001 - leaving anyway; the others then see a broken connection
+            pass
 
 
 def abandoned_channels() -> int:
@@ -1054,6 +1088,8 @@ class MPIComm(_SessionComm):
         kv = _keyval(MPI)
         if comm.Get_attr(kv) is None:
             comm.Set_attr(kv, self)
+        if self.size > 1:
+            _guard_exit(self)
 
     # -- naming -----------------------------------------------------------------
     def world_rank(self, r=None):

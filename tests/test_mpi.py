@@ -202,6 +202,21 @@ def test_alarm_reaches_a_rank_waiting_outside_a_session():
     assert seconds < 60
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, where", [(2, "between"), (3, "between"), (2, "solve")])
+def test_a_rank_dying_of_an_unhandled_exception_alarms_the_others(n, where):
+    """The last rank raises an uncaught exception (between a LayerParallel forward pass and the
+    backward pass the others enter; between two solves) and Python finalises MPI there: the
+    others, waiting in a handshake for it, raise RemoteRankError naming it, and the job ends
+    (it used to hang without ``python -m mpi4py``)."""
+    rc, out, _ = launch(n, "unhandled_exit.py", where, timeout=90)
+    last = n - 1
+    assert rc != 0 and "was not stopped" not in out, out[-5000:]
+    assert f"RuntimeError: user code failed on rank {last}" in out, out[-5000:]
+    assert re.search(rf"RemoteRankError: rank {last} failed \(alarm\): RuntimeError: user code failed on "
+                     rf"rank {last}", out), out[-5000:]
+
+
 # --------------------------------------------------------------------------- benchmark smoke run
 @pytest.mark.mpi
 def test_mpi_speedup_benchmark_quick_run():

@@ -1,0 +1,38 @@
+"""A rank that ends on an unhandled exception while the others wait for it (run under mpiexec).
+
+Usage: mpiexec -n P python unhandled_exit.py WHERE
+The last rank raises ``RuntimeError("user code failed on rank r")`` and does not catch it:
+``between``: after a LayerParallel forward pass, where the others go on to backward;
+``solve``: between two ``mgrit.solve`` calls, before the second one the others enter (the
+communicator was wrapped by the first: a rank that fails before it ever wrapped it leaves
+the others in MPI_Comm_dup, which only MPI_Abort ends, see the README). Python prints the traceback and
+finalises MPI; the other ranks, waiting in a handshake for it, must raise RemoteRankError
+naming it (the exit guard of mgrit.comm alarms them) instead of waiting for ever.
+"""
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+import mgrit
+from checks import rank, size, world
+from propagators import Dahlquist
+from propagators.torch import LayerParallel
+
+where = sys.argv[1]
+last = rank == size - 1
+if where == "between":
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                       max_levels=3, comm=world)
+    y = lp(torch.randn(3, 4))
+    if last:
+        raise RuntimeError(f"user code failed on rank {rank}")
+    y.sum().backward()
+elif where == "solve":
+    for step in range(2):  # the first solve together; before the second, the last rank fails
+        if step and last:
+            raise RuntimeError(f"user code failed on rank {rank}")
+        mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0.0, 1.0, 65), cf=4, comm=world)
+print(f"rank {rank} was not stopped", flush=True)
