@@ -13,6 +13,7 @@ communicator session, so an exception on one rank makes every rank raise
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import operator
@@ -344,6 +345,7 @@ class LayerParallel(nn.Module):
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
         self._halo = {j: modules[j] for j in held if j not in self.owned_layers}
+        self._owner_flags: dict = {}  # mode -> {halo layer: its owner's flags at the last pass}
         self._build_kernel()
         self._warm: tuple | None = None
         #: mgrit.Result of the last forward and adjoint solve
@@ -361,6 +363,8 @@ class LayerParallel(nn.Module):
         self._modes = _modes(self._subs)
         self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
                          if isinstance(s, _STATEFUL + _RANDOM)]
+        held_in = collections.Counter(id(s) for m in modules.values() for s in m.modules())
+        self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
 
@@ -407,6 +411,15 @@ class LayerParallel(nn.Module):
         super().train(mode)
         for m in self._halo.values():
             m.train(mode)
+        # the halo copies take the flags their owners had at the last pass in this mode (a training loop
+        # that calls lp.train() and then puts the same layers in eval each step makes no extra handshake;
+        # the pass's handshake checks the flags anyway)
+        for j, want in self._owner_flags.get(mode, {}).items():
+            subs = list(self._halo[j].modules()) if j in self._halo else []
+            if len(subs) == len(want):
+                for sub, w in zip(subs, want):
+                    if id(sub) not in self._shared_subs:
+                        sub.training = bool(w)
         return self
 
     # -- checks ----------------------------------------------------------------
@@ -585,41 +598,52 @@ class LayerParallel(nn.Module):
         return guess
 
     def _forward_solve(self, kp, x):
-        while True:
+        for restart in range(3):
             kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
             with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
                 out = self._forward_solve_in_modes(kp, x)
             if out is not None:
                 return out
-            # a halo copy's training flags were set to its owner's (every rank returned None): regroup
-            # the layers and run the pass again (collective; the flags now agree, so once)
-            self._build_kernel()
-            kp = self.kernel.bind()
+            # a halo copy took its owner's training flags (every rank returned None): regroup the layers
+            # and run the pass again (collective; the synced flags belong to the copies alone, so once)
+            try:
+                self._build_kernel()
+                kp = self.kernel.bind()
+            except BaseException as exc:
+                self._comm.open(failure=exc)  # the other ranks raise RemoteRankError in the handshake
+                raise
+        raise LayerError(  # every rank decides alike (from the flags all of them shared): no one waits
+            "the training flags of the layers' halo copies (kept by the neighbouring ranks) do not settle on "
+            "their owners' flags; set train/eval the same way on every rank (lp.train() / lp.eval())")
 
     def _halo_flags(self) -> dict:
         """``{layer: training flags of its submodules}`` of the layers this rank sends or receives in
-        the halo: the owners' flags are the truth, the receivers' copies must follow them."""
-        r, halo, own = self._comm.rank, self._halo, self.layers
-        return {j: bytes(map(_TRAINING, (halo[j] if u == r else own[j]).modules()))
+        the halo: the owners' flags are the truth, the receivers' copies follow them. A receiver
+        marks (2) the submodules its copy shares with other layers it holds: they keep their own
+        flags (setting them would change those layers too)."""
+        r, halo, own, shared = self._comm.rank, self._halo, self.layers, self._shared_subs
+        return {j: (bytes(2 if id(s) in shared else s.training for s in halo[j].modules()) if u == r
+                    else bytes(map(_TRAINING, own[j].modules())))
                 for o, u, j in self.plan.halo if r in (o, u)}
 
     def _adopt_halo_modes(self, flags) -> bool:
         """Set this rank's halo copies to their owners' training flags (``flags``: every rank's
-        :meth:`_halo_flags`). True on every rank when some copy on some rank differed."""
+        :meth:`_halo_flags`). True on every rank when some copy on some rank differed. Copies whose
+        submodules differ in number from their owner's are left alone."""
         r, stale = self._comm.rank, False
         for owner, user, j in self.plan.halo:
             want, have = flags[owner][j], flags[user][j]
-            if want == have:
+            if len(want) != len(have):
+                continue
+            if user == r:
+                self._owner_flags.setdefault(self.training, {})[j] = want  # for train(): see there
+            if all(h == 2 or w == h for w, h in zip(want, have)):
                 continue
             stale = True
             if user == r:
-                subs = list(self._halo[j].modules())
-                if len(subs) != len(want):
-                    raise ValueError(
-                        f"layer {j} differs between ranks: rank {owner} (its owner) has {len(want)} submodules, "
-                        f"rank {r} has {len(subs)}; every rank must build the same layers")
-                for s, t in zip(subs, want):
-                    s.training = bool(t)
+                for s, w, h in zip(self._halo[j].modules(), want, have):
+                    if h != 2:
+                        s.training = bool(w)
         return stale
 
     def _forward_solve_in_modes(self, kp, x):

@@ -10,7 +10,9 @@ Checks on every rank, against the serial network built from the same weights
   layer, and the random generator's state after the forward pass;
 * eval mode afterwards (running statistics) equals the serial network;
 * layers set to train / eval one by one on their owner rank only: converged, the
-  serial network; after one cycle each way, the one-process module;
+  serial network; after one cycle each way, the one-process module; also with a
+  parameterless module shared by all layers; the usual loop (lp.train(), then the
+  same layers in eval) opens no extra session after its first step;
 * ranks whose random states differ raise a clear error on every rank, and the
   module works again once they agree.
 
@@ -112,9 +114,56 @@ def per_layer_modes():
             ref.zero_grad()
 
 
+def modes_with_a_shared_activation():
+    """Layers sharing one parameterless module (legal: only parameters may not be shared), first
+    layers put in eval on their owners: the shared module keeps its flags on every rank (setting
+    it in a halo copy would change this rank's own layers: the ranks would flip each other's
+    flags for ever), the pass ends and equals serial."""
+    torch.manual_seed(6)
+    act = nn.Tanh()
+    layers = [nn.Sequential(nn.Linear(5, 5), act, nn.Dropout(0.2)) for _ in range(12)]
+    serial = ODENet(copy.deepcopy(layers), T=1.0)
+    lp = LayerParallel(layers, T=1.0, cf=2, max_levels=3, comm=world, **TIGHT)
+    for j in range(12):
+        serial.layers[j].train(j >= 6)
+        if j in lp.layers:
+            lp.layers[j].train(j >= 6)
+    compare_step("shared activation, per-layer modes", lp, serial, torch.randn(6, 5), 60)
+
+
+def steady_training_loop_costs_no_handshake():
+    """The usual loop, lp.train() and then the same layers put in eval at every step: after the
+    first step (one more handshake, the halo copies take their owners' flags) a step opens as
+    many sessions as a step without per-layer modes (a forward and a backward pass: 2)."""
+    make, n, shape = NETWORKS["dense"]
+    torch.manual_seed(8)
+    lp = LayerParallel([make() for _ in range(n)], T=1.0, cf=2, max_levels=3, comm=world)
+    opened, open_ = [], lp._comm.open
+
+    def counted(*args, **kwargs):
+        opened.append(1)
+        return open_(*args, **kwargs)
+
+    lp._comm.open = counted
+    try:
+        for step in range(4):
+            lp.train()
+            for j, m in lp.layers.items():
+                m.train(j >= n // 2)
+            opened.clear()
+            torch.manual_seed(80 + step)
+            lp(torch.randn(*shape)).square().sum().backward()
+            if len(opened) != (3 if step == 0 else 2):
+                fail(f"steady training loop, step {step}: {len(opened)} sessions opened")
+    finally:
+        del lp._comm.open
+
+
 lp, shape = run("dense")
 run("conv")
 per_layer_modes()
+modes_with_a_shared_activation()
+steady_training_loop_costs_no_handshake()
 
 # different random states: every rank raises the same clear error, then the module works again
 torch.manual_seed(9)
