@@ -64,7 +64,7 @@ No constant is fitted to the N-layer P = 2 times: those are the check.
 
 Run (do not run it under a launcher: it starts its own gloo ranks)::
 
-    .venv/bin/python benchmarks/vs_model_parallel.py            # ~9 minutes on 2 cores
+    .venv/bin/python benchmarks/vs_model_parallel.py            # ~10 minutes on 2 cores
     .venv/bin/python benchmarks/vs_model_parallel.py --quick    # smoke run, < 1 minute
     python3 benchmarks/vs_model_parallel.py --device cuda --ranks 1,2   # on 2 GPUs (benchmarks/gpu.py step 4)
 
@@ -325,10 +325,14 @@ def worker(a):
         fb_blk, fb_step, fb_saved = make_pipe("1F1B")
 
         # (c) LayerParallel
+        def lp_net(width, n, comm=None):
+            """LayerParallel of ``n`` layers of ``width`` (h = 1/N), the comparison's settings."""
+            return LayerParallel([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)], T=n / N,
+                                 cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
+                                 comm=comm).to(dev)
+
         torch.manual_seed(0)
-        lp = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
-                           max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
-                           comm=dist.group.WORLD).to(dev)
+        lp = lp_net(w, N, dist.group.WORLD)
         lp_params = list(lp.parameters())
 
         def lp_step():
@@ -356,31 +360,25 @@ def worker(a):
 
         ref_step = serial_step(copy_block(lo, hi), x.clone().requires_grad_(rank > 0))
         probe_steps = [make_pipe(kind, lo, lo + 1)[1] for kind in ("GPipe", "1F1B")]
-        lp_probe_net = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(N)], T=1.0, cf=a.cf,
-                                     max_levels=a.levels, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
-                                     comm=dist.group.WORLD).to(dev)
+        lp_probe_net = lp_net(1, N, dist.group.WORLD)
         x1 = torch.randn(1, 1, device=dev)
 
         def lp_probe_step():
             lp_probe_net(x1).square().sum().backward()
 
         # (4) LayerParallel's own work without messages: the first half of the layers on one process (what one
-        # rank of 2 holds), run by every rank at once; against its 1-rank time it gives the slowdown of
-        # LayerParallel's batched work when both cores compute (its tensors, N/2 states per level, are larger
-        # than the reference's, so it meets more contention for memory than the reference's blocks)
+        # rank of 2 holds), run by every rank at once: one rank's work on 2 ranks (its tensors, N/2 states
+        # per level, slow down differently from the reference's blocks when both cores compute)
         torch.manual_seed(0)
-        lp_half = LayerParallel([nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(-(-N // 2))],
-                                T=0.5, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
-                                bwd_iters=a.bwd_iters).to(dev)
+        lp_half = lp_net(w, -(-N // 2))
 
         def lp_half_step():
             lp_half.zero_grad(set_to_none=True)
             lp_half(x).square().sum().backward()
 
-        # (5) the same for the trivial layers: the slowdown of the probe's own (per-call, Python) work
-        lp_probe_half = LayerParallel([nn.Sequential(nn.Linear(1, 1), nn.Tanh()) for _ in range(-(-N // 2))],
-                                      T=0.5, cf=a.cf, max_levels=a.levels, fwd_iters=a.fwd_iters,
-                                      bwd_iters=a.bwd_iters).to(dev)
+        # (5) the same for the trivial layers: the probe's own work on 2 ranks, the rest of its time there is
+        # the distributed cost
+        lp_probe_half = lp_net(1, -(-N // 2))
 
         def lp_probe_half_step():
             lp_probe_half(x1).square().sum().backward()
@@ -568,7 +566,7 @@ class Model:
         # its own first half on one process at once; taken as constant in P (each rank talks to its two
         # neighbours), plus the ping-pong latency for every critical-path message beyond P = 2's
         self.v2 = r2["lp_half"] / r1["lp_half"] if r2 else 1.0
-        self.lp_work2 = r2["lp_half"] if r2 else None
+        self.lp_per_work = r2["lp_half"] / self._lp_parts(2)[0] if r2 else None   # seconds per modelled second
         self.lp_over = max(r2["lp_probe"] - r2["probe_half"], 0.0) if r2 else 0.0
 
     def _lp_msgs(self, P):
@@ -624,7 +622,7 @@ class Model:
         if P == 1:
             return self.lp_calib * work
         extra = max(self._lp_msgs(P) - self._lp_msgs(2), 0) * self.lpmsg
-        return self.lp_work2 * work / self._lp_parts(2)[0] + self.lp_over + extra
+        return self.lp_per_work * work + self.lp_over + extra
 
 
 def merge(rows):

@@ -415,12 +415,18 @@ class LayerParallel(nn.Module):
         # that calls lp.train() and then puts the same layers in eval each step makes no extra handshake;
         # the pass's handshake checks the flags anyway)
         for j, want in self._owner_flags.get(mode, {}).items():
-            subs = list(self._halo[j].modules()) if j in self._halo else []
-            if len(subs) == len(want):
-                for sub, w in zip(subs, want):
-                    if id(sub) not in self._shared_subs:
-                        sub.training = bool(w)
+            self._set_halo_flags(j, want)
         return self
+
+    def _set_halo_flags(self, j, want):
+        """The training flags ``want`` (its owner's) on halo copy ``j``, except on the submodules it shares
+        with other layers this rank holds (see :meth:`_halo_flags`); left alone when the copy's submodules
+        differ in number from its owner's."""
+        subs = list(self._halo[j].modules())
+        if len(subs) == len(want):
+            for sub, w in zip(subs, want):
+                if id(sub) not in self._shared_subs:
+                    sub.training = bool(w)
 
     # -- checks ----------------------------------------------------------------
     def _check_layers(self):
@@ -598,7 +604,7 @@ class LayerParallel(nn.Module):
         return guess
 
     def _forward_solve(self, kp, x):
-        for restart in range(3):
+        for _ in range(3):
             kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
             with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
                 out = self._forward_solve_in_modes(kp, x)
@@ -641,9 +647,7 @@ class LayerParallel(nn.Module):
                 continue
             stale = True
             if user == r:
-                for s, w, h in zip(self._halo[j].modules(), want, have):
-                    if h != 2:
-                        s.training = bool(w)
+                self._set_halo_flags(j, want)
         return stale
 
     def _forward_solve_in_modes(self, kp, x):
