@@ -145,20 +145,26 @@ _ABANDONED: list = []
 _N_ABANDONED = [0]
 
 
-#: MPI communicators of this process with several ranks (weakly held), alarmed if it exits
-#: on an unhandled exception: see :func:`_guard_exit`.
+#: MPI communicators of this process with several ranks (weakly held), alarmed when it exits:
+#: see :func:`_guard_exit`.
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+#: The note of the alarm a rank sends when its program ends without an unhandled exception.
+_EXITED = "<exited>"
 
 
 def _guard_exit(comm) -> None:
-    """Register ``comm`` (MPI, several ranks): when this process ends on an unhandled exception,
-    every other rank of it hears of it (:meth:`Communicator.alarm`) instead of waiting for it
-    for ever.
+    """Register ``comm`` (MPI, several ranks): when this process ends, every other rank of it
+    hears of it (:meth:`MPIComm.alarm`) instead of waiting for it for ever.
 
-    Python prints the traceback and then finalises MPI, which waits for the other ranks, while
-    a rank waiting in a handshake or a receive for the one that failed would wait for ever:
-    nobody ends the job (``python -m mpi4py`` would: MPI_Abort). Over torch.distributed the
-    peers see the closed connection instead. Exits without an exception alarm nobody.
+    A rank that ends, on an unhandled exception (Python prints the traceback and then
+    finalises MPI) or because its program is over (say it skipped a ``backward`` the others
+    run), can never answer a rank that waits for it in a handshake or a receive; nobody
+    would end the job (``python -m mpi4py`` would, on an exception only: MPI_Abort). The
+    alarm is read only by a rank that waits on ``comm`` afterwards, and a rank finishing a
+    session ignores it (the rank that left finished that session too): ranks that are done
+    with each other exit as before. Over torch.distributed the peers see the closed
+    connection instead.
     """
     if not _LIVE:
         atexit.unregister(_alarm_at_exit)  # at most one registration
@@ -168,11 +174,9 @@ def _guard_exit(comm) -> None:
 
 def _alarm_at_exit() -> None:
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set for an unhandled one
-    if exc is None:
-        return
     for comm in list(_LIVE):
         try:
-            comm.alarm(exc)
+            comm.alarm(exc) if exc is not None else comm._alarm(_EXITED)
         except Exception:  # noqa: BLE001 - leaving anyway; the others then see a broken connection
             pass
 
@@ -1110,6 +1114,12 @@ class MPIComm(_SessionComm):
             r, note = self._broken
             if r == self.rank:
                 raise RuntimeError(f"this communicator is unusable after this rank's alarm ({note})")
+            if note == _EXITED:
+                raise RemoteRankError(
+                    f"{self._who(r)} exited while this rank waits for it (its program ended without an "
+                    "unhandled exception, or called sys.exit): every rank must make the same collective "
+                    "calls in the same order, e.g. run backward() through every LayerParallel output and "
+                    "every solve on every rank", rank=r, world_rank=self._world[r])
             raise self._remote(r, note, " (alarm)")
 
     def _poll(self) -> None:
@@ -1127,7 +1137,9 @@ class MPIComm(_SessionComm):
                 note = ch.comm.recv(source=src, tag=Tag.FAILURE)
                 ch.recvd[src] += 1
                 raise self._remote(src, note)
-        if self._broken is None and self._base.comm.Iprobe(MPI.ANY_SOURCE, Tag.ALARM, st):
+        # (not while finishing: a rank alarms only after leaving every session, and a rank that has
+        # left this one owes it nothing more; the alarm is read at the next wait)
+        if self._broken is None and not self._finishing and self._base.comm.Iprobe(MPI.ANY_SOURCE, Tag.ALARM, st):
             src = st.Get_source()
             self._broken = (src, self._base.comm.recv(source=src, tag=Tag.ALARM))
         self._usable()
@@ -1367,9 +1379,11 @@ class MPIComm(_SessionComm):
 
     # -- alarms and communicators ---------------------------------------------
     def alarm(self, exc):
-        if self.size == 1 or self._broken is not None or self._freed:
+        self._alarm(_note(exc))
+
+    def _alarm(self, note: str) -> None:
+        if self.size == 1 or self._broken is not None or self._freed or self._MPI.Is_finalized():
             return
-        note = _note(exc)
         reqs = [self._base.comm.isend(note, dest=r, tag=Tag.ALARM) for r in range(self.size) if r != self.rank]
         _ABANDONED.append(reqs)  # never waited for; kept alive
         self._broken = (self.rank, note)

@@ -217,6 +217,30 @@ def test_a_rank_dying_of_an_unhandled_exception_alarms_the_others(n, where):
                      rf"rank {last}", out), out[-5000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_exits_while_the_others_wait_alarms_them(n):
+    """The last rank skips the backward pass the others enter and its program ends without an
+    error: the others raise RemoteRankError saying that it exited (they hung before)."""
+    rc, out, _ = launch(n, "unhandled_exit.py", "skip", timeout=90)
+    last = n - 1
+    assert rc != 0 and "was not stopped" not in out, out[-5000:]
+    assert len(re.findall(rf"RemoteRankError: rank {last} exited while this rank waits for it", out)) == n - 1, \
+        out[-5000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_exit_alarm_of_a_rank_that_is_done_fails_nobody(n):
+    """Every rank trains one step; rank 0 is still finishing the backward pass's session (it
+    sleeps and polls there) when the last rank, done, exits and alarms it: rank 0 finishes
+    and the job ends cleanly."""
+    rc, out, _ = launch(n, "unhandled_exit.py", "done", timeout=90)
+    assert rc == 0, out[-5000:]
+    assert {int(r) for r in re.findall(r"rank (\d+) finished", out)} == set(range(n)), out[-5000:]
+    assert "RemoteRankError" not in out, out[-5000:]
+
+
 # --------------------------------------------------------------------------- benchmark smoke run
 @pytest.mark.mpi
 def test_mpi_speedup_benchmark_quick_run():

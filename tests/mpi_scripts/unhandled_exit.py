@@ -1,14 +1,20 @@
-"""A rank that ends on an unhandled exception while the others wait for it (run under mpiexec).
+"""A rank that ends while the others wait for it (run under mpiexec).
 
 Usage: mpiexec -n P python unhandled_exit.py WHERE
-The last rank raises ``RuntimeError("user code failed on rank r")`` and does not catch it:
+``between`` and ``solve``: the last rank raises ``RuntimeError("user code failed on rank r")`` and does not catch it:
 ``between``: after a LayerParallel forward pass, where the others go on to backward;
 ``solve``: between two ``mgrit.solve`` calls, before the second one the others enter (the
 communicator was wrapped by the first: a rank that fails before it ever wrapped it leaves
 the others in MPI_Comm_dup, which only MPI_Abort ends, see the README). Python prints the traceback and
 finalises MPI; the other ranks, waiting in a handshake for it, must raise RemoteRankError
 naming it (the exit guard of mgrit.comm alarms them) instead of waiting for ever.
+``skip``: the last rank runs a LayerParallel forward pass and ends without an error, skipping the
+backward pass the others enter: they must raise RemoteRankError saying that it exited.
+``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
+session (it sleeps and then polls inside ``finish``) while the last rank, done, exits: the alarm
+of its exit must not fail rank 0's finish; every rank prints "finished" and the job ends cleanly.
 """
+import time
 import sys
 
 import numpy as np
@@ -17,6 +23,7 @@ from torch import nn
 
 import mgrit
 from checks import rank, size, world
+from mgrit.comm import MPIComm
 from propagators import Dahlquist
 from propagators.torch import LayerParallel
 
@@ -30,6 +37,28 @@ if where == "between":
     if last:
         raise RuntimeError(f"user code failed on rank {rank}")
     y.sum().backward()
+elif where in ("skip", "done"):
+    if where == "done" and rank == 0:
+        original = MPIComm._complete_sends
+
+        def slow(self, ch):  # the last rank has left the session by now, and exits
+            if self._depth() == 1 and self._finishing:
+                time.sleep(1.0)
+                self._poll()
+            original(self, ch)
+
+        MPIComm._complete_sends = slow
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                       max_levels=3, comm=world)
+    y = lp(torch.randn(3, 4))
+    if where == "done" or not last:
+        y.sum().backward()
+    if where == "done":
+        print(f"rank {rank} finished", flush=True)
+        sys.exit(0)
+    if last:
+        sys.exit(0)  # ends without an error, the backward pass skipped
 elif where == "solve":
     for step in range(2):  # the first solve together; before the second, the last rank fails
         if step and last:
