@@ -424,6 +424,96 @@ def test_hooks_added_after_construction_are_honoured(j):
     check_equals_serial(lp, layers, x, 1.0)
 
 
+class Gated(nn.Module):
+    """A parameter used only when a flag is set (vmapped: not a linear map and element-wise ops)."""
+
+    def __init__(self, width, use_gate=False):
+        super().__init__()
+        self.lin, self.gate, self.use_gate = nn.Linear(width, width), nn.Parameter(torch.ones(width)), use_gate
+
+    def forward(self, u):
+        z = torch.tanh(self.lin(u - u.mean(-1, keepdim=True)))
+        return z * self.gate if self.use_gate else z
+
+
+@pytest.mark.parametrize("use_gate", [False, True])
+def test_parameters_a_vmapped_layer_does_not_use_get_no_gradient(use_gate):
+    """As in serial autograd, an unused parameter's .grad stays None (an optimizer with weight decay
+    leaves it alone); torch.func's vector-Jacobian product would give zeros."""
+    torch.manual_seed(15)
+    layers = [Gated(4, use_gate) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+    assert [c.mode for c in lp.kernel.classes] == ["vmap"]
+    assert (lp.layers[0].gate.grad is None) is not use_gate
+
+
+class Symmetric(nn.Module):
+    def forward(self, X):
+        return X.triu() + X.triu(1).transpose(-1, -2)
+
+
+def test_a_parametrization_registered_after_construction_is_picked_up():
+    """The layers' parameters move (weight -> parametrizations.weight.original): the next pass
+    inspects the layers again (it raised a bare KeyError)."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(16)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    lp(x)
+    for m in list(layers) + list(lp.layers):
+        parametrize.register_parametrization(m[0], "weight", Symmetric())
+    lp.zero_grad()
+    check_equals_serial(lp, layers, x, 1.0)
+
+
+class Recorder(nn.Module):
+    """Keeps its last output (for logging): tracing its forward must not leave a proxy there."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin, self.last = nn.Linear(width, width), None
+
+    def forward(self, u):
+        out = torch.tanh(self.lin(u))
+        self.last = out.detach()
+        return out
+
+
+def test_tracing_a_layer_leaves_its_attributes_alone():
+    torch.manual_seed(17)
+    lp = LayerParallel([Recorder(4) for _ in range(8)], cf=2, max_levels=3)
+    assert all(m.last is None for m in lp.layers)
+    torch.save(lp.layers[0], io.BytesIO())  # a proxy there made it unpicklable
+    lp(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_hooks_for_every_module_are_honoured(kind):
+    """A hook registered for every module (after the first pass) reaches the layers: the layers are
+    called, not stepped from their traced linear map (which used to ignore such hooks)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    torch.manual_seed(14)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    lp(x)
+    assert all(c.mode == "dense" for c in lp.kernel.classes)
+    if kind == "forward":
+        handle = register_module_forward_hook(lambda m, inp, out: 2.0 * out if isinstance(m, nn.Tanh) else None)
+    else:
+        handle = register_module_forward_pre_hook(lambda m, inp: (0.5 * inp[0],) if isinstance(m, nn.Linear) else None)
+    try:
+        lp.zero_grad()
+        check_equals_serial(lp, layers, x, 1.0)
+        assert all(c.mode == "loop" for c in lp.kernel.classes)
+    finally:
+        handle.remove()
+
+
 def test_attribute_changes_take_effect_after_refresh():
     torch.manual_seed(13)
     layers = [Scaled(4, 0.5) for _ in range(8)]

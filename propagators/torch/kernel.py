@@ -81,9 +81,20 @@ def _value_key(v):
     return ("id", id(v))
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
+
+
+def global_hooks() -> int:
+    """Number of hooks registered for every module (``nn.modules.module.register_module_forward_hook``
+    and its siblings)."""
+    return sum(len(getattr(nn.modules.module, h, None) or ()) for h in _GLOBAL_HOOKS)
+
+
 def has_hooks(module: nn.Module) -> bool:
-    """True when ``module`` or a submodule has forward / backward hooks."""
-    return any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+    """True when ``module`` or a submodule has forward / backward hooks, or hooks for every module
+    are registered (then the layers must be called, not stepped from their traced linear map)."""
+    return global_hooks() > 0 or any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
 
 
 def layer_signature(module: nn.Module) -> tuple:
@@ -287,10 +298,15 @@ def _trace_dense(module: nn.Module):
     """A :class:`DenseRHS` for a module whose traced graph is linear -> element-wise ops, or None."""
     np_state = np.random.get_state()
     states = (np_state[1].copy(), np_state[2], torch.random.get_rng_state(), random.getstate())
+    attrs = [(m, dict(vars(m))) for m in module.modules()]
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
         return None
+    finally:  # a forward that stores what it computed (self.last = out) must not keep the trace's proxies
+        for m, d in attrs:
+            vars(m).clear()
+            vars(m).update(d)
     now = np.random.get_state()
     if not (np.array_equal(states[0], now[1]) and states[1] == now[2]
             and torch.equal(states[2], torch.random.get_rng_state()) and states[3] == random.getstate()):
@@ -472,6 +488,9 @@ class LayerClass:
     buffer_names: tuple
     mode: str  # "dense", "vmap" or "loop"
     dense: DenseRHS | None = None
+    #: names of the parameters the layers' output does not depend on through autograd (found once,
+    #: by the first vmapped parameter gradient): they get no gradient (None), as in serial autograd
+    unused: frozenset | None = None
 
 
 def _slots(module: nn.Module):
@@ -1029,6 +1048,10 @@ class KernelPass:
                 gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
             G = dict(zip(need, gs))
         else:
+            if c.unused is None:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
+                one = self._vjp_params_one(int(idx[0]), U[0], W[0], dt[0])
+                c.unused = frozenset(n for n in need if one[n] is None)
+            need = [n for n in need if n not in c.unused]
             single = self._vmapped(c)
 
             def g(p_, b_, u, w, dt_):
@@ -1037,7 +1060,7 @@ class KernelPass:
                 return pull(w)[0]
 
             try:
-                G = vmap(g)(p, b, U, W, dt)
+                G = vmap(g)(p, b, U, W, dt) if need else {}
             except Exception as exc:
                 if "random" in str(exc).lower():
                     raise _random_error(c) from exc

@@ -31,7 +31,8 @@ from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_com
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
-from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks
+from .kernel import (_HOOKS, _REGISTRIES, DropoutMasks, LayerError, LayerKernel, _value_key, draw_masks,
+                     global_hooks)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -181,6 +182,53 @@ def _layout(m: nn.Module) -> tuple:
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
 
 
+def _portable(v):
+    """A description of a plain attribute that two processes holding equal layers compute alike
+    (:func:`kernel._value_key`, with objects described by their type, functions by their name)."""
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(map(_portable, v)))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((repr(k), _portable(x)) for k, x in v.items())))
+    if isinstance(v, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_portable(x)) for x in v)))
+    key = _value_key(v)
+    if key[0] != "id":
+        return key
+    kind = v if callable(v) and hasattr(v, "__qualname__") else type(v)
+    return ("obj", getattr(kind, "__module__", None), kind.__qualname__)
+
+
+def _fingerprint(m: nn.Module) -> int:
+    """Checksum of what a halo copy must share with its owner's layer beyond parameters, buffers
+    and training flags: the submodules' classes and names, their plain attributes and their
+    numbers of hooks. Equal for two builds of the same layer, in different processes too."""
+    parts = []
+    for name, sub in m.named_modules():
+        attrs = sorted((k, _portable(v)) for k, v in vars(sub).items() if k not in _REGISTRIES)
+        hooks = [len(getattr(sub, h, None) or ()) for h in _HOOKS]
+        parts.append((name, type(sub).__module__, type(sub).__qualname__, attrs, hooks))
+    return zlib.crc32(repr(parts).encode())
+
+
+def _input_sums(x) -> tuple:
+    """(sum of squares, sum of magnitudes) of the input, in float64: compared between the ranks."""
+    with torch.no_grad():
+        a = x.detach().abs().double()
+        return float(a.square().sum()), float(a.sum())
+
+
+def _differing_inputs(sums, rtol: float = 1e-4) -> ValueError | None:
+    """The error to raise when the ranks' inputs differ (``sums``: every rank's :func:`_input_sums`);
+    not for differences in the last bits (the layers before this block computed on different hardware)."""
+    for r, s in enumerate(sums):
+        if any(abs(a - b) > rtol * max(abs(a), abs(b)) for a, b in zip(s, sums[0])):
+            return ValueError(
+                f"the input of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against {sums[0][0]:.6g}): "
+                "every layer rank must pass the same input (the same batch, or the same output of the layers "
+                "before this block); seed every rank alike, or broadcast the batch from one rank")
+    return None
+
+
 _TRAINING = operator.attrgetter("training")
 _FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
 _PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
@@ -198,7 +246,7 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     if prev is not None and prev[1] == hid:
         hooks = prev[2]
     else:
-        hooks = (list(map(len, map(_FORWARD_HOOKS, subs))), list(map(len, map(_PRE_HOOKS, subs))))
+        hooks = (list(map(len, map(_FORWARD_HOOKS, subs))), list(map(len, map(_PRE_HOOKS, subs))), global_hooks())
     return list(map(_TRAINING, subs)), hid, hooks
 
 
@@ -367,13 +415,33 @@ class LayerParallel(nn.Module):
         self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
+        r = self._comm.rank  # checksums of the layers this rank sends or receives in the halo
+        self._prints = {j: _fingerprint(modules[j]) for o, u, j in self.plan.halo if r in (o, u)}
+        self._prints["global hooks"] = global_hooks()
 
     def refresh(self):
         """Re-inspect the layers: call after changing attributes or submodules of layers.
 
-        (Training modes and hooks are re-inspected at every forward pass.)
+        (Training modes and hooks are re-inspected at every forward pass.) On several ranks
+        make such changes with :meth:`apply_to_layers`, which calls this.
         """
         self._build_kernel()
+
+    def apply_to_layers(self, fn):
+        """Call ``fn(j, layer)`` for every layer this rank holds, then :meth:`refresh`; returns self.
+
+        The layers a rank holds are those it owns (``self.layers``) and, on several ranks, its
+        copies of a few of its neighbours' layers, which its coarse levels and the adjoint
+        solve step. Change layers after construction through this method (register a hook, set
+        an attribute, replace a submodule) on every rank, e.g.
+        ``lp.apply_to_layers(lambda j, m: m.register_forward_hook(hook))``: a change made
+        through ``self.layers`` alone does not reach the copies, and the next forward pass
+        raises :class:`LayerError` naming the layer instead of computing wrong gradients.
+        """
+        for j, m in sorted(self._held().items(), key=operator.itemgetter(0)):
+            fn(j, m)
+        self.refresh()
+        return self
 
     def _check_structure(self, modules):
         """Every halo layer has the parameter and buffer layout of its owner's layer (collective)."""
@@ -530,7 +598,11 @@ class LayerParallel(nn.Module):
                 self._build_kernel()  # train/eval or hooks changed for some layers: regroup them
             else:
                 self._modes = modes  # the new hook-handle counter
-            kp = self.kernel.bind()
+            try:
+                kp = self.kernel.bind()
+            except KeyError:  # a parameter or buffer moved since the layers were inspected (a parametrization
+                self._build_kernel()  # registered, a parameter deleted): inspect them again
+                kp = self.kernel.bind()
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
             if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
@@ -608,6 +680,8 @@ class LayerParallel(nn.Module):
             kp.subs, kp.modes, kp.batch_stats = self._subs, self._modes, self._batch_stat_layers()
             with _pass_modes(kp.subs, kp.modes, kp.batch_stats, current=True):  # forward() just checked them
                 out = self._forward_solve_in_modes(kp, x)
+            if isinstance(out, Exception):  # found alike on every rank in the pass's handshake
+                raise out
             if out is not None:
                 return out
             # a halo copy took its owner's training flags (every rank returned None): regroup the layers
@@ -631,6 +705,25 @@ class LayerParallel(nn.Module):
         return {j: (bytes(2 if id(s) in shared else s.training for s in halo[j].modules()) if u == r
                     else bytes(map(_TRAINING, own[j].modules())))
                 for o, u, j in self.plan.halo if r in (o, u)}
+
+    def _differing_copy(self, prints) -> LayerError | None:
+        """The error to raise when a halo copy's checksum (:func:`_fingerprint`) differs from its
+        owner's layer's (``prints``: every rank's ``self._prints``), else None; alike on every rank."""
+        counts = [p["global hooks"] for p in prints]
+        if len(set(counts)) > 1:
+            return LayerError(
+                f"hooks for every module (nn.modules.module.register_module_forward_hook and its siblings) "
+                f"are registered on some ranks only ({counts} on ranks 0..{len(counts) - 1}); register them on "
+                "every rank")
+        for owner, user, j in self.plan.halo:
+            if prints[owner].get(j) != prints[user].get(j):
+                return LayerError(
+                    f"layer {j} (owned by rank {owner}) differs from the copy rank {user} keeps of it for its "
+                    "coarse levels and the adjoint solve: a hook, an attribute or a submodule was changed on one "
+                    "of them only, e.g. through lp.layers, which holds a rank's own layers only. Make such "
+                    "changes on every rank with lp.apply_to_layers(fn), which reaches the copies too (or "
+                    "before building LayerParallel)")
+        return None
 
     def _adopt_halo_modes(self, flags) -> bool:
         """Set this rank's halo copies to their owners' training flags (``flags``: every rank's
@@ -659,7 +752,7 @@ class LayerParallel(nn.Module):
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
-            share = (note, self._halo_flags()) if P > 1 else None
+            share = (note, self._halo_flags(), self._prints, _input_sums(x)) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -669,12 +762,17 @@ class LayerParallel(nn.Module):
         # halo layers' training flags): a failure anywhere reaches every rank.
         session = self._session(signature=sig, share=share)
         with session:
+            notes = None
             if P > 1:
+                notes, flags, prints, sums = zip(*session.shared)
+                differ = _differing_inputs(sums) or self._differing_copy(prints)
+                if differ is not None:
+                    return differ  # every rank found it: raised after the session closes (no one waits)
                 # layers set to train/eval one by one (not through lp.train()/eval()) on their owner only
-                if self._adopt_halo_modes([f for _, f in session.shared]):
+                if self._adopt_halo_modes(list(flags)):
                     return None
                 self._exchange_halo(kp)
-            calls = self._dropout_plan(kp, x, key, [n for n, _ in session.shared] if P > 1 else None)
+            calls = self._dropout_plan(kp, x, key, notes)
             if calls:
                 self._draw_masks(kp, calls, x)
             if not self._probed:

@@ -13,7 +13,14 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
   weights on the root (None elsewhere); ``load_serial`` of a full state dict
   saved with ``torch.save`` and read with ``torch.load(weights_only=True)``
   reproduces the output;
-* more ranks than layer points (idle ranks) work.
+* more ranks than layer points (idle ranks) work;
+* layers changed after construction (a forward hook, a plain attribute, a replaced
+  submodule): through ``lp.layers`` alone (the owned layers) every rank raises a
+  LayerError naming ``apply_to_layers`` (the copies of the neighbours' layers differ);
+  once the copies get the change too, and when it is made with ``apply_to_layers``,
+  serial's results when converged and the one-process module's after 2/1 cycles;
+* inputs that differ between the ranks raise ValueError on every rank (rounding-level
+  differences do not).
 
 Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 from checks import TIGHT, check, fail, rank, size, world
+from propagators.torch import LayerError
 from layer_zoo import Conv, Scaled, loss_fn
 from propagators.torch import LayerParallel, ODENet
 
@@ -176,7 +184,89 @@ def idle_ranks():
     check("idle ranks: input gradient", xp.grad, xs.grad)
 
 
+def triple(module, args, out):
+    return 3.0 * out
+
+
+def change(m, kind):
+    if kind == "hook":
+        m.register_forward_hook(triple)
+    elif kind == "attribute":
+        m.s = 3.0
+    else:
+        m.act = nn.Sigmoid()
+
+
+class Tunable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.s = nn.Linear(4, 4), nn.Tanh(), 1.0
+
+    def forward(self, u):
+        return self.act(self.s * self.lin(u))
+
+
+def changed_after_construction():
+    torch.manual_seed(31)
+    layers, x = [Tunable() for _ in range(16)], torch.randn(3, 4)
+    for kind in ("hook", "attribute", "submodule"):
+        serial = [change(m, kind) or m for m in copy.deepcopy(layers)]
+        ref, xs = ODENet(serial, T=4.0), x.clone().requires_grad_(True)
+        loss_fn(ref(xs)).backward()
+        lp = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
+        for j, m in lp.layers.items():  # the owned layers only
+            change(m, kind)
+        lp.refresh()
+        try:
+            lp(x)
+            fail(f"{kind} changed through lp.layers: no error")
+        except LayerError as exc:
+            if "apply_to_layers" not in str(exc):
+                fail(f"{kind} changed through lp.layers: {exc}")
+        lp.apply_to_layers(lambda j, m: None if j in lp.owned_layers else change(m, kind))  # the copies too
+        fresh = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
+        fresh.apply_to_layers(lambda j, m: change(m, kind))
+        for name, mod in (("copies changed after the error", lp), ("apply_to_layers", fresh)):
+            xp = x.clone().requires_grad_(True)
+            y = mod(xp)
+            loss_fn(y).backward()
+            check(f"{kind}, {name}: output", y.detach(), ref(x).detach())
+            check(f"{kind}, {name}: input gradient", xp.grad, xs.grad)
+            for j, m in mod.layers.items():
+                check(f"{kind}, {name}: layer {j} weight gradient", m.lin.weight.grad, serial[j].lin.weight.grad)
+        # 2/1 cycles: the one-process module's results (they do not depend on the number of ranks)
+        outs = []
+        for comm in (world, None):
+            mod = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=comm)
+            mod.apply_to_layers(lambda j, m: change(m, kind))
+            xp = x.clone().requires_grad_(True)
+            loss_fn(mod(xp)).backward()
+            outs.append((xp.grad, {j: m.lin.bias.grad for j, m in mod.layers.items()}))
+        check(f"{kind}, 2/1 cycles: input gradient against one process", outs[0][0], outs[1][0])
+        for j, g in outs[0][1].items():
+            check(f"{kind}, 2/1 cycles: layer {j} bias gradient against one process", g, outs[1][1][j])
+
+
+def different_inputs():
+    torch.manual_seed(41)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, comm=world)
+    x = torch.randn(3, 4)
+    for grad in (True, False):
+        try:
+            with torch.set_grad_enabled(grad):
+                lp(x + rank)
+            fail(f"inputs that differ between ranks: no error (grad {grad})")
+        except ValueError as exc:
+            if "same input" not in str(exc):
+                fail(f"inputs that differ between ranks: {exc}")
+    y = lp(x * (1 + 1e-7 * rank))  # differences in the last bits pass
+    check("input after a mismatch", y.detach(), lp(x).detach())
+
+
 try:
+    changed_after_construction()
+    different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
         compare_training(name, make, n, shape)
     replaced_parameters()
