@@ -448,6 +448,16 @@ def test_parameters_a_vmapped_layer_does_not_use_get_no_gradient(use_gate):
     assert (lp.layers[0].gate.grad is None) is not use_gate
 
 
+def test_a_full_backward_hook_that_scales_the_input_gradient_equals_serial():
+    """The hook gets the input's gradient in every vector-Jacobian product (it got None in the
+    parameter gradients' one, and gi[0] * 2 raised)."""
+    torch.manual_seed(18)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)]
+    layers[4].register_full_backward_hook(lambda m, gi, go: (gi[0] * 2.0,))
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+
+
 class Symmetric(nn.Module):
     def forward(self, X):
         return X.triu() + X.triu(1).transpose(-1, -2)

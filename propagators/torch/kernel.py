@@ -31,7 +31,7 @@ import contextlib
 import enum
 import operator
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
@@ -488,9 +488,10 @@ class LayerClass:
     buffer_names: tuple
     mode: str  # "dense", "vmap" or "loop"
     dense: DenseRHS | None = None
-    #: names of the parameters the layers' output does not depend on through autograd (found once,
-    #: by the first vmapped parameter gradient): they get no gradient (None), as in serial autograd
-    unused: frozenset | None = None
+    #: {(state shape, dtype): names of the parameters the layers' output does not depend on through
+    #: autograd} (found by the first vmapped parameter gradient for such states): they get no
+    #: gradient (None), as in serial autograd
+    unused: dict = field(default_factory=dict)
 
 
 def _slots(module: nn.Module):
@@ -1048,10 +1049,11 @@ class KernelPass:
                 gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
             G = dict(zip(need, gs))
         else:
-            if c.unused is None:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
+            key = (tuple(U.shape[1:]), U.dtype)
+            if key not in c.unused:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
                 one = self._vjp_params_one(int(idx[0]), U[0], W[0], dt[0])
-                c.unused = frozenset(n for n in need if one[n] is None)
-            need = [n for n in need if n not in c.unused]
+                c.unused[key] = frozenset(n for n in need if one[n] is None)
+            need = [n for n in need if n not in c.unused[key]]
             single = self._vmapped(c)
 
             def g(p_, b_, u, w, dt_):
@@ -1082,12 +1084,21 @@ class KernelPass:
             return grads
         with torch.enable_grad(), self._named(j):
             req = {n: (v.detach().requires_grad_(True) if n in need else v.detach()) for n, v in p.items()}
-            out = self._call_layer(j, u.detach(), dt, params=req)
+            x = u.detach()
+            if _backward_hooked(self.k.modules[j]):  # a full backward hook gets the input's gradient, as in serial
+                x.requires_grad_(True)
+            out = self._call_layer(j, x, dt, params=req)
             if not out.requires_grad:
                 return grads
             gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
         grads.update(zip(need, gs))
         return grads
+
+
+def _backward_hooked(module: nn.Module) -> bool:
+    """``module`` or a submodule has backward hooks, or backward hooks for every module are registered."""
+    return bool(nn.modules.module._global_backward_hooks) or any(
+        m._backward_hooks or m._backward_pre_hooks for m in module.modules())
 
 
 def _inplace_error() -> LayerError:

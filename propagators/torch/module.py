@@ -31,8 +31,7 @@ from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_com
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
-from .kernel import (_HOOKS, _REGISTRIES, DropoutMasks, LayerError, LayerKernel, _value_key, draw_masks,
-                     global_hooks)
+from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -182,34 +181,6 @@ def _layout(m: nn.Module) -> tuple:
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
 
 
-def _portable(v):
-    """A description of a plain attribute that two processes holding equal layers compute alike
-    (:func:`kernel._value_key`, with objects described by their type, functions by their name)."""
-    if isinstance(v, (tuple, list)):
-        return (type(v).__name__, tuple(map(_portable, v)))
-    if isinstance(v, dict):
-        return ("dict", tuple(sorted((repr(k), _portable(x)) for k, x in v.items())))
-    if isinstance(v, (set, frozenset)):
-        return ("set", tuple(sorted(repr(_portable(x)) for x in v)))
-    key = _value_key(v)
-    if key[0] != "id":
-        return key
-    kind = v if callable(v) and hasattr(v, "__qualname__") else type(v)
-    return ("obj", getattr(kind, "__module__", None), kind.__qualname__)
-
-
-def _fingerprint(m: nn.Module) -> int:
-    """Checksum of what a halo copy must share with its owner's layer beyond parameters, buffers
-    and training flags: the submodules' classes and names, their plain attributes and their
-    numbers of hooks. Equal for two builds of the same layer, in different processes too."""
-    parts = []
-    for name, sub in m.named_modules():
-        attrs = sorted((k, _portable(v)) for k, v in vars(sub).items() if k not in _REGISTRIES)
-        hooks = [len(getattr(sub, h, None) or ()) for h in _HOOKS]
-        parts.append((name, type(sub).__module__, type(sub).__qualname__, attrs, hooks))
-    return zlib.crc32(repr(parts).encode())
-
-
 def _input_sums(x) -> tuple:
     """(sum of squares, sum of magnitudes) of the input, in float64: compared between the ranks."""
     with torch.no_grad():
@@ -227,6 +198,11 @@ def _differing_inputs(sums, rtol: float = 1e-4) -> ValueError | None:
                 "every layer rank must pass the same input (the same batch, or the same output of the layers "
                 "before this block); seed every rank alike, or broadcast the batch from one rank")
     return None
+
+
+def _same_check(a, b, rtol: float = 1e-5) -> bool:
+    """Two layer checks (sums of positive terms) agree, NaN matching NaN: the same layer, stepped alike."""
+    return all(x == y or (x != x and y != y) or abs(x - y) <= rtol * max(x, y) for x, y in zip(a, b))
 
 
 _TRAINING = operator.attrgetter("training")
@@ -415,9 +391,6 @@ class LayerParallel(nn.Module):
         self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
-        r = self._comm.rank  # checksums of the layers this rank sends or receives in the halo
-        self._prints = {j: _fingerprint(modules[j]) for o, u, j in self.plan.halo if r in (o, u)}
-        self._prints["global hooks"] = global_hooks()
 
     def refresh(self):
         """Re-inspect the layers: call after changing attributes or submodules of layers.
@@ -706,25 +679,6 @@ class LayerParallel(nn.Module):
                     else bytes(map(_TRAINING, own[j].modules())))
                 for o, u, j in self.plan.halo if r in (o, u)}
 
-    def _differing_copy(self, prints) -> LayerError | None:
-        """The error to raise when a halo copy's checksum (:func:`_fingerprint`) differs from its
-        owner's layer's (``prints``: every rank's ``self._prints``), else None; alike on every rank."""
-        counts = [p["global hooks"] for p in prints]
-        if len(set(counts)) > 1:
-            return LayerError(
-                f"hooks for every module (nn.modules.module.register_module_forward_hook and its siblings) "
-                f"are registered on some ranks only ({counts} on ranks 0..{len(counts) - 1}); register them on "
-                "every rank")
-        for owner, user, j in self.plan.halo:
-            if prints[owner].get(j) != prints[user].get(j):
-                return LayerError(
-                    f"layer {j} (owned by rank {owner}) differs from the copy rank {user} keeps of it for its "
-                    "coarse levels and the adjoint solve: a hook, an attribute or a submodule was changed on one "
-                    "of them only, e.g. through lp.layers, which holds a rank's own layers only. Make such "
-                    "changes on every rank with lp.apply_to_layers(fn), which reaches the copies too (or "
-                    "before building LayerParallel)")
-        return None
-
     def _adopt_halo_modes(self, flags) -> bool:
         """Set this rank's halo copies to their owners' training flags (``flags``: every rank's
         :meth:`_halo_flags`). True on every rank when some copy on some rank differed. Copies whose
@@ -752,7 +706,7 @@ class LayerParallel(nn.Module):
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
-            share = (note, self._halo_flags(), self._prints, _input_sums(x)) if P > 1 else None
+            share = (note, self._halo_flags(), _input_sums(x)) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -764,17 +718,18 @@ class LayerParallel(nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, prints, sums = zip(*session.shared)
-                differ = _differing_inputs(sums) or self._differing_copy(prints)
+                notes, flags, sums = zip(*session.shared)
+                differ = _differing_inputs(sums)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session closes (no one waits)
                 # layers set to train/eval one by one (not through lp.train()/eval()) on their owner only
                 if self._adopt_halo_modes(list(flags)):
                     return None
-                self._exchange_halo(kp)
             calls = self._dropout_plan(kp, x, key, notes)
             if calls:
                 self._draw_masks(kp, calls, x)
+            if P > 1:
+                self._exchange_halo(kp, x)  # after the masks: the check of the copies steps with them
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
@@ -859,23 +814,64 @@ class LayerParallel(nn.Module):
                     "detach it")
         self._probed = True
 
-    def _exchange_halo(self, kp):
+    def _exchange_halo(self, kp, x):
         """Owners send the current parameters and buffers of halo layers to their users: one message
-        per (owner, user) pair, the tensors' bytes packed in halo order."""
+        per (owner, user) pair, the tensors' bytes packed in halo order.
+
+        With them travels a check of each layer: two sums of ``step(z) - z`` for a test state ``z``
+        (:meth:`_layer_checks`). The user steps its copy, with the parameters just received, and
+        raises :class:`LayerError` (the others then raise RemoteRankError) when the sums differ: a
+        change made to a layer on its owner only (a hook, an attribute, a submodule) would give
+        wrong gradients, whereas changes that do not alter what the layer computes (a counter, a
+        logging hook, a per-rank device attribute) pass."""
         c, r = self._comm, self._comm.rank
         pairs: dict = {}
         for owner, user, j in self.plan.halo:
             if r in (owner, user):
                 p, b = kp.value(j)
-                pairs.setdefault((owner, user), []).extend(list(p.values()) + list(b.values()))
-        for (owner, user), vs in pairs.items():
-            if owner == r and vs:
-                c.send(_packed(_halo_order(vs)), user, Tag.HALO)
+                vs, js = pairs.setdefault((owner, user), ([], []))
+                vs.extend(list(p.values()) + list(b.values()))
+                js.append(j)
+        z = self._test_state(x)
         with torch.no_grad():
-            for (owner, user), vs in pairs.items():
-                if user == r and vs:
-                    like = torch.empty(_packed_size(vs), dtype=torch.uint8, device=vs[0].device)
+            for (owner, user), (vs, js) in pairs.items():
+                if owner == r:
+                    c.send(_packed(_halo_order(vs + [self._layer_checks(kp, js, z)])), user, Tag.HALO)
+            for (owner, user), (vs, js) in pairs.items():
+                if user == r:
+                    got = torch.empty(2 * len(js), dtype=torch.float64, device=x.device)
+                    vs = vs + [got]
+                    like = torch.empty(_packed_size(vs), dtype=torch.uint8, device=x.device)
                     _unpack(c.recv(like, owner, Tag.HALO), _halo_order(vs))
+                    mine = self._layer_checks(kp, js, z)
+                    for k, j in enumerate(js):
+                        if not _same_check(got[2 * k: 2 * k + 2].tolist(), mine[2 * k: 2 * k + 2].tolist()):
+                            raise LayerError(
+                                f"layer {j} (owned by rank {owner}) computes differently from the copy rank {r} keeps "
+                                "of it for its coarse levels and the adjoint solve (compared on a test state every "
+                                "pass): a hook, an attribute or a submodule was changed on one of them only, e.g. "
+                                "through lp.layers, which lists a rank's own layers only. Make such changes on every "
+                                "rank with lp.apply_to_layers(fn), which reaches the copies too")
+
+    def _test_state(self, x):
+        """A state shaped like ``x``, the same on every rank (a fixed draw of a private generator)."""
+        key = (tuple(x.shape), x.dtype, x.device)
+        if getattr(self, "_test", (None,))[0] != key:
+            g = torch.Generator().manual_seed(20261201)
+            self._test = (key, torch.randn(key[0], generator=g, dtype=torch.float64).to(dtype=x.dtype, device=x.device))
+        return self._test[1]
+
+    @staticmethod
+    def _layer_checks(kp, js, z):
+        """``[|s_j - z|, |s_j|]`` (2-norms, float64) for ``s_j = step_j(z)`` with step 1, every ``j``
+        (no cancellation: compared with a relative tolerance; a sign flip of the layer changes the
+        second)."""
+        norm, acc = torch.linalg.vector_norm, torch.complex128 if z.is_complex() else torch.float64
+        out = []
+        for j in js:
+            s = kp.step_one(z, j, 1.0)
+            out += [norm(s - z, dtype=acc), norm(s, dtype=acc)]
+        return torch.stack(out).to(torch.float64)
 
     # -- backward -------------------------------------------------------------
     def _adjoint(self, saved, gy, params):

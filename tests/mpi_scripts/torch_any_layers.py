@@ -15,10 +15,13 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
   reproduces the output;
 * more ranks than layer points (idle ranks) work;
 * layers changed after construction (a forward hook, a plain attribute, a replaced
-  submodule): through ``lp.layers`` alone (the owned layers) every rank raises a
-  LayerError naming ``apply_to_layers`` (the copies of the neighbours' layers differ);
+  submodule): through ``lp.layers`` alone (the owned layers) every rank raises (a
+  LayerError naming ``apply_to_layers`` where a copy of a neighbour's layer computes
+  differently, RemoteRankError on the others);
   once the copies get the change too, and when it is made with ``apply_to_layers``,
   serial's results when converged and the one-process module's after 2/1 cycles;
+* changes on the owned layers that do not alter what they compute (a call counter, a
+  logging hook, an attribute that differs by rank) raise nothing: serial's results;
 * inputs that differ between the ranks raise ValueError on every rank (rounding-level
   differences do not).
 
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from checks import TIGHT, check, fail, rank, size, world
+from mgrit import RemoteRankError
 from propagators.torch import LayerError
 from layer_zoo import Conv, Scaled, loss_fn
 from propagators.torch import LayerParallel, ODENet
@@ -220,7 +224,7 @@ def changed_after_construction():
         try:
             lp(x)
             fail(f"{kind} changed through lp.layers: no error")
-        except LayerError as exc:
+        except (LayerError, RemoteRankError) as exc:  # the ranks holding a copy, the others
             if "apply_to_layers" not in str(exc):
                 fail(f"{kind} changed through lp.layers: {exc}")
         lp.apply_to_layers(lambda j, m: None if j in lp.owned_layers else change(m, kind))  # the copies too
@@ -247,6 +251,37 @@ def changed_after_construction():
             check(f"{kind}, 2/1 cycles: layer {j} bias gradient against one process", g, outs[1][1][j])
 
 
+class Counting(Tunable):
+    def forward(self, u):
+        self.calls = getattr(self, "calls", 0) + 1  # a side effect that does not alter the output
+        return super().forward(u)
+
+
+def harmless_changes():
+    torch.manual_seed(33)
+    layers, x = [Counting() for _ in range(16)], torch.randn(3, 4)
+    ref, xs = ODENet(copy.deepcopy(layers), T=4.0), x.clone().requires_grad_(True)
+    loss_fn(ref(xs)).backward()
+    lp = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
+    seen = []
+    for j, m in lp.layers.items():  # the owned layers only
+        m.register_forward_hook(lambda mod, args, out: seen.append(1))  # observes
+        m.rank_note = f"built on rank {rank}"
+    lp.refresh()
+    for step in range(2):
+        lp.zero_grad()
+        if step:
+            lp.eval()
+            lp.train()  # rebuilds the kernel
+        xp = x.clone().requires_grad_(True)
+        y = lp(xp)
+        loss_fn(y).backward()
+        check(f"harmless changes, step {step}: output", y.detach(), ref(x).detach())
+        check(f"harmless changes, step {step}: input gradient", xp.grad, xs.grad)
+    if not seen:
+        fail("the logging hook never ran")
+
+
 def different_inputs():
     torch.manual_seed(41)
     layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]
@@ -266,6 +301,7 @@ def different_inputs():
 
 try:
     changed_after_construction()
+    harmless_changes()
     different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
         compare_training(name, make, n, shape)
