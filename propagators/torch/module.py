@@ -372,6 +372,7 @@ class LayerParallel(nn.Module):
         self._owner_flags: dict = {}  # mode -> {halo layer: its owner's flags at the last pass}
         self._build_kernel()
         self._warm: tuple | None = None
+        self._test = (None, None)  # (shape, dtype, device) and the test state of the lent layers' check
         #: mgrit.Result of the last forward and adjoint solve
         self.last_forward: mgrit.Result | None = None
         self.last_backward: mgrit.Result | None = None
@@ -390,6 +391,7 @@ class LayerParallel(nn.Module):
         held_in = collections.Counter(id(s) for m in modules.values() for s in m.modules())
         self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
+        self._checked = None  # the lent layers are checked at the next pass (see _exchange_halo)
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
 
     def refresh(self):
@@ -706,7 +708,8 @@ class LayerParallel(nn.Module):
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
-            share = (note, self._halo_flags(), _input_sums(x)) if P > 1 else None
+            changed = self._checked != (self.kernel, RemovableHandle.next_id)  # rebuilt, or a hook registered
+            share = (note, self._halo_flags(), _input_sums(x), changed) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -718,7 +721,7 @@ class LayerParallel(nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, sums = zip(*session.shared)
+                notes, flags, sums, changed = zip(*session.shared)
                 differ = _differing_inputs(sums)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session closes (no one waits)
@@ -729,7 +732,9 @@ class LayerParallel(nn.Module):
             if calls:
                 self._draw_masks(kp, calls, x)
             if P > 1:
-                self._exchange_halo(kp, x)  # after the masks: the check of the copies steps with them
+                key = (self.kernel, RemovableHandle.next_id)
+                self._exchange_halo(kp, x, check=any(changed))  # after the masks: the check steps with them
+                self._checked = key
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
@@ -814,16 +819,18 @@ class LayerParallel(nn.Module):
                     "detach it")
         self._probed = True
 
-    def _exchange_halo(self, kp, x):
+    def _exchange_halo(self, kp, x, check: bool = True):
         """Owners send the current parameters and buffers of halo layers to their users: one message
         per (owner, user) pair, the tensors' bytes packed in halo order.
 
-        With them travels a check of each layer: two sums of ``step(z) - z`` for a test state ``z``
-        (:meth:`_layer_checks`). The user steps its copy, with the parameters just received, and
-        raises :class:`LayerError` (the others then raise RemoteRankError) when the sums differ: a
-        change made to a layer on its owner only (a hook, an attribute, a submodule) would give
-        wrong gradients, whereas changes that do not alter what the layer computes (a counter, a
-        logging hook, a per-rank device attribute) pass."""
+        With ``check`` (the first pass, and every pass after some rank rebuilt its kernel or a hook
+        was registered there: what a change of a layer goes with) a check of each layer travels
+        with them: two norms of ``step(z)`` for a test state ``z`` (:meth:`_layer_checks`). The
+        user steps its copy, with the parameters just received, and raises :class:`LayerError`
+        (the others then raise RemoteRankError) when they differ: a change made to a layer on its
+        owner only (a hook, an attribute, a submodule) would give wrong gradients, whereas changes
+        that do not alter what the layer computes (a counter, a logging hook, a per-rank device
+        attribute) pass."""
         c, r = self._comm, self._comm.rank
         pairs: dict = {}
         for owner, user, j in self.plan.halo:
@@ -832,31 +839,32 @@ class LayerParallel(nn.Module):
                 vs, js = pairs.setdefault((owner, user), ([], []))
                 vs.extend(list(p.values()) + list(b.values()))
                 js.append(j)
-        z = self._test_state(x)
+        z = self._test_state(x) if check else None
         with torch.no_grad():
             for (owner, user), (vs, js) in pairs.items():
-                if owner == r:
-                    c.send(_packed(_halo_order(vs + [self._layer_checks(kp, js, z)])), user, Tag.HALO)
+                if owner == r and (vs or check):
+                    c.send(_packed(_halo_order(vs + [self._layer_checks(kp, js, z)] if check else vs)), user, Tag.HALO)
             for (owner, user), (vs, js) in pairs.items():
-                if user == r:
+                if user == r and (vs or check):
                     got = torch.empty(2 * len(js), dtype=torch.float64, device=x.device)
-                    vs = vs + [got]
+                    vs = vs + [got] if check else vs
                     like = torch.empty(_packed_size(vs), dtype=torch.uint8, device=x.device)
                     _unpack(c.recv(like, owner, Tag.HALO), _halo_order(vs))
+                    if not check:
+                        continue
                     mine = self._layer_checks(kp, js, z)
                     for k, j in enumerate(js):
                         if not _same_check(got[2 * k: 2 * k + 2].tolist(), mine[2 * k: 2 * k + 2].tolist()):
                             raise LayerError(
                                 f"layer {j} (owned by rank {owner}) computes differently from the copy rank {r} keeps "
-                                "of it for its coarse levels and the adjoint solve (compared on a test state every "
-                                "pass): a hook, an attribute or a submodule was changed on one of them only, e.g. "
+                                "of it for its coarse levels and the adjoint solve (compared on a test state): a hook, an attribute or a submodule was changed on one of them only, e.g. "
                                 "through lp.layers, which lists a rank's own layers only. Make such changes on every "
                                 "rank with lp.apply_to_layers(fn), which reaches the copies too")
 
     def _test_state(self, x):
         """A state shaped like ``x``, the same on every rank (a fixed draw of a private generator)."""
         key = (tuple(x.shape), x.dtype, x.device)
-        if getattr(self, "_test", (None,))[0] != key:
+        if self._test[0] != key:
             g = torch.Generator().manual_seed(20261201)
             self._test = (key, torch.randn(key[0], generator=g, dtype=torch.float64).to(dtype=x.dtype, device=x.device))
         return self._test[1]
