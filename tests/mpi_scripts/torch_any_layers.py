@@ -22,6 +22,7 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
   serial's results when converged and the one-process module's after 2/1 cycles;
 * changes on the owned layers that do not alter what they compute (a call counter, a
   logging hook, an attribute that differs by rank) raise nothing: serial's results;
+* that check runs in the first pass and after changes, not in every pass;
 * inputs that differ between the ranks raise ValueError on every rank (rounding-level
   differences do not).
 
@@ -282,6 +283,35 @@ def harmless_changes():
         fail("the logging hook never ran")
 
 
+def checks_only_after_changes():
+    """The lent layers are stepped for the check in the first pass and after a change (here eval(),
+    then train() again), not in every pass of a steady loop."""
+    count, original = [0], LayerParallel._layer_checks
+
+    def counting(kp, js, z):
+        count[0] += 1
+        return original(kp, js, z)
+
+    torch.manual_seed(35)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)], cf=2, max_levels=3,
+                       comm=world)
+    LayerParallel._layer_checks = staticmethod(counting)
+    try:
+        x, seen = torch.randn(3, 4), []
+        for step in range(6):
+            lp(x).sum().backward()
+            if step == 2:
+                with torch.no_grad():
+                    lp.eval()(x)
+                lp.train()
+            seen.append(count[0] > 0)
+            count[0] = 0
+    finally:
+        LayerParallel._layer_checks = staticmethod(original)
+    if seen != [True, False, True, True, False, False]:  # step 2 includes the eval pass
+        fail(f"passes that checked the lent layers: {seen}")
+
+
 def different_inputs():
     torch.manual_seed(41)
     layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]
@@ -302,6 +332,7 @@ def different_inputs():
 try:
     changed_after_construction()
     harmless_changes()
+    checks_only_after_changes()
     different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
         compare_training(name, make, n, shape)
