@@ -201,7 +201,7 @@ def _differing_inputs(sums, rtol: float = 1e-4) -> ValueError | None:
 
 
 def _same_check(a, b, rtol: float = 1e-5) -> bool:
-    """Two layer checks (sums of positive terms) agree, NaN matching NaN: the same layer, stepped alike."""
+    """Two layer checks (norms, :meth:`LayerParallel._layer_checks`) agree, NaN matching NaN."""
     return all(x == y or (x != x and y != y) or abs(x - y) <= rtol * max(x, y) for x, y in zip(a, b))
 
 
@@ -732,9 +732,9 @@ class LayerParallel(nn.Module):
             if calls:
                 self._draw_masks(kp, calls, x)
             if P > 1:
-                key = (self.kernel, RemovableHandle.next_id)
+                now = (self.kernel, RemovableHandle.next_id)
                 self._exchange_halo(kp, x, check=any(changed))  # after the masks: the check steps with them
-                self._checked = key
+                self._checked = now
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
@@ -843,7 +843,8 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             for (owner, user), (vs, js) in pairs.items():
                 if owner == r and (vs or check):
-                    c.send(_packed(_halo_order(vs + [self._layer_checks(kp, js, z)] if check else vs)), user, Tag.HALO)
+                    sent = vs + [self._layer_checks(kp, js, z)] if check else vs
+                    c.send(_packed(_halo_order(sent)), user, Tag.HALO)
             for (owner, user), (vs, js) in pairs.items():
                 if user == r and (vs or check):
                     got = torch.empty(2 * len(js), dtype=torch.float64, device=x.device)
@@ -857,9 +858,10 @@ class LayerParallel(nn.Module):
                         if not _same_check(got[2 * k: 2 * k + 2].tolist(), mine[2 * k: 2 * k + 2].tolist()):
                             raise LayerError(
                                 f"layer {j} (owned by rank {owner}) computes differently from the copy rank {r} keeps "
-                                "of it for its coarse levels and the adjoint solve (compared on a test state): a hook, an attribute or a submodule was changed on one of them only, e.g. "
-                                "through lp.layers, which lists a rank's own layers only. Make such changes on every "
-                                "rank with lp.apply_to_layers(fn), which reaches the copies too")
+                                "of it for its coarse levels and the adjoint solve (compared on a test state): a "
+                                "hook, an attribute or a submodule was changed on one of them only, e.g. through "
+                                "lp.layers, which lists a rank's own layers only. Make such changes on every rank "
+                                "with lp.apply_to_layers(fn), which reaches the copies too")
 
     def _test_state(self, x):
         """A state shaped like ``x``, the same on every rank (a fixed draw of a private generator)."""
