@@ -458,6 +458,27 @@ def test_a_full_backward_hook_that_scales_the_input_gradient_equals_serial():
     check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
 
 
+@pytest.mark.parametrize("kind", ["dense", "vmap"])
+def test_the_whole_module_saves_and_loads(kind):
+    """torch.save(lp) / torch.load: the same output and gradients (the traced kernel, which holds
+    local functions, is rebuilt on loading instead of pickled)."""
+    torch.manual_seed(19)
+    make = (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh())) if kind == "dense" else (lambda: Gated(4, True))
+    lp = LayerParallel([make() for _ in range(8)], cf=2, max_levels=3)
+    x = torch.randn(3, 4)
+    lp(x).sum().backward()
+    buf = io.BytesIO()
+    torch.save(lp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [c.mode for c in loaded.kernel.classes] == [c.mode for c in lp.kernel.classes] == [kind]
+    for m in (lp, loaded):
+        m.zero_grad()
+        loss_fn(m(x)).backward()
+    for p, q in zip(lp.parameters(), loaded.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 class Symmetric(nn.Module):
     def forward(self, X):
         return X.triu() + X.triu(1).transpose(-1, -2)

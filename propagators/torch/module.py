@@ -377,6 +377,26 @@ class LayerParallel(nn.Module):
         self.last_forward: mgrit.Result | None = None
         self.last_backward: mgrit.Result | None = None
 
+    # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
+    _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_checked", "_dropout_key",
+                "_dropout_calls", "_test")
+
+    def __getstate__(self):
+        if self._comm.size > 1 or (self._data_comm is not None and self._data_comm.size > 1):
+            raise TypeError(
+                "a LayerParallel on several ranks holds communicators and cannot be pickled or deep-copied: save "
+                "lp.state_dict() on every rank (or the serial network of lp.to_serial()) and build a new module "
+                "to load it into")
+        state = dict(self.__dict__)
+        for k in self._DERIVED:
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._test = (None, None)
+        self._build_kernel()
+
     # -- construction helpers -------------------------------------------------
     def _held(self) -> dict:
         return {**{j: m for j, m in self.layers.items()}, **self._halo}
