@@ -479,6 +479,15 @@ def test_the_whole_module_saves_and_loads(kind):
         assert torch.equal(p.grad, q.grad)
 
 
+def test_a_lazy_layer_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"layer 0 \(Sequential\) has uninitialized parameters .*layer\(x\)"):
+        LayerParallel([nn.Sequential(nn.LazyLinear(4), nn.Tanh()) for _ in range(8)], cf=2)
+    layers = [nn.Sequential(nn.LazyLinear(4), nn.Tanh()) for _ in range(8)]
+    for m in layers:
+        m(torch.zeros(1, 4))  # materialised: works
+    LayerParallel(layers, cf=2)(torch.randn(3, 4))
+
+
 class Symmetric(nn.Module):
     def forward(self, X):
         return X.triu() + X.triu(1).transpose(-1, -2)

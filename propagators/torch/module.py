@@ -172,6 +172,11 @@ def _checked_layer(j: int, m):
         raise TypeError(f"layer {j} is a TorchScript module; LayerParallel evaluates layers with their "
                         "parameters swapped in (torch.func), which TorchScript does not allow: pass the plain "
                         "nn.Module (before torch.jit.script / trace)")
+    lazy = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise TypeError(f"layer {j} ({type(m).__name__}) has uninitialized parameters or buffers {lazy} (a lazy "
+                        "module such as nn.LazyLinear): call it once on a state, layer(x), before building "
+                        "LayerParallel, so that they get their shapes")
     return m
 
 
