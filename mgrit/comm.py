@@ -161,10 +161,11 @@ def _guard_exit(comm) -> None:
     finalises MPI) or because its program is over (say it skipped a ``backward`` the others
     run), can never answer a rank that waits for it in a handshake or a receive; nobody
     would end the job (``python -m mpi4py`` would, on an exception only: MPI_Abort). The
-    alarm is read only by a rank that waits on ``comm`` afterwards, and a rank finishing a
-    session ignores it (the rank that left finished that session too): ranks that are done
-    with each other exit as before. Over torch.distributed the peers see the closed
-    connection instead.
+    alarm of an exception fails the next wait on ``comm``; that of a normal exit only a
+    wait in a handshake or inside a session (see :meth:`MPIComm._poll`), and a rank
+    finishing a session ignores both (the rank that left finished that session too): ranks
+    that are done with each other exit as before. Over torch.distributed the peers see the
+    closed connection instead.
     """
     if not _LIVE:
         atexit.unregister(_alarm_at_exit)  # at most one registration
@@ -825,6 +826,8 @@ class _SessionComm(Communicator):
     ``_device_buffers`` and ``_after_object_sends``."""
 
     _finishing = False  # in finish() of the innermost session
+    _handshaking = False  # in the handshake of a session (or of split)
+    _exited: frozenset = frozenset()  # ranks whose program ended (their exit alarms), see MPIComm._poll
 
     @staticmethod
     def _verdict(notes: list):
@@ -854,9 +857,13 @@ class _SessionComm(Communicator):
                 failure, share = bad_share, None
         mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id,
                 None if failure is not None else share)
-        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-        verdict = None if notes is None else self._verdict(notes)
-        failed, bad, reuse, new_id, shares = self._from_root(ch, verdict, Tag.HANDSHAKE)
+        self._handshaking = True
+        try:
+            notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
+            verdict = None if notes is None else self._verdict(notes)
+            failed, bad, reuse, new_id, shares = self._from_root(ch, verdict, Tag.HANDSHAKE)
+        finally:
+            self._handshaking = False
         self._after_handshake(ch)
         if bad_share is not None:
             raise bad_share
@@ -1114,12 +1121,6 @@ class MPIComm(_SessionComm):
             r, note = self._broken
             if r == self.rank:
                 raise RuntimeError(f"this communicator is unusable after this rank's alarm ({note})")
-            if note == _EXITED:
-                raise RemoteRankError(
-                    f"{self._who(r)} exited while this rank waits for it (its program ended without an "
-                    "unhandled exception, or called sys.exit): every rank must make the same collective "
-                    "calls in the same order, e.g. run backward() through every LayerParallel output and "
-                    "every solve on every rank", rank=r, world_rank=self._world[r])
             raise self._remote(r, note, " (alarm)")
 
     def _poll(self) -> None:
@@ -1141,8 +1142,22 @@ class MPIComm(_SessionComm):
         # left this one owes it nothing more; the alarm is read at the next wait)
         if self._broken is None and not self._finishing and self._base.comm.Iprobe(MPI.ANY_SOURCE, Tag.ALARM, st):
             src = st.Get_source()
-            self._broken = (src, self._base.comm.recv(source=src, tag=Tag.ALARM))
+            note = self._base.comm.recv(source=src, tag=Tag.ALARM)
+            if note == _EXITED:
+                self._exited = self._exited | {src}
+            else:
+                self._broken = (src, note)
         self._usable()
+        # A rank whose program ended fails the ranks that wait in a handshake (it never joins one
+        # again) or in a session it is not part of; waits outside sessions (a gather to a root, user
+        # messages between two other ranks) go on: the rank that ended delivered its part before
+        if self._exited and not self._finishing and (self._handshaking or self._depth() > 0):
+            r = min(self._exited)
+            raise RemoteRankError(
+                f"{self._who(r)} exited while this rank waits for it (its program ended without an "
+                "unhandled exception, or called sys.exit): every rank must make the same collective "
+                "calls in the same order, e.g. run backward() through every LayerParallel output and "
+                "every solve on every rank", rank=r, world_rank=self._world[r])
 
     def _wait(self, req, recv=None) -> None:
         """Wait for ``req`` while polling for failures. ``recv = (channel, source)``

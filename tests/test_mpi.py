@@ -230,12 +230,13 @@ def test_a_rank_that_exits_while_the_others_wait_alarms_them(n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
-def test_the_exit_alarm_of_a_rank_that_is_done_fails_nobody(n):
-    """Every rank trains one step; rank 0 is still finishing the backward pass's session (it
-    sleeps and polls there) when the last rank, done, exits and alarms it: rank 0 finishes
-    and the job ends cleanly."""
-    rc, out, _ = launch(n, "unhandled_exit.py", "done", timeout=90)
+@pytest.mark.parametrize("n, where", [(2, "done"), (3, "done"), (3, "gather")])
+def test_the_exit_alarm_of_a_rank_that_is_done_fails_nobody(n, where):
+    """``done``: every rank trains one step; rank 0 is still finishing the backward pass's session
+    (it sleeps and polls there) when the last rank, done, exits and alarms it. ``gather``: rank 0
+    waits outside any session for rank 1's part of a gather when the last rank, done, exits.
+    Rank 0 finishes and the job ends cleanly."""
+    rc, out, _ = launch(n, "unhandled_exit.py", where, timeout=90)
     assert rc == 0, out[-5000:]
     assert {int(r) for r in re.findall(r"rank (\d+) finished", out)} == set(range(n)), out[-5000:]
     assert "RemoteRankError" not in out, out[-5000:]

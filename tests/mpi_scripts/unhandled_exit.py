@@ -13,6 +13,8 @@ backward pass the others enter: they must raise RemoteRankError saying that it e
 ``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
 session (it sleeps and then polls inside ``finish``) while the last rank, done, exits: the alarm
 of its exit must not fail rank 0's finish; every rank prints "finished" and the job ends cleanly.
+``gather``: every rank solves and gathers the result to rank 0, rank 1 late: the last rank, done,
+exits while rank 0 waits for rank 1 outside any session: rank 0 gathers, the job ends cleanly.
 """
 import time
 import sys
@@ -59,6 +61,13 @@ elif where in ("skip", "done"):
         sys.exit(0)
     if last:
         sys.exit(0)  # ends without an error, the backward pass skipped
+elif where == "gather":  # the usual end of a script; rank 1 is slower to get there than the last rank
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0.0, 1.0, 33), cf=2, comm=world)
+    if rank == 1:
+        time.sleep(1.0)
+    u = mgrit.gather(res, root=0)
+    print(f"rank {rank} finished" + (f" {u.shape}" if rank == 0 else ""), flush=True)
+    sys.exit(0)
 elif where == "solve":
     for step in range(2):  # the first solve together; before the second, the last rank fails
         if step and last:
