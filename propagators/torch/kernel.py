@@ -488,9 +488,9 @@ class LayerClass:
     buffer_names: tuple
     mode: str  # "dense", "vmap" or "loop"
     dense: DenseRHS | None = None
-    #: {(state shape, dtype): names of the parameters the layers' output does not depend on through
-    #: autograd} (found by the first vmapped parameter gradient for such states): they get no
-    #: gradient (None), as in serial autograd
+    #: {(state shape, dtype, parameters that require grad): names of the parameters the layers'
+    #: output does not depend on through autograd} (found by the first vmapped parameter gradient
+    #: for such states): they get no gradient (None), as in serial autograd
     unused: dict = field(default_factory=dict)
 
 
@@ -1049,7 +1049,7 @@ class KernelPass:
                 gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
             G = dict(zip(need, gs))
         else:
-            key = (tuple(U.shape[1:]), U.dtype)
+            key = (tuple(U.shape[1:]), U.dtype, tuple(need))
             if key not in c.unused:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
                 one = self._vjp_params_one(int(idx[0]), U[0], W[0], dt[0])
                 c.unused[key] = frozenset(n for n in need if one[n] is None)

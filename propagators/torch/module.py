@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import math
 import operator
 import warnings
 import zlib
@@ -377,14 +378,13 @@ class LayerParallel(nn.Module):
         self._owner_flags: dict = {}  # mode -> {halo layer: its owner's flags at the last pass}
         self._build_kernel()
         self._warm: tuple | None = None
-        self._test = (None, None)  # (shape, dtype, device) and the test state of the lent layers' check
         #: mgrit.Result of the last forward and adjoint solve
         self.last_forward: mgrit.Result | None = None
         self.last_backward: mgrit.Result | None = None
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
     _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_checked", "_dropout_key",
-                "_dropout_calls", "_test")
+                "_dropout_calls")
 
     def __getstate__(self):
         if self._comm.size > 1 or (self._data_comm is not None and self._data_comm.size > 1):
@@ -393,13 +393,16 @@ class LayerParallel(nn.Module):
                 "lp.state_dict() on every rank (or the serial network of lp.to_serial()) and build a new module "
                 "to load it into")
         state = dict(self.__dict__)
+        state["_comm"] = as_communicator(None)  # (one rank: an MPI communicator of size 1 does not pickle)
+        if self._data_comm is not None:
+            state["_data_comm"] = as_communicator(None)
+        state["last_forward"] = state["last_backward"] = None  # (their communicator too; diagnostics only)
         for k in self._DERIVED:
             state.pop(k, None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._test = (None, None)
         self._build_kernel()
 
     # -- construction helpers -------------------------------------------------
@@ -733,7 +736,10 @@ class LayerParallel(nn.Module):
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
-            changed = self._checked != (self.kernel, RemovableHandle.next_id)  # rebuilt, or a hook registered
+            # the lent layers are checked when a rank rebuilt its kernel or registered a hook, and in every
+            # pass when some rank holds layers it calls (looped or vmapped: an attribute change shows at once)
+            changed = (self._checked != (self.kernel, RemovableHandle.next_id)
+                       or any(c.mode != "dense" for c in kp.k.classes))
             share = (note, self._halo_flags(), _input_sums(x), changed) if P > 1 else None
         except BaseException as exc:
             if P > 1:
@@ -758,7 +764,9 @@ class LayerParallel(nn.Module):
                 self._draw_masks(kp, calls, x)
             if P > 1:
                 now = (self.kernel, RemovableHandle.next_id)
-                self._exchange_halo(kp, x, check=any(changed))  # after the masks: the check steps with them
+                spread = max((abs(a - b) / max(abs(a), abs(b), 1e-300) for s in sums for a, b in zip(s, sums[0])
+                              if math.isfinite(a) and math.isfinite(b)), default=0.0)
+                self._exchange_halo(kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
                 self._checked = now
             if not self._probed:
                 self._probe(kp, x)
@@ -844,15 +852,15 @@ class LayerParallel(nn.Module):
                     "detach it")
         self._probed = True
 
-    def _exchange_halo(self, kp, x, check: bool = True):
+    def _exchange_halo(self, kp, x, check: bool = True, rtol: float = 1e-5):
         """Owners send the current parameters and buffers of halo layers to their users: one message
         per (owner, user) pair, the tensors' bytes packed in halo order.
 
-        With ``check`` (the first pass, and every pass after some rank rebuilt its kernel or a hook
-        was registered there: what a change of a layer goes with) a check of each layer travels
-        with them: two norms of ``step(z)`` for a test state ``z`` (:meth:`_layer_checks`). The
-        user steps its copy, with the parameters just received, and raises :class:`LayerError`
-        (the others then raise RemoteRankError) when they differ: a change made to a layer on its
+        With ``check`` (see the pass) a check of each layer travels with them: two norms of
+        ``step(x)`` for the pass's input ``x`` (:meth:`_layer_checks`; the ranks' inputs agree to
+        the relative ``spread`` the handshake measured, from which ``rtol`` is made). The user steps
+        its copy, with the parameters just received, and raises :class:`LayerError` (the others
+        then raise RemoteRankError) when they differ: a change made to a layer on its
         owner only (a hook, an attribute, a submodule) would give wrong gradients, whereas changes
         that do not alter what the layer computes (a counter, a logging hook, a per-rank device
         attribute) pass."""
@@ -864,7 +872,7 @@ class LayerParallel(nn.Module):
                 vs, js = pairs.setdefault((owner, user), ([], []))
                 vs.extend(list(p.values()) + list(b.values()))
                 js.append(j)
-        z = self._test_state(x) if check else None
+        z = x.detach() if check else None
         with torch.no_grad():
             for (owner, user), (vs, js) in pairs.items():
                 if owner == r and (vs or check):
@@ -880,21 +888,13 @@ class LayerParallel(nn.Module):
                         continue
                     mine = self._layer_checks(kp, js, z)
                     for k, j in enumerate(js):
-                        if not _same_check(got[2 * k: 2 * k + 2].tolist(), mine[2 * k: 2 * k + 2].tolist()):
+                        if not _same_check(got[2 * k: 2 * k + 2].tolist(), mine[2 * k: 2 * k + 2].tolist(), rtol):
                             raise LayerError(
                                 f"layer {j} (owned by rank {owner}) computes differently from the copy rank {r} keeps "
-                                "of it for its coarse levels and the adjoint solve (compared on a test state): a "
+                                "of it for its coarse levels and the adjoint solve (compared on this input): a "
                                 "hook, an attribute or a submodule was changed on one of them only, e.g. through "
                                 "lp.layers, which lists a rank's own layers only. Make such changes on every rank "
                                 "with lp.apply_to_layers(fn), which reaches the copies too")
-
-    def _test_state(self, x):
-        """A state shaped like ``x``, the same on every rank (a fixed draw of a private generator)."""
-        key = (tuple(x.shape), x.dtype, x.device)
-        if self._test[0] != key:
-            g = torch.Generator().manual_seed(20261201)
-            self._test = (key, torch.randn(key[0], generator=g, dtype=torch.float64).to(dtype=x.dtype, device=x.device))
-        return self._test[1]
 
     @staticmethod
     def _layer_checks(kp, js, z):

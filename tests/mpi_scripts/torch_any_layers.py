@@ -22,7 +22,9 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
   serial's results when converged and the one-process module's after 2/1 cycles;
 * changes on the owned layers that do not alter what they compute (a call counter, a
   logging hook, an attribute that differs by rank) raise nothing: serial's results;
-* that check runs in the first pass and after changes, not in every pass;
+* that check steps layers from real states (a layer that validates its domain passes),
+  catches an attribute changed on owned vmapped layers without ``refresh()``, and for
+  dense layers runs in the first pass and after changes only;
 * inputs that differ between the ranks raise ValueError on every rank (rounding-level
   differences do not).
 
@@ -283,6 +285,46 @@ def harmless_changes():
         fail("the logging hook never ran")
 
 
+class Positive(nn.Module):
+    """Validates its state (positive): the check of the lent layers must step them from real states."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, u):
+        if not (u > 0).all():
+            raise ValueError("state must be positive")
+        return -0.5 * u * torch.sigmoid(self.lin(torch.log(u)))
+
+
+class Centred(Tunable):
+    """Vmapped (not a linear map and element-wise operations), so called in every sweep."""
+
+    def forward(self, u):
+        return self.act(self.s * self.lin(u - u.mean(-1, keepdim=True)))
+
+
+def domain_and_unrefreshed_changes():
+    torch.manual_seed(37)
+    layers, x = [Positive() for _ in range(16)], torch.rand(3, 4) + 0.5
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=world, **TIGHT)
+    ref, xs, xp = ODENet(copy.deepcopy(layers), T=1.0), x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    loss_fn(ref(xs)).backward()
+    loss_fn(lp(xp)).backward()
+    check("a layer with a restricted domain: input gradient", xp.grad, xs.grad)
+    lp = LayerParallel([Centred() for _ in range(16)], T=1.0, cf=2, max_levels=3, comm=world)
+    lp(x)
+    for m in lp.layers:  # an attribute of the owned layers, no refresh(): a vmapped layer shows it at once
+        m.s = 2.0
+    try:
+        lp(x)
+        fail("an attribute changed on owned vmapped layers without refresh: no error")
+    except (LayerError, RemoteRankError) as exc:
+        if "apply_to_layers" not in str(exc):
+            fail(f"an attribute changed on owned vmapped layers without refresh: {exc}")
+
+
 def checks_only_after_changes():
     """The lent layers are stepped for the check in the first pass and after a change (here eval(),
     then train() again), not in every pass of a steady loop."""
@@ -332,6 +374,7 @@ def different_inputs():
 try:
     changed_after_construction()
     harmless_changes()
+    domain_and_unrefreshed_changes()
     checks_only_after_changes()
     different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
