@@ -740,7 +740,7 @@ class LayerParallel(nn.Module):
             # pass when some rank holds layers it calls (looped or vmapped: an attribute change shows at once)
             changed = (self._checked != (self.kernel, RemovableHandle.next_id)
                        or any(c.mode != "dense" for c in kp.k.classes))
-            share = (note, self._halo_flags(), _input_sums(x), changed) if P > 1 else None
+            share = (note, self._halo_flags(), _input_sums(x), changed, self._halo_bytes(kp)) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -752,8 +752,8 @@ class LayerParallel(nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, sums, changed = zip(*session.shared)
-                differ = _differing_inputs(sums)
+                notes, flags, sums, changed, nbytes = zip(*session.shared)
+                differ = _differing_inputs(sums) or self._differing_layout(nbytes)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session closes (no one waits)
                 # layers set to train/eval one by one (not through lp.train()/eval()) on their owner only
@@ -851,6 +851,28 @@ class LayerParallel(nn.Module):
                     "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
                     "detach it")
         self._probed = True
+
+    def _halo_bytes(self, kp) -> dict:
+        """``{(owner, user): bytes of the parameters and buffers of the layers lent}`` for this rank's
+        halo pairs: the two ranks of a pair must agree (compared in the pass's handshake)."""
+        r, out = self._comm.rank, {}
+        for owner, user, j in self.plan.halo:
+            if r in (owner, user):
+                p, b = kp.value(j)
+                out[(owner, user)] = out.get((owner, user), 0) + _packed_size([*p.values(), *b.values()])
+        return out
+
+    def _differing_layout(self, nbytes) -> LayerError | None:
+        """The error to raise when a lent layer's parameters and buffers differ in size between its owner
+        and the copy (``nbytes``: every rank's :meth:`_halo_bytes`), else None; alike on every rank."""
+        for owner, user, j in self.plan.halo:
+            if nbytes[owner].get((owner, user)) != nbytes[user].get((owner, user)):
+                return LayerError(
+                    f"the layers rank {owner} lends to rank {user} (layer {j} among them) have other parameters or "
+                    "buffers on the owner than in the copy: a parametrization, a parameter or a buffer was added, "
+                    "removed or resized on one of them only, e.g. through lp.layers, which lists a rank's own layers "
+                    "only. Make such changes on every rank with lp.apply_to_layers(fn), which reaches the copies too")
+        return None
 
     def _exchange_halo(self, kp, x, check: bool = True, rtol: float = 1e-5):
         """Owners send the current parameters and buffers of halo layers to their users: one message

@@ -25,6 +25,8 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
 * that check steps layers from real states (a layer that validates its domain passes),
   catches an attribute changed on owned vmapped layers without ``refresh()``, and for
   dense layers runs in the first pass and after changes only;
+* a parametrization registered on owned layers only raises on every rank (the lent
+  layers' parameters differ in size: compared in the handshake);
 * inputs that differ between the ranks raise ValueError on every rank (rounding-level
   differences do not).
 
@@ -213,6 +215,18 @@ class Tunable(nn.Module):
         return self.act(self.s * self.lin(u))
 
 
+def raises_naming_apply(what, run):
+    """``run()`` raises on this rank, naming apply_to_layers (a LayerError where a lent layer differs
+    from its copy, RemoteRankError on the other ranks)."""
+    try:
+        run()
+    except (LayerError, RemoteRankError) as exc:
+        if "apply_to_layers" not in str(exc):
+            fail(f"{what}: {exc}")
+        return
+    fail(f"{what}: no error")
+
+
 def changed_after_construction():
     torch.manual_seed(31)
     layers, x = [Tunable() for _ in range(16)], torch.randn(3, 4)
@@ -224,12 +238,7 @@ def changed_after_construction():
         for j, m in lp.layers.items():  # the owned layers only
             change(m, kind)
         lp.refresh()
-        try:
-            lp(x)
-            fail(f"{kind} changed through lp.layers: no error")
-        except (LayerError, RemoteRankError) as exc:  # the ranks holding a copy, the others
-            if "apply_to_layers" not in str(exc):
-                fail(f"{kind} changed through lp.layers: {exc}")
+        raises_naming_apply(f"{kind} changed through lp.layers", lambda: lp(x))
         lp.apply_to_layers(lambda j, m: None if j in lp.owned_layers else change(m, kind))  # the copies too
         fresh = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
         fresh.apply_to_layers(lambda j, m: change(m, kind))
@@ -317,12 +326,20 @@ def domain_and_unrefreshed_changes():
     lp(x)
     for m in lp.layers:  # an attribute of the owned layers, no refresh(): a vmapped layer shows it at once
         m.s = 2.0
-    try:
-        lp(x)
-        fail("an attribute changed on owned vmapped layers without refresh: no error")
-    except (LayerError, RemoteRankError) as exc:
-        if "apply_to_layers" not in str(exc):
-            fail(f"an attribute changed on owned vmapped layers without refresh: {exc}")
+    raises_naming_apply("an attribute changed on owned vmapped layers without refresh", lambda: lp(x))
+
+
+def layout_changed_on_owners():
+    """A parametrization registered through lp.layers only changes the lent layers' parameters on
+    their owners: every rank raises naming apply_to_layers (an MPI truncation error before)."""
+    torch.manual_seed(39)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)], cf=2, max_levels=3,
+                       comm=world)
+    x = torch.randn(3, 4)
+    lp(x)
+    for m in lp.layers:
+        torch.nn.utils.parametrizations.weight_norm(m[0])
+    raises_naming_apply("weight_norm on the owned layers only", lambda: lp(x))
 
 
 def checks_only_after_changes():
@@ -375,6 +392,7 @@ try:
     changed_after_construction()
     harmless_changes()
     domain_and_unrefreshed_changes()
+    layout_changed_on_owners()
     checks_only_after_changes()
     different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
