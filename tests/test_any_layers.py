@@ -510,22 +510,25 @@ def test_a_parametrization_registered_after_construction_is_picked_up():
 
 
 class Recorder(nn.Module):
-    """Keeps its last output (for logging): tracing its forward must not leave a proxy there."""
+    """Keeps its last output and a history (for logging): tracing its forward must not leave
+    proxies there."""
 
     def __init__(self, width):
         super().__init__()
-        self.lin, self.last = nn.Linear(width, width), None
+        self.lin, self.last, self.hist, self.stats = nn.Linear(width, width), None, [], {}
 
     def forward(self, u):
         out = torch.tanh(self.lin(u))
         self.last = out.detach()
+        self.hist.append(self.last)
+        self.stats["last"] = self.last
         return out
 
 
 def test_tracing_a_layer_leaves_its_attributes_alone():
     torch.manual_seed(17)
     lp = LayerParallel([Recorder(4) for _ in range(8)], cf=2, max_levels=3)
-    assert all(m.last is None for m in lp.layers)
+    assert all(m.last is None and m.hist == [] and m.stats == {} for m in lp.layers)
     torch.save(lp.layers[0], io.BytesIO())  # a proxy there made it unpicklable
     lp(torch.randn(3, 4))
 

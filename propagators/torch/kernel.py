@@ -299,14 +299,22 @@ def _trace_dense(module: nn.Module):
     np_state = np.random.get_state()
     states = (np_state[1].copy(), np_state[2], torch.random.get_rng_state(), random.getstate())
     attrs = [(m, dict(vars(m))) for m in module.modules()]
+    contents = [(v, list(v)) if isinstance(v, list) else (v, dict(v)) for _, d in attrs for k, v in d.items()
+                if type(v) in (list, dict) and k not in _REGISTRIES]
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
         return None
-    finally:  # a forward that stores what it computed (self.last = out) must not keep the trace's proxies
-        for m, d in attrs:
+    finally:  # a forward that stores what it computed (self.last = out, self.hist.append(out)) must not
+        for m, d in attrs:  # keep the trace's proxies
             vars(m).clear()
             vars(m).update(d)
+        for v, was in contents:
+            if isinstance(v, list):
+                v[:] = was
+            else:
+                v.clear()
+                v.update(was)
     now = np.random.get_state()
     if not (np.array_equal(states[0], now[1]) and states[1] == now[2]
             and torch.equal(states[2], torch.random.get_rng_state()) and states[3] == random.getstate()):
