@@ -194,11 +194,18 @@ def _input_sums(x) -> tuple:
         return float(a.square().sum()), float(a.sum())
 
 
+def _input_gap(s, s0) -> float:
+    """Largest relative difference between one rank's :func:`_input_sums` ``s`` and rank 0's ``s0``
+    (NaN and Inf left out)."""
+    return max((abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(s, s0)
+                if math.isfinite(a) and math.isfinite(b)), default=0.0)
+
+
 def _differing_inputs(sums, rtol: float = 1e-4) -> ValueError | None:
     """The error to raise when the ranks' inputs differ (``sums``: every rank's :func:`_input_sums`);
     not for differences in the last bits (the layers before this block computed on different hardware)."""
     for r, s in enumerate(sums):
-        if any(abs(a - b) > rtol * max(abs(a), abs(b)) for a, b in zip(s, sums[0])):
+        if _input_gap(s, sums[0]) > rtol:
             return ValueError(
                 f"the input of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against {sums[0][0]:.6g}): "
                 "every layer rank must pass the same input (the same batch, or the same output of the layers "
@@ -740,7 +747,9 @@ class LayerParallel(nn.Module):
             # pass when some rank holds layers it calls (looped or vmapped: an attribute change shows at once)
             changed = (self._checked != (self.kernel, RemovableHandle.next_id)
                        or any(c.mode != "dense" for c in kp.k.classes))
-            share = (note, self._halo_flags(), _input_sums(x), changed, self._halo_bytes(kp)) if P > 1 else None
+            pairs = self._halo_pairs(kp) if P > 1 else None
+            share = (note, self._halo_flags(), _input_sums(x), changed,
+                     {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}) if P > 1 else None
         except BaseException as exc:
             if P > 1:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -764,9 +773,8 @@ class LayerParallel(nn.Module):
                 self._draw_masks(kp, calls, x)
             if P > 1:
                 now = (self.kernel, RemovableHandle.next_id)
-                spread = max((abs(a - b) / max(abs(a), abs(b), 1e-300) for s in sums for a, b in zip(s, sums[0])
-                              if math.isfinite(a) and math.isfinite(b)), default=0.0)
-                self._exchange_halo(kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
+                spread = max(_input_gap(s, sums[0]) for s in sums)
+                self._exchange_halo(pairs, kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
                 self._checked = now
             if not self._probed:
                 self._probe(kp, x)
@@ -852,19 +860,22 @@ class LayerParallel(nn.Module):
                     "detach it")
         self._probed = True
 
-    def _halo_bytes(self, kp) -> dict:
-        """``{(owner, user): bytes of the parameters and buffers of the layers lent}`` for this rank's
-        halo pairs: the two ranks of a pair must agree (compared in the pass's handshake)."""
-        r, out = self._comm.rank, {}
+    def _halo_pairs(self, kp) -> dict:
+        """``{(owner, user): (parameters and buffers, layers)}`` of the layers lent in this rank's halo
+        pairs, in halo order: the owner's tensors, or the copies' that receive them."""
+        r, pairs = self._comm.rank, {}
         for owner, user, j in self.plan.halo:
             if r in (owner, user):
                 p, b = kp.value(j)
-                out[(owner, user)] = out.get((owner, user), 0) + _packed_size([*p.values(), *b.values()])
-        return out
+                vs, js = pairs.setdefault((owner, user), ([], []))
+                vs.extend(list(p.values()) + list(b.values()))
+                js.append(j)
+        return pairs
 
     def _differing_layout(self, nbytes) -> LayerError | None:
         """The error to raise when a lent layer's parameters and buffers differ in size between its owner
-        and the copy (``nbytes``: every rank's :meth:`_halo_bytes`), else None; alike on every rank."""
+        and the copy (``nbytes``: every rank's ``{pair: bytes}`` of :meth:`_halo_pairs`, shared in the
+        pass's handshake), else None; alike on every rank."""
         for owner, user, j in self.plan.halo:
             if nbytes[owner].get((owner, user)) != nbytes[user].get((owner, user)):
                 return LayerError(
@@ -874,9 +885,9 @@ class LayerParallel(nn.Module):
                     "only. Make such changes on every rank with lp.apply_to_layers(fn), which reaches the copies too")
         return None
 
-    def _exchange_halo(self, kp, x, check: bool = True, rtol: float = 1e-5):
+    def _exchange_halo(self, pairs, kp, x, check: bool = True, rtol: float = 1e-5):
         """Owners send the current parameters and buffers of halo layers to their users: one message
-        per (owner, user) pair, the tensors' bytes packed in halo order.
+        per (owner, user) pair of ``pairs`` (:meth:`_halo_pairs`), the tensors' bytes packed in halo order.
 
         With ``check`` (see the pass) a check of each layer travels with them: two norms of
         ``step(x)`` for the pass's input ``x`` (:meth:`_layer_checks`; the ranks' inputs agree to
@@ -887,13 +898,6 @@ class LayerParallel(nn.Module):
         that do not alter what the layer computes (a counter, a logging hook, a per-rank device
         attribute) pass."""
         c, r = self._comm, self._comm.rank
-        pairs: dict = {}
-        for owner, user, j in self.plan.halo:
-            if r in (owner, user):
-                p, b = kp.value(j)
-                vs, js = pairs.setdefault((owner, user), ([], []))
-                vs.extend(list(p.values()) + list(b.values()))
-                js.append(j)
         z = x.detach() if check else None
         with torch.no_grad():
             for (owner, user), (vs, js) in pairs.items():
