@@ -91,6 +91,16 @@ mpi4py communicator (it is cached as an MPI attribute of that communicator),
 so that all parts of a program share its pool and its alarms. Wrapping a
 communicator is collective (it duplicates it once).
 
+A rank may fail before it ever wraps the communicator the others are wrapping
+(say it cannot read its data before the model is built): it would never join
+the duplication. So a process that ends on an unhandled exception also sends
+its note to every other rank of ``MPI.COMM_WORLD`` itself, on the one tag
+:attr:`Tag.WORLD_ALARM` (the only message of this module on a raw
+communicator; a normal exit sends none there, so that programs whose ranks end
+at different times are not disturbed). Wrapping listens for it while it
+duplicates (``MPI_Comm_idup``) and raises :class:`RemoteRankError` naming the
+failed rank when it is a member of the communicator.
+
 Tags
 ----
 See :class:`Tag`: the solver's data tags are level indices (small numbers);
@@ -133,6 +143,7 @@ class Tag(IntEnum):
     CLEANUP = 0x7A05  #: after a failure: per-peer sent-message counts (not counted themselves)
     ALARM = 0x7A06  #: :meth:`MPIComm.alarm`, on the base channel
     GATHER = 0x7A07  #: :meth:`Communicator.gather`
+    WORLD_ALARM = 0x7A08  #: on ``MPI.COMM_WORLD`` itself: a process ended on an unhandled exception
     HALO = 0x7A10  #: layer parameters sent to the ranks that need them
     GHOST = 0x7A11  #: a neighbour's last state
     STATE = 0x7A12  #: :meth:`Communicator.bcast_state`
@@ -165,21 +176,50 @@ def _guard_exit(comm) -> None:
     wait in a handshake or inside a session (see :meth:`MPIComm._poll`), and a rank
     finishing a session ignores both (the rank that left finished that session too): ranks
     that are done with each other exit as before. Over torch.distributed the peers see the
-    closed connection instead.
+    closed connection instead. (:func:`_alarm_at_exit` is registered when this module is imported.)
     """
-    if not _LIVE:
-        atexit.unregister(_alarm_at_exit)  # at most one registration
-        atexit.register(_alarm_at_exit)  # after mpi4py's import: runs before MPI is finalised
     _LIVE.add(comm)
 
 
 def _alarm_at_exit() -> None:
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set for an unhandled one
+    if exc is not None:
+        _alarm_world(exc)
     for comm in list(_LIVE):
         try:
             comm.alarm(exc) if exc is not None else comm._alarm(_EXITED)
         except Exception:  # noqa: BLE001 - leaving anyway; the others then see a broken connection
             pass
+
+
+atexit.register(_alarm_at_exit)  # (mpi4py finalises MPI after every atexit function, whenever registered)
+
+#: World ranks whose process ended on an unhandled exception, with its note (received world alarms).
+_WORLD_FAILED: dict = {}
+
+
+def _alarm_world(exc: BaseException) -> None:
+    """Send this process's failure note to every other rank of ``MPI.COMM_WORLD`` (see the module's
+    "Alarms"); nothing when mpi4py was never imported, MPI is finalised or the world is one rank."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        world = MPI.COMM_WORLD
+        me, size = world.Get_rank(), world.Get_size()
+        note = _note(exc)
+        _ABANDONED.append([world.isend(note, dest=r, tag=Tag.WORLD_ALARM) for r in range(size) if r != me])
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+
+
+def _world_failures(MPI) -> dict:
+    """World ranks known to have failed (:data:`_WORLD_FAILED`, after reading the world alarms that arrived)."""
+    world, st = MPI.COMM_WORLD, MPI.Status()
+    while world.Iprobe(MPI.ANY_SOURCE, Tag.WORLD_ALARM, st):
+        src = st.Get_source()
+        _WORLD_FAILED[src] = world.recv(source=src, tag=Tag.WORLD_ALARM)
+    return _WORLD_FAILED
 
 
 def abandoned_channels() -> int:
@@ -1089,7 +1129,7 @@ class MPIComm(_SessionComm):
             world.Free()
         self._world = [r if x == MPI.UNDEFINED else int(x) for r, x in enumerate(w)]
         self._status = MPI.Status()
-        self._base = _Channel(comm.Dup(), -1, self.size)  # handshakes, alarms, traffic outside sessions
+        self._base = _Channel(self._duplicate(comm), -1, self.size)  # handshakes, alarms, other traffic
         self._stack = [self._base]  # the base channel and one channel per open session
         self._pool: dict = {}  # id -> clean _Channel, oldest first
         self._next_id = 0
@@ -1101,6 +1141,23 @@ class MPIComm(_SessionComm):
             comm.Set_attr(kv, self)
         if self.size > 1:
             _guard_exit(self)
+
+    def _duplicate(self, comm):
+        """``comm.Dup()``, listening meanwhile for the world alarm of a member that failed before it
+        joined (it never will): RemoteRankError instead of waiting in MPI for ever."""
+        if self.size == 1:
+            return comm.Dup()
+        new, req = comm.Idup()
+        backoff = _Backoff()
+        while not req.Test():
+            failed = _world_failures(self._MPI)
+            for r, w in enumerate(self._world):
+                if w in failed and r != self.rank:
+                    raise RemoteRankError(
+                        f"{self._who(r)} failed before it joined the wrapping of this communicator (its "
+                        f"process ended on an unhandled exception): {failed[w]}", rank=r, world_rank=w)
+            backoff.pause()
+        return new
 
     # -- naming -----------------------------------------------------------------
     def world_rank(self, r=None):
@@ -1405,10 +1462,19 @@ class MPIComm(_SessionComm):
         _ABANDONED.append(reqs)  # never waited for; kept alive
         self._broken = (self.rank, note)
 
-    def split(self, color, key=0):
+    def agree(self) -> None:
+        """Return when every rank has called this (a barrier that listens for failures: before a
+        blocking MPI call on the raw communicator, such as ``MPI_Comm_split``)."""
         self._usable()
         ch = self._top
-        self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)  # all are here
+        self._handshaking = True  # a rank that exited never comes
+        try:
+            self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
+        finally:
+            self._handshaking = False
+
+    def split(self, color, key=0):
+        self.agree()  # all are here
         raw = self._base.comm.Split(color, key)
         if raw == self._MPI.COMM_NULL:
             return None
@@ -1515,6 +1581,8 @@ def split_comm(comm, layer_size: int):
             f"`layer_size` must divide the communicator size {size}, got {layer_size!r}"
         )
     layer_index, data_index = rank % layer_size, rank // layer_size
+    if size > 1:  # every rank is here (or RemoteRankError) before the blocking MPI_Comm_split
+        as_communicator(comm).agree()
     layer_comm = comm.Split(color=data_index, key=layer_index)
     data_comm = comm.Split(color=layer_index, key=data_index)
     return layer_comm, data_comm

@@ -218,6 +218,22 @@ def test_a_rank_dying_of_an_unhandled_exception_alarms_the_others(n, where):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n, where", [(2, "build"), (3, "build"), (3, "split")])
+def test_a_rank_that_fails_before_the_others_wrap_the_communicator_alarms_them(n, where):
+    """The last rank raises before it ever wraps the world communicator; the others build a
+    LayerParallel over it or split it: they raise RemoteRankError naming it (they waited in
+    MPI_Comm_dup for ever before)."""
+    rc, out, _ = launch(n, "unhandled_exit.py", where, timeout=90)
+    last = n - 1
+    assert rc != 0 and "was not stopped" not in out, out[-5000:]
+    assert f"RuntimeError: user code failed on rank {last}" in out, out[-5000:]
+    found = re.findall(rf"RemoteRankError: rank {last} failed before it joined the wrapping of this "
+                       rf"communicator \(its process ended on an unhandled exception\): RuntimeError: user "
+                       rf"code failed on rank {last}", out)
+    assert len(found) == n - 1, out[-5000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_rank_that_exits_while_the_others_wait_alarms_them(n):
     """The last rank skips the backward pass the others enter and its program ends without an

@@ -4,10 +4,13 @@ Usage: mpiexec -n P python unhandled_exit.py WHERE
 ``between`` and ``solve``: the last rank raises ``RuntimeError("user code failed on rank r")`` and does not catch it:
 ``between``: after a LayerParallel forward pass, where the others go on to backward;
 ``solve``: between two ``mgrit.solve`` calls, before the second one the others enter (the
-communicator was wrapped by the first: a rank that fails before it ever wrapped it leaves
-the others in MPI_Comm_dup, which only MPI_Abort ends, see the README). Python prints the traceback and
+communicator was wrapped by the first). Python prints the traceback and
 finalises MPI; the other ranks, waiting in a handshake for it, must raise RemoteRankError
 naming it (the exit guard of mgrit.comm alarms them) instead of waiting for ever.
+``build`` and ``split``: the last rank raises before it ever wraps the world communicator, while the
+others build a LayerParallel over it (``build``) or split it with ``mgrit.split_comm`` (``split``):
+they wait to duplicate it with a rank that never comes, and must raise RemoteRankError naming it
+(its world alarm) instead of waiting in MPI_Comm_dup for ever.
 ``skip``: the last rank runs a LayerParallel forward pass and ends without an error, skipping the
 backward pass the others enter: they must raise RemoteRankError saying that it exited.
 ``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
@@ -68,6 +71,14 @@ elif where == "gather":  # the usual end of a script; rank 1 is slower to get th
     u = mgrit.gather(res, root=0)
     print(f"rank {rank} finished" + (f" {u.shape}" if rank == 0 else ""), flush=True)
     sys.exit(0)
+elif where in ("build", "split"):
+    if last:
+        raise RuntimeError(f"user code failed on rank {rank}")  # say, its data could not be read
+    if where == "build":
+        lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                           max_levels=3, comm=world)
+    else:
+        mgrit.split_comm(world, size)
 elif where == "solve":
     for step in range(2):  # the first solve together; before the second, the last rank fails
         if step and last:
