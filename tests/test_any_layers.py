@@ -934,3 +934,41 @@ def test_ode_propagator_follows_parameter_changes_or_refresh():
     assert rel(mgrit.solve(prop, u0, t, max_levels=1).u[-1], serial()) < 1e-14
     prop.refresh()
     assert rel(mgrit.solve(prop, u0, t, cf=2, max_levels=3, tol=1e-13, max_iter=30).u[-1], serial()) < 1e-10
+
+
+class Checkpointed(nn.Module):
+    """A layer that recomputes its block in the backward pass (``torch.utils.checkpoint``)."""
+
+    def __init__(self, width, p=0.0):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(p) if p else nn.Identity()
+
+    def forward(self, u):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda v: self.drop(torch.tanh(self.lin(v))), u, use_reentrant=False)
+
+
+@pytest.mark.parametrize("how", ["batched", "looped", "hooked"])
+def test_torch_checkpoint_inside_a_layer_gives_serial_gradients(how):
+    """The looped path computes a layer's VJPs after the call returned; torch.utils.checkpoint re-runs the
+    block then, and must see the parameters of the pass (it raised a CheckpointError before)."""
+    torch.manual_seed(0)
+    layers = [Checkpointed(4) for _ in range(12)]
+    if how == "hooked":  # a forward hook sends a layer to the looped path
+        layers[5].register_forward_hook(lambda m, i, o: o * 1.0)
+    lp = LayerParallel(layers, T=1.0, cf=2, max_levels=3, batched=how != "looped", **TIGHT)
+    modes = " ".join(lp.kernel.describe())
+    assert ("loop" in modes) == (how != "batched"), modes
+    check_equals_serial(lp, layers, torch.randn(3, 4), T=1.0)
+
+
+def test_torch_checkpoint_around_dropout_in_a_looped_layer_is_refused():
+    """Re-running a layer with dropout in the backward pass would draw new masks (gradients off by
+    about 0.5 in this net): a LayerError that names the checkpoint instead."""
+    torch.manual_seed(0)
+    lp = LayerParallel([Checkpointed(4, p=0.3) for _ in range(12)], T=1.0, cf=2, max_levels=3, batched=False)
+    y = lp(torch.randn(3, 4))
+    with pytest.raises(LayerError, match=r"torch\.utils\.checkpoint\) and uses dropout"):
+        y.square().sum().backward()

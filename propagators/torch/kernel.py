@@ -44,6 +44,22 @@ from torch.overrides import TorchFunctionMode
 
 from .schemes import forward_euler
 
+try:  # what functional_call binds with; held around a looped layer's autograd.grad (KernelPass._held)
+    from torch.nn.utils.stateless import _reparametrize_module
+except ImportError:  # pragma: no cover - older or newer torch: torch.utils.checkpoint in looped layers fails
+    _reparametrize_module = None
+
+
+def _no_recompute():
+    """A layer whose dropout LayerParallel fixes must not be re-run by autograd: the re-run would
+    draw new masks (a non-reentrant ``torch.utils.checkpoint`` is refused through its saved-tensor hooks)."""
+    return torch.autograd.graph.disable_saved_tensors_hooks(
+        "the layer re-runs part of itself in the backward pass (torch.utils.checkpoint) and uses dropout: "
+        "the re-run would draw new dropout masks, not the ones LayerParallel fixed for the pass, and give "
+        "wrong gradients. Remove the checkpoint from the layer (LayerParallel keeps only the states; "
+        "checkpointing is not needed), or put the layer in eval mode")
+
+
 # attributes of nn.Module that are registries, not configuration
 _REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -728,14 +744,16 @@ class KernelPass:
         return out
 
     # -- one layer, functionally ----------------------------------------------
-    def _single(self, module, params, buffers, u, dt):
+    def _single(self, module, params, buffers, u, dt, bound=False):
+        """``scheme(module, u, dt)`` with ``params`` and ``buffers`` bound for each call (``bound``: they
+        are bound already, see :meth:`_held`)."""
         scheme = self.k.scheme
         masks = buffers.get(MASKS)
         if masks is not None:
             buffers = {n: v for n, v in buffers.items() if n != MASKS}
 
         def f(*args):
-            out = functional_call(module, {**params, **buffers}, args)
+            out = module(*args) if bound else functional_call(module, {**params, **buffers}, args)
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"the layer returned a {type(out).__name__}; a layer must return one tensor")
             return out
@@ -745,11 +763,11 @@ class KernelPass:
         with DropoutMasks(masks):
             return scheme(f, u, dt)
 
-    def _call_layer(self, j: int, u, dt, params=None):
+    def _call_layer(self, j: int, u, dt, params=None, bound=False):
         p, b = self._detached(j) if params is None else (params, self.value(j)[1])
         b = self._masked(j, b)
         with self._named(j):
-            out = self._single(self.k.modules[j], p, b, u, dt)
+            out = self._single(self.k.modules[j], p, b, u, dt, bound)
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"the step returned a {type(out).__name__}; a layer must return one tensor")
             if out.shape != u.shape:
@@ -757,6 +775,23 @@ class KernelPass:
                                  "a layer must keep the shape of the state")
             return out
 
+    @contextlib.contextmanager
+    def _held(self, j: int, params=None):
+        """Layer ``j``'s module bound to the pass's parameters (or ``params``), its buffers and its dropout
+        masks while the block runs, as :meth:`_call_layer` binds them for the call: an ``autograd.grad``
+        inside the block that re-runs part of the layer (``torch.utils.checkpoint`` recomputes its
+        segment in the backward pass, after the call has returned) sees the same layer. Yields whether
+        it bound them (then call the layer with ``bound=True``: no second binding per call)."""
+        if _reparametrize_module is None:
+            yield False
+            return
+        p, b = self._detached(j) if params is None else (params, self.value(j)[1])
+        b = self._masked(j, b)
+        masks = b.get(MASKS)
+        b = {n: v for n, v in b.items() if n != MASKS}
+        with _reparametrize_module(self.k.modules[j], {**p, **b}, tie_weights=True), \
+                (contextlib.nullcontext() if masks is None else _no_recompute()):
+            yield True
     @contextlib.contextmanager
     def _named(self, j: int):
         """Re-raise any error of layer ``j`` as a :class:`LayerError` that names the layer."""
@@ -974,9 +1009,9 @@ class KernelPass:
         c = self.k.classes[cid]
         if c.mode == "loop":
             def one(k, j):
-                with torch.enable_grad(), self._named(j):
+                with torch.enable_grad(), self._named(j), self._held(j) as bound:
                     u = U[k].detach().requires_grad_(True)
-                    out = self._call_layer(j, u, dt[k])
+                    out = self._call_layer(j, u, dt[k], bound=bound)
                     g = torch.autograd.grad(out, u, V[k], allow_unused=True)[0]
                 return torch.zeros_like(u) if g is None else g
 
@@ -1095,10 +1130,11 @@ class KernelPass:
             x = u.detach()
             if _backward_hooked(self.k.modules[j]):  # a full backward hook gets the input's gradient, as in serial
                 x.requires_grad_(True)
-            out = self._call_layer(j, x, dt, params=req)
-            if not out.requires_grad:
-                return grads
-            gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
+            with self._held(j, req) as bound:
+                out = self._call_layer(j, x, dt, params=req, bound=bound)
+                if not out.requires_grad:
+                    return grads
+                gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
         grads.update(zip(need, gs))
         return grads
 
