@@ -173,7 +173,8 @@ def _guard_exit(comm) -> None:
     run), can never answer a rank that waits for it in a handshake or a receive; nobody
     would end the job (``python -m mpi4py`` would, on an exception only: MPI_Abort). The
     alarm of an exception fails the next wait on ``comm``; that of a normal exit only a
-    wait in a handshake or inside a session (see :meth:`MPIComm._poll`), and a rank
+    wait in a handshake or inside a session (see :meth:`MPIComm._poll`), or one for a
+    message of the rank that ended (:meth:`MPIComm._awaited_exited`), and a rank
     finishing a session ignores both (the rank that left finished that session too): ranks
     that are done with each other exit as before. Over torch.distributed the peers see the
     closed connection instead. (:func:`_alarm_at_exit` is registered when this module is imported.)
@@ -1104,11 +1105,15 @@ class MPIComm(_SessionComm):
     cleanup_timeout : float
         Seconds the cleanup after a failure may take before the channel is
         abandoned (default 3).
+    exit_grace : float
+        Seconds a wait outside sessions for a message of a rank whose program
+        ended goes on after its exit alarm, before it raises (default 1).
     tag_ub : int
         Largest tag the MPI library accepts (user tags: ``Tag.USER .. tag_ub``).
     """
 
     cleanup_timeout = 3.0
+    exit_grace = 1.0
 
     def __init__(self, comm, cuda_aware: bool | None = None):
         from mpi4py import MPI
@@ -1207,23 +1212,41 @@ class MPIComm(_SessionComm):
         self._usable()
         # A rank whose program ended fails the ranks that wait in a handshake (it never joins one
         # again) or in a session it is not part of; waits outside sessions (a gather to a root, user
-        # messages between two other ranks) go on: the rank that ended delivered its part before
+        # messages between two other ranks) go on unless they wait for a message of that rank
+        # (_awaited_exited): the rank that ended delivered its part before
         if self._exited and not self._finishing and (self._handshaking or self._depth() > 0):
-            r = min(self._exited)
-            raise RemoteRankError(
-                f"{self._who(r)} exited while this rank waits for it (its program ended without an "
-                "unhandled exception, or called sys.exit): every rank must make the same collective "
-                "calls in the same order, e.g. run backward() through every LayerParallel output and "
-                "every solve on every rank", rank=r, world_rank=self._world[r])
+            raise self._exited_error(min(self._exited))
+
+    def _exited_error(self, r: int) -> RemoteRankError:
+        return RemoteRankError(
+            f"{self._who(r)} exited while this rank waits for it (its program ended without an "
+            "unhandled exception, or called sys.exit): every rank must make the same collective "
+            "calls in the same order, e.g. run backward() through every LayerParallel output and "
+            "every solve, gather and reduction on every rank", rank=r, world_rank=self._world[r])
+
+    def _awaited_exited(self, source: int, since: list) -> None:
+        """Outside sessions a wait fails for an exit alarm only when it waits for a message of the rank
+        that exited: raise once no such message arrived within :attr:`exit_grace` seconds of the alarm
+        (what it sent before it ended is delivered by then). ``since``: a one-item list, the
+        time the alarm was first seen in this wait (None before)."""
+        if source not in self._exited or self._finishing:
+            return
+        now = time.perf_counter()
+        if since[0] is None:
+            since[0] = now
+        elif now - since[0] > self.exit_grace:
+            raise self._exited_error(source)
 
     def _wait(self, req, recv=None) -> None:
         """Wait for ``req`` while polling for failures. ``recv = (channel, source)``
         for a receive: it is counted when it completes; when the wait is
         interrupted it is cancelled, and counted if it had matched already."""
-        backoff = _Backoff()
+        backoff, since = _Backoff(), [None]
         try:
             while not req.Test():
                 self._poll()
+                if recv is not None and self._exited:
+                    self._awaited_exited(recv[1], since)
                 backoff.pause()
         except BaseException:
             if recv is not None and req == self._MPI.REQUEST_NULL:  # Test completed it, with an error
@@ -1265,9 +1288,11 @@ class MPIComm(_SessionComm):
 
     def _recv_obj(self, ch: _Channel, source: int, tag: int):
         ch.finished = False
-        backoff = _Backoff()
+        backoff, since = _Backoff(), [None]
         while not ch.comm.Iprobe(source=source, tag=tag):
             self._poll()
+            if self._exited:
+                self._awaited_exited(source, since)
             backoff.pause()
         obj = ch.comm.recv(source=source, tag=tag)
         ch.recvd[source] += 1

@@ -246,6 +246,20 @@ def test_a_rank_that_exits_while_the_others_wait_alarms_them(n):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_exits_without_sending_what_another_waits_for_alarms_it(n):
+    """The last rank skips the gather to rank 0 and its program ends: rank 0, waiting for its part
+    outside any session, raises RemoteRankError saying that it exited (it hung before); the ranks
+    that gathered finish."""
+    rc, out, _ = launch(n, "unhandled_exit.py", "forgotten", timeout=90)
+    last = n - 1
+    assert rc != 0, out[-5000:]
+    assert len(re.findall(rf"RemoteRankError: rank {last} exited while this rank waits for it", out)) == 1, \
+        out[-5000:]
+    assert {int(r) for r in re.findall(r"rank (\d+) finished", out)} == set(range(1, n)), out[-5000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n, where", [(2, "done"), (3, "done"), (3, "gather")])
 def test_the_exit_alarm_of_a_rank_that_is_done_fails_nobody(n, where):
     """``done``: every rank trains one step; rank 0 is still finishing the backward pass's session

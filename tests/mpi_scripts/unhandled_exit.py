@@ -18,6 +18,9 @@ session (it sleeps and then polls inside ``finish``) while the last rank, done, 
 of its exit must not fail rank 0's finish; every rank prints "finished" and the job ends cleanly.
 ``gather``: every rank solves and gathers the result to rank 0, rank 1 late: the last rank, done,
 exits while rank 0 waits for rank 1 outside any session: rank 0 gathers, the job ends cleanly.
+``forgotten``: every rank solves; the last rank skips the gather to rank 0 and ends without an error:
+rank 0, waiting outside any session for its part, must raise RemoteRankError saying that it exited;
+the other ranks finish.
 """
 import time
 import sys
@@ -70,6 +73,12 @@ elif where == "gather":  # the usual end of a script; rank 1 is slower to get th
         time.sleep(1.0)
     u = mgrit.gather(res, root=0)
     print(f"rank {rank} finished" + (f" {u.shape}" if rank == 0 else ""), flush=True)
+    sys.exit(0)
+elif where == "forgotten":
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0.0, 1.0, 33), cf=2, comm=world)
+    if not last:
+        mgrit.gather(res, root=0)
+    print(f"rank {rank} finished", flush=True)
     sys.exit(0)
 elif where in ("build", "split"):
     if last:
