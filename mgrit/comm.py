@@ -208,19 +208,33 @@ def _alarm_world(exc: BaseException) -> None:
             return
         world = MPI.COMM_WORLD
         me, size = world.Get_rank(), world.Get_size()
-        note = _note(exc)
-        _ABANDONED.append([world.isend(note, dest=r, tag=Tag.WORLD_ALARM) for r in range(size) if r != me])
+        origin = getattr(exc, "world_rank", None) if isinstance(exc, RemoteRankError) else me
+        msg = (me if origin is None else int(origin), _note(exc))
+        _ABANDONED.append([world.isend(msg, dest=r, tag=Tag.WORLD_ALARM) for r in range(size) if r != me])
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
 
 
 def _world_failures(MPI) -> dict:
-    """World ranks known to have failed (:data:`_WORLD_FAILED`, after reading the world alarms that arrived)."""
+    """``{world rank: (world rank of the failure it died of, note)}`` of the processes known to have
+    ended on an unhandled exception (:data:`_WORLD_FAILED`, after reading the world alarms that
+    arrived). A process that died of a RemoteRankError names the rank whose failure it heard of."""
     world, st = MPI.COMM_WORLD, MPI.Status()
     while world.Iprobe(MPI.ANY_SOURCE, Tag.WORLD_ALARM, st):
         src = st.Get_source()
         _WORLD_FAILED[src] = world.recv(source=src, tag=Tag.WORLD_ALARM)
     return _WORLD_FAILED
+
+
+def _world_failure_note(MPI, members=None) -> tuple | None:
+    """``(world rank, note)`` of a known failure among ``members`` (world ranks; None: any), preferring
+    a process that failed of its own (not of a RemoteRankError about another's failure); or None."""
+    failed = _world_failures(MPI)
+    known = [w for w in (failed if members is None else members) if w in failed]
+    if not known:
+        return None
+    w = next((w for w in known if failed[w][0] == w), known[0])
+    return w, failed[w][1]
 
 
 def abandoned_channels() -> int:
@@ -276,8 +290,20 @@ class RemoteRankError(RuntimeError):
         return type(self), (str(self), self.rank, self.world_rank)
 
 
+_NOTE_CHARS = 4000  # a failure note is cut to this: it must travel eagerly (its sender may be gone)
+
+
 def _note(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``"Type: message"`` of ``exc``, at most :data:`_NOTE_CHARS` characters (never raises: an
+    exception whose ``__str__`` fails must still reach the other ranks)."""
+    try:
+        text = str(exc)
+    except Exception as err:  # noqa: BLE001 - a user's __str__ may raise anything
+        text = f"<its str() failed: {type(err).__name__}>"
+    note = f"{type(exc).__name__}: {text}"
+    if len(note) > _NOTE_CHARS:
+        note = f"{note[:_NOTE_CHARS]}... ({len(note)} characters)"
+    return note
 
 
 # -- reproducible (rank-count independent) summation ------------------------
@@ -1154,13 +1180,15 @@ class MPIComm(_SessionComm):
             return comm.Dup()
         new, req = comm.Idup()
         backoff = _Backoff()
+        others = [w for r, w in enumerate(self._world) if r != self.rank]
         while not req.Test():
-            failed = _world_failures(self._MPI)
-            for r, w in enumerate(self._world):
-                if w in failed and r != self.rank:
-                    raise RemoteRankError(
-                        f"{self._who(r)} failed before it joined the wrapping of this communicator (its "
-                        f"process ended on an unhandled exception): {failed[w]}", rank=r, world_rank=w)
+            known = _world_failure_note(self._MPI, others)
+            if known is not None:
+                w, note = known
+                r = self._world.index(w)
+                raise RemoteRankError(
+                    f"{self._who(r)} failed before it joined the wrapping of this communicator (its "
+                    f"process ended on an unhandled exception): {note}", rank=r, world_rank=w)
             backoff.pause()
         return new
 
@@ -1218,11 +1246,14 @@ class MPIComm(_SessionComm):
             raise self._exited_error(min(self._exited))
 
     def _exited_error(self, r: int) -> RemoteRankError:
+        earlier = _world_failure_note(self._MPI)  # (say it caught the RemoteRankError of that failure)
+        more = "" if earlier is None else (
+            f" (earlier, rank {earlier[0]} of MPI.COMM_WORLD ended on an unhandled exception: {earlier[1]})")
         return RemoteRankError(
             f"{self._who(r)} exited while this rank waits for it (its program ended without an "
             "unhandled exception, or called sys.exit): every rank must make the same collective "
             "calls in the same order, e.g. run backward() through every LayerParallel output and "
-            "every solve, gather and reduction on every rank", rank=r, world_rank=self._world[r])
+            f"every solve, gather and reduction on every rank{more}", rank=r, world_rank=self._world[r])
 
     def _awaited_exited(self, source: int, since: list) -> None:
         """Outside sessions a wait fails for an exit alarm only when it waits for a message of the rank

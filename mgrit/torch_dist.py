@@ -123,7 +123,7 @@ def _code(tag: int) -> int:
     tag = int(tag)
     if 0 <= tag < 512:
         return tag
-    if Tag.FAILURE <= tag <= Tag.GATHER:
+    if Tag.FAILURE <= tag <= Tag.WORLD_ALARM:
         return 512 + tag - Tag.FAILURE
     if tag in (Tag.HALO, Tag.GHOST, Tag.STATE):
         return 528 + tag - Tag.HALO

@@ -170,3 +170,39 @@ def test_remote_rank_error_carries_the_ranks():
     f = pickle.loads(pickle.dumps(e))
     assert (str(f), f.rank, f.world_rank) == (str(e), 0, 3)
     assert RemoteRankError("plain").world_rank is None
+
+
+def test_failure_notes_survive_a_broken_str_and_stay_small():
+    """A note must reach the other ranks: an exception whose ``__str__`` raises still gives one
+    (no alarm at all was sent before: the others hung), and a huge message is cut so that the note
+    travels eagerly (a 2 MB note failed in MPI when its sender had already exited)."""
+    from mgrit.comm import _NOTE_CHARS, _note
+
+    class DataError(Exception):
+        def __str__(self):
+            return f"cannot read {self.filename}"  # no such attribute
+
+    assert _note(DataError()) == "DataError: <its str() failed: AttributeError>"
+    assert _note(ValueError("bad x")) == "ValueError: bad x"
+    big = _note(RuntimeError("X" * 2_000_000))
+    assert len(big) < _NOTE_CHARS + 40 and big.endswith("... (2000014 characters)")
+
+
+def test_world_failures_name_the_rank_that_failed_of_its_own():
+    """Ranks that died of the RemoteRankError of another's failure alarm the world too; a rank that
+    hears of several names the one that failed of its own (it named a bystander before)."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    from mgrit import comm as C
+
+    saved = dict(C._WORLD_FAILED)
+    try:
+        C._WORLD_FAILED.clear()
+        assert C._world_failure_note(MPI, [0, 1, 2]) is None
+        C._WORLD_FAILED[0] = (2, "RemoteRankError: rank 2 failed before it joined ...")
+        assert C._world_failure_note(MPI, [0, 1])[0] == 0  # only the bystander is known among these
+        C._WORLD_FAILED[2] = (2, "RuntimeError: boom")
+        assert C._world_failure_note(MPI, [0, 1, 2]) == (2, "RuntimeError: boom")
+        assert C._world_failure_note(MPI) == (2, "RuntimeError: boom")
+    finally:
+        C._WORLD_FAILED.clear()
+        C._WORLD_FAILED.update(saved)

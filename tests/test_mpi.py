@@ -234,6 +234,16 @@ def test_a_rank_that_fails_before_the_others_wrap_the_communicator_alarms_them(n
 
 
 @pytest.mark.mpi
+def test_an_exception_whose_str_fails_still_alarms_the_others():
+    """The last rank dies of an exception whose ``__str__`` raises, before the others build: the
+    note could not be made and no alarm went out (they hung); now they raise, naming it."""
+    rc, out, _ = launch(2, "unhandled_exit.py", "badstr", timeout=90)
+    assert rc != 0 and "was not stopped" not in out, out[-5000:]
+    assert "RemoteRankError: rank 1 failed before it joined the wrapping of this communicator (its process " \
+           "ended on an unhandled exception): DataError: <its str() failed: AttributeError>" in out, out[-5000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_rank_that_exits_while_the_others_wait_alarms_them(n):
     """The last rank skips the backward pass the others enter and its program ends without an

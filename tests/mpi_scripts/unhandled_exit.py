@@ -10,7 +10,8 @@ naming it (the exit guard of mgrit.comm alarms them) instead of waiting for ever
 ``build`` and ``split``: the last rank raises before it ever wraps the world communicator, while the
 others build a LayerParallel over it (``build``) or split it with ``mgrit.split_comm`` (``split``):
 they wait to duplicate it with a rank that never comes, and must raise RemoteRankError naming it
-(its world alarm) instead of waiting in MPI_Comm_dup for ever.
+(its world alarm) instead of waiting in MPI_Comm_dup for ever. ``badstr``: the same as ``build``, with
+an exception whose ``__str__`` raises.
 ``skip``: the last rank runs a LayerParallel forward pass and ends without an error, skipping the
 backward pass the others enter: they must raise RemoteRankError saying that it exited.
 ``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
@@ -80,7 +81,13 @@ elif where == "forgotten":
         mgrit.gather(res, root=0)
     print(f"rank {rank} finished", flush=True)
     sys.exit(0)
-elif where in ("build", "split"):
+elif where in ("build", "split", "badstr"):
+    if last and where == "badstr":
+        class DataError(Exception):
+            def __str__(self):  # a typo: no such attribute (Python prints "<exception str() failed>")
+                return f"cannot read {self.filename}"
+
+        raise DataError()
     if last:
         raise RuntimeError(f"user code failed on rank {rank}")  # say, its data could not be read
     if where == "build":
