@@ -195,7 +195,7 @@ def _alarm_at_exit() -> None:
 
 atexit.register(_alarm_at_exit)  # (mpi4py finalises MPI after every atexit function, whenever registered)
 
-#: World ranks whose process ended on an unhandled exception, with its note (received world alarms).
+#: World ranks whose process ended on an unhandled exception (received world alarms): see _world_failures.
 _WORLD_FAILED: dict = {}
 
 

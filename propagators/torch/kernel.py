@@ -50,9 +50,33 @@ except ImportError:  # pragma: no cover - older or newer torch: torch.utils.chec
     _reparametrize_module = None
 
 
+@contextlib.contextmanager
+def own_saved_tensors():
+    """Saved-tensor hooks of the user's (``torch.autograd.graph.save_on_cpu()``, offloading) suspended
+    while the block runs: the solves' own autograd calls consume what they save at once, and
+    ``torch.func`` transforms refuse such hooks (a vmapped class would fall back to the loop for good)."""
+    A = torch._C._autograd
+    top, pop, push = (getattr(A, f"_{n}_saved_tensors_default_hooks", None) for n in ("top", "pop", "push"))
+    held = []
+    if None not in (top, pop, push):
+        while top(False) is not None:
+            held.append(top(False))
+            pop()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(held):
+            push(pack, unpack)
+
+
 def _no_recompute():
     """A layer whose dropout LayerParallel fixes must not be re-run by autograd: the re-run would
-    draw new masks (a non-reentrant ``torch.utils.checkpoint`` is refused through its saved-tensor hooks)."""
+    draw new masks (a non-reentrant ``torch.utils.checkpoint`` is refused through its saved-tensor hooks).
+    Under saved-tensor hooks of the user's that were not suspended (:func:`own_saved_tensors`) nothing is
+    refused: refusing would fail them too."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None or top(False) is not None:
+        return contextlib.nullcontext()
     return torch.autograd.graph.disable_saved_tensors_hooks(
         "the layer re-runs part of itself in the backward pass (torch.utils.checkpoint) and uses dropout: "
         "the re-run would draw new dropout masks, not the ones LayerParallel fixed for the pass, and give "
@@ -792,6 +816,7 @@ class KernelPass:
         with _reparametrize_module(self.k.modules[j], {**p, **b}, tie_weights=True), \
                 (contextlib.nullcontext() if masks is None else _no_recompute()):
             yield True
+
     @contextlib.contextmanager
     def _named(self, j: int):
         """Re-raise any error of layer ``j`` as a :class:`LayerError` that names the layer."""

@@ -32,7 +32,7 @@ from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_com
 from mgrit.hierarchy import build_hierarchy
 
 from .adjoint import AdjointPropagator, parameter_vjp
-from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks
+from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -117,9 +117,13 @@ def _rng_digest(device) -> int:
 class _LayerParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, kp, anchor, x, *params):
-        y, saved = lp._forward_solve(kp, x)
+        with own_saved_tensors():
+            y, saved = lp._forward_solve(kp, x)
         ctx.lp, ctx.saved = lp, saved
         ctx.save_for_backward(*params)  # autograd's own check: no in-place change before backward
+        # which parameter each gradient belongs to, by identity: saved tensors may come back as other
+        # objects (saved-tensor hooks of the user's, e.g. torch.autograd.graph.save_on_cpu())
+        ctx.param_ids = list(map(id, params))
         return y
 
     @staticmethod
@@ -127,7 +131,8 @@ class _LayerParallelFunction(torch.autograd.Function):
         lp = ctx.lp
         try:
             try:  # the local checks first: a rank that fails here tells the others in the handshake
-                params = _backward_checks(ctx)
+                _backward_checks(ctx)
+                params = ctx.param_ids
                 _check_output_gradient(gy)
                 sig = lp._adjoint_signature(gy)
             except BaseException as exc:
@@ -140,7 +145,7 @@ class _LayerParallelFunction(torch.autograd.Function):
             # the solve's arguments): a failure of the solve or of the gradients reaches every rank
             with lp._session(signature=sig):
                 kp = ctx.saved[0].kernel
-                with _pass_modes(kp.subs, kp.modes, kp.batch_stats):
+                with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors():
                     gx, grads = lp._adjoint(ctx.saved, gy, params)
         except BaseException as exc:
             lp._alarm(exc)
@@ -154,8 +159,8 @@ def _check_output_gradient(gy, output: str = "the LayerParallel output", follows
                          f"check the loss and what follows {follows})")
 
 
-def _backward_checks(ctx):
-    """The saved parameters of the pass, after the checks that may fail on one rank only."""
+def _backward_checks(ctx) -> None:
+    """The checks of the backward pass that may fail on one rank only."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             "LayerParallel does not support double backward (backward with create_graph=True, "
@@ -163,7 +168,7 @@ def _backward_checks(ctx):
             "solve that is not itself differentiated. Compute such terms on the serial network "
             "(`lp.to_serial()` or `lp.serial(x)`)"
         )
-    return ctx.saved_tensors  # raises if a parameter was modified in place since forward
+    ctx.saved_tensors  # raises if a parameter was modified in place since forward
 
 
 def _checked_layer(j: int, m):
@@ -937,7 +942,7 @@ class LayerParallel(nn.Module):
     # -- backward -------------------------------------------------------------
     def _adjoint(self, saved, gy, params):
         """The adjoint solve, the parameter gradients and the input gradient (inside the backward
-        pass's session); ``params``: the saved parameters."""
+        pass's session); ``params``: the ids of the pass's parameters, in the order of the gradients."""
         prop, U, g0, xshape = saved
         N, P, r = self.n_layers, self._comm.size, self._comm.rank
 
@@ -993,7 +998,7 @@ class LayerParallel(nn.Module):
             for key, g in zip(ids, grads):
                 if g is not None:
                     total[key] = g if total.get(key) is None else total[key] + g
-        return list(map(total.get, map(id, params)))
+        return list(map(total.get, params))
 
     # -- checkpoints ----------------------------------------------------------
     def to_serial(self, root: int = 0):
