@@ -118,6 +118,10 @@ def is_process_group(obj) -> bool:
     return _is_process_group(obj)
 
 
+#: What gloo's errors say when the process at the other end of a connection has gone.
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _code(tag: int) -> int:
     """The 10-bit code of a tag (level indices below 512, the named tags, user tags)."""
     tag = int(tag)
@@ -143,10 +147,11 @@ def _wire(space: int, tag: int) -> int:
 class _Req:
     """A send or receive handle: waited for once (a gloo handle waited twice blocks)."""
 
-    __slots__ = ("work", "device", "done", "job")
+    __slots__ = ("work", "device", "done", "job", "peer")
 
-    def __init__(self, work, device: bool):
+    def __init__(self, work, device: bool, peer: int | None = None):
         self.work, self.device, self.done, self.job = work, device, False, None
+        self.peer = peer  # the rank (of the communicator) at the other end, where known
 
 
 class _Job:
@@ -501,6 +506,13 @@ class TorchDistComm(_SessionComm):
                 _leave_waiter_behind()
                 raise
         if job.error is not None:
+            text = str(job.error)
+            if req.peer is not None and any(k in text for k in _CONNECTION_LOST):
+                r = req.peer
+                raise RemoteRankError(
+                    f"{self._who(r)} is gone: its connection closed while this rank waited for it ({text}); "
+                    "its process ended (its own error, if any, is in its output)", rank=r,
+                    world_rank=self.world_rank(r)) from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
         req.done = True
@@ -517,7 +529,7 @@ class TorchDistComm(_SessionComm):
         view = _bytes_of(buf)
         if view.numel() == 0:
             view = view.new_zeros(1)  # gloo and NCCL need a byte: the receiver expects one too
-        req = _Req(_post(pg.send, view, self._members[dest], 0 if device else _wire(ch.space, tag)), device)
+        req = _Req(_post(pg.send, view, self._members[dest], 0 if device else _wire(ch.space, tag)), device, dest)
         if log and ch.log:
             runs = ch.sent[dest].setdefault(_DEVICE if device else _code(tag), [])
             n = view.numel()
@@ -539,7 +551,7 @@ class TorchDistComm(_SessionComm):
         ch.finished = False
         key = _DEVICE if device else _code(tag)
         wire = 0 if device else _wire(ch.space, tag)
-        req = _Req(_post(pg.recv, view, self._members[source], wire), device)
+        req = _Req(_post(pg.recv, view, self._members[source], wire), device, source)
         try:
             self._wait(req)
         except BaseException:
@@ -849,6 +861,15 @@ class TorchDistComm(_SessionComm):
                        for r in range(self.size) if r != self.rank])
         self._broken = (self.rank, note)
 
+    def agree(self) -> None:
+        """Return when every rank has called this (a barrier that listens for failures: before a
+        blocking collective of torch.distributed, such as ``new_group``)."""
+        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
+        ch = self._top
+        self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
+        if ch is self._base:
+            self._complete_sends(ch)
+
     def split(self, color, key=0):
         """Ranks with the same ``color`` form a new communicator ordered by ``key`` (collective).
 
@@ -939,6 +960,8 @@ def split_group(layer_size: int, group=None, backend: str | None = None):
             or size % layer_size:
         raise ValueError(f"`layer_size` must divide the world size {size}, got {layer_size!r}")
     backend = backend or dist.get_backend()
+    if size > 1:  # every rank is here (or an error) before new_group, which waits for every rank for ever
+        wrap(dist.group.WORLD).agree()
     mine = {}
 
     def make(kind, index, ranks):

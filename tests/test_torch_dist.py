@@ -177,3 +177,17 @@ def test_process_group_is_recognised_without_initialising_anything():
     assert not is_process_group(object()) and not is_process_group(None)
     with pytest.raises(TypeError, match="ProcessGroup"):
         as_communicator("world")
+
+
+@pytest.mark.parametrize("n, where", [(3, "split"), (2, "between")])
+def test_a_process_that_dies_makes_the_others_raise_remote_rank_error(n, where):
+    """The last process dies of an uncaught exception before ``split_comm`` (the others waited in
+    ``new_group`` for ever) or between forward and backward (they got gloo's bare error about a
+    port): every other process raises RemoteRankError, rank 0's naming the process that died."""
+    rc, out = launch(n, "gone.py", where, timeout=120)
+    last = n - 1
+    assert "was not stopped" not in out and f"RuntimeError: user code failed on rank {last}" in out, out[-5000:]
+    raised = dict(re.findall(r"rank (\d+) raised RemoteRankError: (.*)", out))
+    assert set(raised) == {str(r) for r in range(last)}, out[-5000:]
+    assert raised["0"].startswith(f"rank {last} is gone: its connection closed while this rank waited for it"), \
+        out[-5000:]
