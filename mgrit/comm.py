@@ -1021,6 +1021,19 @@ class _SessionComm(Communicator):
     def _after_object_sends(self, ch) -> None:
         """Engine hook after a collective's pickled sends (e.g. complete them outside sessions)."""
 
+    def agree(self) -> None:
+        """Return when every rank has called this: a barrier that listens for failures, before a
+        blocking call of the engine that waits for every rank for ever (``MPI_Comm_split``,
+        ``torch.distributed.new_group``)."""
+        self._before_post()
+        ch = self._top
+        self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
+        try:
+            self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
+        finally:
+            self._handshaking = False
+        self._after_object_sends(ch)
+
     def send(self, x, dest, tag):
         self._before_post()
         if Tag.FAILURE <= tag < Tag.HALO:
@@ -1517,17 +1530,6 @@ class MPIComm(_SessionComm):
         reqs = [self._base.comm.isend(note, dest=r, tag=Tag.ALARM) for r in range(self.size) if r != self.rank]
         _ABANDONED.append(reqs)  # never waited for; kept alive
         self._broken = (self.rank, note)
-
-    def agree(self) -> None:
-        """Return when every rank has called this (a barrier that listens for failures: before a
-        blocking MPI call on the raw communicator, such as ``MPI_Comm_split``)."""
-        self._usable()
-        ch = self._top
-        self._handshaking = True  # a rank that exited never comes
-        try:
-            self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
-        finally:
-            self._handshaking = False
 
     def split(self, color, key=0):
         self.agree()  # all are here

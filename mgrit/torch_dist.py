@@ -861,15 +861,6 @@ class TorchDistComm(_SessionComm):
                        for r in range(self.size) if r != self.rank])
         self._broken = (self.rank, note)
 
-    def agree(self) -> None:
-        """Return when every rank has called this (a barrier that listens for failures: before a
-        blocking collective of torch.distributed, such as ``new_group``)."""
-        self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        ch = self._top
-        self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
-        if ch is self._base:
-            self._complete_sends(ch)
-
     def split(self, color, key=0):
         """Ranks with the same ``color`` form a new communicator ordered by ``key`` (collective).
 

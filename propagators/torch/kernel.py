@@ -768,13 +768,24 @@ class KernelPass:
         return out
 
     # -- one layer, functionally ----------------------------------------------
+    @staticmethod
+    def _split_masks(buffers: dict):
+        """``(buffers without the dropout masks, the masks or None)``."""
+        masks = buffers.get(MASKS)
+        if masks is None:
+            return buffers, None
+        return {n: v for n, v in buffers.items() if n != MASKS}, masks
+
+    def _layer_values(self, j: int, params=None):
+        """Layer ``j``'s parameters (the pass's, or ``params``) and buffers, with its dropout masks."""
+        p, b = self._detached(j) if params is None else (params, self.value(j)[1])
+        return p, self._masked(j, b)
+
     def _single(self, module, params, buffers, u, dt, bound=False):
         """``scheme(module, u, dt)`` with ``params`` and ``buffers`` bound for each call (``bound``: they
         are bound already, see :meth:`_held`)."""
         scheme = self.k.scheme
-        masks = buffers.get(MASKS)
-        if masks is not None:
-            buffers = {n: v for n, v in buffers.items() if n != MASKS}
+        buffers, masks = self._split_masks(buffers)
 
         def f(*args):
             out = module(*args) if bound else functional_call(module, {**params, **buffers}, args)
@@ -788,8 +799,7 @@ class KernelPass:
             return scheme(f, u, dt)
 
     def _call_layer(self, j: int, u, dt, params=None, bound=False):
-        p, b = self._detached(j) if params is None else (params, self.value(j)[1])
-        b = self._masked(j, b)
+        p, b = self._layer_values(j, params)
         with self._named(j):
             out = self._single(self.k.modules[j], p, b, u, dt, bound)
             if not isinstance(out, torch.Tensor):
@@ -809,10 +819,8 @@ class KernelPass:
         if _reparametrize_module is None:
             yield False
             return
-        p, b = self._detached(j) if params is None else (params, self.value(j)[1])
-        b = self._masked(j, b)
-        masks = b.get(MASKS)
-        b = {n: v for n, v in b.items() if n != MASKS}
+        p, b = self._layer_values(j, params)
+        b, masks = self._split_masks(b)
         with _reparametrize_module(self.k.modules[j], {**p, **b}, tie_weights=True), \
                 (contextlib.nullcontext() if masks is None else _no_recompute()):
             yield True

@@ -132,7 +132,6 @@ class _LayerParallelFunction(torch.autograd.Function):
         try:
             try:  # the local checks first: a rank that fails here tells the others in the handshake
                 _backward_checks(ctx)
-                params = ctx.param_ids
                 _check_output_gradient(gy)
                 sig = lp._adjoint_signature(gy)
             except BaseException as exc:
@@ -146,7 +145,7 @@ class _LayerParallelFunction(torch.autograd.Function):
             with lp._session(signature=sig):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors():
-                    gx, grads = lp._adjoint(ctx.saved, gy, params)
+                    gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
         except BaseException as exc:
             lp._alarm(exc)
             raise
@@ -940,9 +939,9 @@ class LayerParallel(nn.Module):
         return torch.stack(out).to(torch.float64)
 
     # -- backward -------------------------------------------------------------
-    def _adjoint(self, saved, gy, params):
+    def _adjoint(self, saved, gy, param_ids):
         """The adjoint solve, the parameter gradients and the input gradient (inside the backward
-        pass's session); ``params``: the ids of the pass's parameters, in the order of the gradients."""
+        pass's session); ``param_ids``: the ids of the pass's parameters, in the order of the gradients."""
         prop, U, g0, xshape = saved
         N, P, r = self.n_layers, self._comm.size, self._comm.rank
 
@@ -961,7 +960,7 @@ class LayerParallel(nn.Module):
         self.last_backward = res
         _warn_without_progress(res, "adjoint", "bwd_iters")
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
-        grads = self._parameter_gradients(prop, U, g0, W, params, D)
+        grads = self._parameter_gradients(prop, U, g0, W, param_ids, D)
         if P == 1:
             return W[0].reshape(xshape), grads
         root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
@@ -982,10 +981,10 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             return prop.kernel.linearize(U[: rows.size], rows)
 
-    def _parameter_gradients(self, prop, U, g0, W, params, D=None):
+    def _parameter_gradients(self, prop, U, g0, W, param_ids, D=None):
         layers = np.asarray(list(self.owned_layers), dtype=np.int64)
-        if not len(layers) or not params:
-            return [None] * len(params)
+        if not len(layers) or not param_ids:
+            return [None] * len(param_ids)
         with torch.no_grad():
             positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
                                              None if D is None else D[layers - g0])
@@ -998,7 +997,7 @@ class LayerParallel(nn.Module):
             for key, g in zip(ids, grads):
                 if g is not None:
                     total[key] = g if total.get(key) is None else total[key] + g
-        return list(map(total.get, params))
+        return list(map(total.get, param_ids))
 
     # -- checkpoints ----------------------------------------------------------
     def to_serial(self, root: int = 0):
