@@ -55,6 +55,9 @@ connection for good. So:
   failed session left in flight (unmatched sends, pending receives) stays
   alive in this module and is never touched again; :func:`retired_channels`
   counts the retired channels. The process group itself stays usable.
+* **At exit** a process that sent or received failure messages waits (at most
+  3 s) until no helper thread can come back from a blocked gloo wait while
+  Python shuts down, which would abort the process (see :func:`_settle_at_exit`).
 
 NCCL
 ----
@@ -74,6 +77,7 @@ multi-rank step. **The NCCL path is untested here (no GPU).**
 """
 from __future__ import annotations
 
+import atexit
 import pickle
 import queue
 import threading
@@ -172,6 +176,8 @@ class _Waiter:
     def _run(self):
         while True:
             job = self.q.get()
+            if job is None:  # left behind (_leave_waiter_behind), and its last wait is over
+                return
             try:
                 job.work.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -194,9 +200,57 @@ def _waiter() -> _Waiter:
 
 
 def _leave_waiter_behind() -> None:
-    """The current helper may be blocked forever on an interrupted wait: use a new one."""
+    """The current helper may be blocked forever on an interrupted wait: use a new one. The old one
+    ends once that wait returns (the peer sent, answered a request for a dummy, or closed)."""
     if _WAITER:
-        _KEEP.append(_WAITER.pop())
+        w = _WAITER.pop()
+        w.q.put(None)
+        _BEHIND.append(w)
+
+
+#: Helpers left behind on an interrupted wait (see :func:`_settle_at_exit`)
+_BEHIND: list = []
+
+#: ``time.monotonic()`` of the last failure notice, alarm or request for a dummy this process sent
+#: or received (None: none ever; see :func:`_settle_at_exit`)
+_LAST_SIGNAL: list = [None]
+
+#: At exit, seconds a process that took part in a failure waits at most for the waits it left behind
+#: to return, and for a quiet spell of :data:`EXIT_QUIET` seconds without failure messages
+EXIT_SETTLE = 3.0
+EXIT_QUIET = 1.0
+
+
+def _signal() -> None:
+    _LAST_SIGNAL[0] = time.monotonic()
+
+
+def _settle_at_exit() -> None:
+    """Keep Python running at exit until this process's blocked gloo waits can no longer return.
+
+    The helper threads (a waiter left behind on an interrupted wait, the notice listeners) block in
+    ``Work.wait()`` without the GIL. If such a wait returns while Python is finalising (the peer's
+    connection closes because that process ended too; a peer sends a failure notice or asks for a
+    dummy message in answer to this process's alarm), the thread cannot take the GIL back, Python
+    ends it with ``pthread_exit``, and the unwinding through torch's C++ frames aborts the process
+    (``terminate called without an active exception``: exit code -6 instead of the program's own).
+    So a process that sent or received failure messages waits here, while Python still runs, until
+    its left-behind waits have returned and no failure message came for :data:`EXIT_QUIET` seconds,
+    at most :data:`EXIT_SETTLE` seconds in all. Processes that saw no failure do not wait at all.
+    """
+    if _LAST_SIGNAL[0] is None and not _BEHIND:
+        return
+    deadline = time.monotonic() + EXIT_SETTLE
+    for w in _BEHIND:
+        w.thread.join(max(0.0, deadline - time.monotonic()))
+    while _LAST_SIGNAL[0] is not None:
+        left = min(deadline, _LAST_SIGNAL[0] + EXIT_QUIET) - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+atexit.register(_settle_at_exit)
 
 
 # -- the state shared by all communicators over one process group ------------------------
@@ -243,6 +297,7 @@ class _Group:
                 work.wait()
             except BaseException:  # noqa: BLE001 - the group was destroyed: stop listening
                 return
+            _signal()
             space, epoch, src, n = (int(v) for v in buf[:32].numpy().view(np.int64))
             if space == _FULFIL:  # a peer left a receive from this rank behind: send it a dummy
                 dummy = torch.zeros(max(n, 1), dtype=torch.uint8)
@@ -260,6 +315,7 @@ class _Group:
         """
         import torch
 
+        _signal()
         raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
         raw[:32] = np.array([_FULFIL, wire, self.rank, nbytes], dtype=np.int64).view(np.uint8)
         buf = torch.from_numpy(raw)
@@ -272,6 +328,7 @@ class _Group:
         """Tell ``dest`` (a rank of the group) that this rank failed in session ``epoch`` of ``space``."""
         import torch
 
+        _signal()
         data = note.encode("utf-8")[: _NOTE_BYTES - 32]
         raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
         raw[:32] = np.array([space, epoch, self.rank, len(data)], dtype=np.int64).view(np.uint8)

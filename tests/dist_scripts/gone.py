@@ -5,6 +5,11 @@ Run as ``python _launch.py P gone.py WHERE``: the last process raises an uncaugh
 ever before), ``between``: between a LayerParallel forward pass and its backward pass (the others
 wait in the backward pass). Every other process must raise ``RemoteRankError`` (rank 0: naming the
 process that died) instead of waiting, or of torch.distributed's bare error about a port.
+
+``grid`` (4 processes, a 2 x 2 layer x data grid): process 0 raises between the forward and
+the backward pass; its layer partner, process 1, dies of the RemoteRankError that follows
+(uncaught); processes 2 and 3 finish their backward pass and wait in ``allreduce_gradients``
+for processes 0 and 1. Every RemoteRankError must name process 0 as the origin.
 """
 import sys
 
@@ -16,11 +21,34 @@ import mgrit
 from propagators.torch import LayerParallel
 
 
+def grid(rank):
+    from propagators.torch import allreduce_gradients
+
+    layer_group, data_group = mgrit.split_comm(dist.group.WORLD, 2)
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                       max_levels=3, comm=layer_group, data_comm=data_group)
+    y = lp(torch.randn(3, 4))
+    if rank == 0:
+        raise RuntimeError("user code failed on rank 0")
+    try:
+        y.sum().backward()
+        allreduce_gradients(lp, data_group)
+    except mgrit.RemoteRankError as exc:
+        print(f"rank {rank} raised RemoteRankError: {str(exc)[:300]}", flush=True)
+        if rank == 1:
+            raise  # (uncaught: this process dies of it)
+        sys.exit(3)
+    print(f"rank {rank} was not stopped", flush=True)
+
+
 def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     last, where = rank == size - 1, sys.argv[1]
     torch.set_num_threads(1)
+    if where == "grid":
+        return grid(rank)
     try:
         if where == "split":
             if last:
