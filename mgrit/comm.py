@@ -279,15 +279,20 @@ class RemoteRankError(RuntimeError):
         The failed rank in the communicator of the session.
     world_rank : int or None
         The failed rank in ``MPI.COMM_WORLD``.
+    gone : bool
+        This rank found the failed rank's process gone itself (over torch.distributed: its
+        connection closed), so the other ranks may not know: the library passes it on.
     """
 
-    def __init__(self, message: str = "", rank: int | None = None, world_rank: int | None = None):
+    def __init__(self, message: str = "", rank: int | None = None, world_rank: int | None = None,
+                 gone: bool = False):
         super().__init__(message)
         self.rank = rank
         self.world_rank = world_rank
+        self.gone = gone
 
     def __reduce__(self):
-        return type(self), (str(self), self.rank, self.world_rank)
+        return type(self), (str(self), self.rank, self.world_rank, self.gone)
 
 
 _NOTE_CHARS = 4000  # a failure note is cut to this: it must travel eagerly (its sender may be gone)
@@ -988,7 +993,7 @@ class _SessionComm(Communicator):
         if finished and remote:
             self._release(ch)  # finish left it empty here and nothing has moved since
             return
-        if not remote:
+        if not remote or error.gone:  # (a process only this rank found gone: the others may wait for this one)
             self._notify(ch, error)
         # after finish the others may have released the channel: a cleanup would wait
         # for them in vain (the notices' channel is kept, unfreed)

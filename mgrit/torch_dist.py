@@ -55,6 +55,12 @@ connection for good. So:
   failed session left in flight (unmatched sends, pending receives) stays
   alive in this module and is never touched again; :func:`retired_channels`
   counts the retired channels. The process group itself stays usable.
+* **A process that is gone** (its connection closed) is found only by the ranks
+  waiting for it: they raise RemoteRankError with ``gone=True``. Inside a
+  session such a rank sends the others a failure notice; the root of a
+  handshake (or any gather to rank 0) still receives from the other ranks and
+  answers them with :class:`_Gone`, on which they raise too. Nobody is left
+  waiting for a rank that knows.
 * **At exit** a process that sent or received failure messages waits (at most
   3 s) until no helper thread can come back from a blocked gloo wait while
   Python shuts down, which would abort the process (see :func:`_settle_at_exit`).
@@ -384,13 +390,30 @@ def _expand(runs) -> list:
     return [n for n, k in runs for _ in range(k)]
 
 
+class _Unreachable(RuntimeError):
+    """gloo refused to post a message to a peer whose connection is closed."""
+
+
 def _post(op, view, peer: int, tag: int):
     """Post a send or receive; a peer process that exited makes gloo raise here."""
     try:
         return op([view], peer, tag)
     except RuntimeError as exc:
-        raise RuntimeError(f"torch.distributed could not reach rank {peer} of the process group ({exc}); "
-                           "that process exited or crashed: look at its output") from exc
+        raise _Unreachable(str(exc)) from exc
+
+
+class _Gone:
+    """What the root of a gather sends the other ranks instead of its answer when a member's process is
+    gone: gloo tells only the ranks that wait for a process that ended, and the others wait for the root.
+    :meth:`TorchDistComm._recv_obj` raises RemoteRankError naming that member when it receives one."""
+
+    __slots__ = ("rank", "note")
+
+    def __init__(self, rank: int, note: str):
+        self.rank, self.note = rank, note
+
+    def __reduce__(self):
+        return _Gone, (self.rank, self.note)
 
 
 class _Timeout(Exception):
@@ -565,14 +588,17 @@ class TorchDistComm(_SessionComm):
         if job.error is not None:
             text = str(job.error)
             if req.peer is not None and any(k in text for k in _CONNECTION_LOST):
-                r = req.peer
-                raise RemoteRankError(
-                    f"{self._who(r)} is gone: its connection closed while this rank waited for it ({text}); "
-                    "its process ended (its own error, if any, is in its output)", rank=r,
-                    world_rank=self.world_rank(r)) from job.error
+                raise self._gone(req.peer, f"its connection closed while this rank waited for it ({text})") \
+                    from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
         req.done = True
+
+    def _gone(self, r: int, how: str) -> RemoteRankError:
+        """The error of a wait for (or a message to) rank ``r`` whose process is gone (``gone=True``:
+        the others may not know; a session passes it on, a gather's root tells the other ranks)."""
+        return RemoteRankError(f"{self._who(r)} is gone: {how}; its process ended (its own error, if any, "
+                               "is in its output)", rank=r, world_rank=self.world_rank(r), gone=True)
 
     # -- sending and receiving on a channel --------------------------------------
     def _route(self, buf):
@@ -586,7 +612,11 @@ class TorchDistComm(_SessionComm):
         view = _bytes_of(buf)
         if view.numel() == 0:
             view = view.new_zeros(1)  # gloo and NCCL need a byte: the receiver expects one too
-        req = _Req(_post(pg.send, view, self._members[dest], 0 if device else _wire(ch.space, tag)), device, dest)
+        try:
+            work = _post(pg.send, view, self._members[dest], 0 if device else _wire(ch.space, tag))
+        except _Unreachable as exc:
+            raise self._gone(dest, f"torch.distributed could not send to it ({exc})") from exc
+        req = _Req(work, device, dest)
         if log and ch.log:
             runs = ch.sent[dest].setdefault(_DEVICE if device else _code(tag), [])
             n = view.numel()
@@ -608,7 +638,11 @@ class TorchDistComm(_SessionComm):
         ch.finished = False
         key = _DEVICE if device else _code(tag)
         wire = 0 if device else _wire(ch.space, tag)
-        req = _Req(_post(pg.recv, view, self._members[source], wire), device, source)
+        try:
+            work = _post(pg.recv, view, self._members[source], wire)
+        except _Unreachable as exc:
+            raise self._gone(source, f"torch.distributed could not receive from it ({exc})") from exc
+        req = _Req(work, device, source)
         try:
             self._wait(req)
         except BaseException:
@@ -638,8 +672,13 @@ class TorchDistComm(_SessionComm):
         k = min(n, _HEAD - 8)
         if n > k:
             rest = self._recv_into(ch, np.empty(n - k, dtype=np.uint8), source, tag, count)
-            return pickle.loads(head[8: 8 + k].tobytes() + rest.tobytes())
-        return pickle.loads(head[8: 8 + k].tobytes())
+            obj = pickle.loads(head[8: 8 + k].tobytes() + rest.tobytes())
+        else:
+            obj = pickle.loads(head[8: 8 + k].tobytes())
+        if isinstance(obj, _Gone):
+            raise RemoteRankError(f"{self._who(obj.rank)} is gone: {obj.note}", rank=obj.rank,
+                                  world_rank=self.world_rank(obj.rank))
+        return obj
 
     def _complete_sends(self, ch: _Channel) -> None:
         if not ch.sends:
@@ -661,10 +700,33 @@ class TorchDistComm(_SessionComm):
         return self._stack[-1]
 
     def _gather_to_root(self, ch: _Channel, obj, tag: int, log: bool = True):
+        """Every rank's ``obj`` on rank 0 (a list), None elsewhere. When a member's process is gone the
+        root still receives from the others, answers them with :class:`_Gone` (they raise
+        RemoteRankError where they wait for its answer) and raises: nobody waits for the root."""
         if self.rank != 0:
             self._isend_obj(ch, obj, 0, tag, log)
             return None
-        return [obj] + [self._recv_obj(ch, j, tag, log) for j in range(1, self.size)]
+        rows, gone = [obj], []
+        for j in range(1, self.size):
+            try:
+                rows.append(self._recv_obj(ch, j, tag, log))
+            except RemoteRankError as exc:
+                if not exc.gone or exc.rank != j:
+                    raise
+                gone.append(exc)
+        if gone:
+            first = gone[0]
+            note = _Gone(first.rank, f"its connection to {self._who(0)} closed while that rank gathered "
+                                     "from every rank; its process ended (its own error, if any, is in its output)")
+            lost = {e.rank for e in gone}
+            for j in range(1, self.size):
+                if j not in lost:
+                    try:
+                        self._isend_obj(ch, note, j, tag, log)
+                    except RemoteRankError:
+                        pass
+            raise first
+        return rows
 
     def _from_root(self, ch: _Channel, obj, tag: int, log: bool = True):
         if self.rank == 0:
@@ -729,9 +791,18 @@ class TorchDistComm(_SessionComm):
         _N_RETIRED[0] += 1
 
     def _notify(self, ch: _Channel, exc: BaseException) -> None:
-        note = _note(exc)
-        self._deliver([self._g.send_notice(ch.space, ch.epoch, self._members[r], note)
-                       for r in range(self.size) if r != self.rank])
+        self._send_notices(ch.space, ch.epoch, _note(exc))
+
+    def _send_notices(self, space: int, epoch: int, note: str) -> None:
+        """A failure notice (or, on the base space with epoch 0, an alarm) to every other rank."""
+        reqs = []
+        for r in range(self.size):
+            if r != self.rank:
+                try:
+                    reqs.append(self._g.send_notice(space, epoch, self._members[r], note))
+                except RuntimeError:  # that process is gone: it needs no notice
+                    pass
+        self._deliver(reqs)
 
     def _deliver(self, reqs: list) -> None:
         """Wait (up to 1 s) for notices to go out: the process may exit right after."""
@@ -914,8 +985,7 @@ class TorchDistComm(_SessionComm):
         if self.size == 1 or self._broken is not None or self._freed:
             return
         note = _note(exc)
-        self._deliver([self._g.send_notice(self._base.space, 0, self._members[r], note)
-                       for r in range(self.size) if r != self.rank])
+        self._send_notices(self._base.space, 0, note)
         self._broken = (self.rank, note)
 
     def split(self, color, key=0):

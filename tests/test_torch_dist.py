@@ -204,3 +204,15 @@ def test_no_process_aborts_at_exit_after_a_cascade_of_failures():
     assert "RuntimeError: user code failed on rank 0" in out and "was not stopped" not in out, out[-5000:]
     raised = dict(re.findall(r"rank (\d+) raised RemoteRankError: (.*)", out))
     assert set(raised) == {"1", "2", "3"} and all("rank 0 is gone" in v for v in raised.values()), out[-5000:]
+
+
+def test_processes_that_retry_after_a_process_died_raise_instead_of_waiting():
+    """After a process died, the others catch the RemoteRankError and try again on the same group:
+    each try raises RemoteRankError naming the dead process on every other process. Before, a root
+    that found the process gone raised alone and the others waited for its answer for ever."""
+    rc, out = launch(3, "gone.py", "retry", timeout=120)
+    assert "was not stopped" not in out and "RuntimeError: user code failed on rank 2" in out, out[-5000:]
+    raised = re.findall(r"rank (\d+) step (\d+) raised RemoteRankError: (.*)", out)
+    assert sorted((r, k) for r, k, _ in raised) == [(r, k) for r in "01" for k in "234"], out[-5000:]
+    assert all(note.startswith("rank 2 is gone") for _, _, note in raised), out[-5000:]
+    assert "rank 0 done" in out and "rank 1 done" in out and rc == 1, out[-5000:]

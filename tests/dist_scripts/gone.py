@@ -10,6 +10,11 @@ process that died) instead of waiting, or of torch.distributed's bare error abou
 the backward pass; its layer partner, process 1, dies of the RemoteRankError that follows
 (uncaught); processes 2 and 3 finish their backward pass and wait in ``allreduce_gradients``
 for processes 0 and 1. Every RemoteRankError must name process 0 as the origin.
+
+``retry``: after one training step the last process dies; the others catch the RemoteRankError of
+the next step and try two more steps on the same process group. Every try must raise
+RemoteRankError naming the last process on every other process (before, only the processes that
+waited for the dead one learned of it, and the others waited for them for ever).
 """
 import sys
 
@@ -42,6 +47,23 @@ def grid(rank):
     print(f"rank {rank} was not stopped", flush=True)
 
 
+def retry(rank, last):
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                       max_levels=3, comm=dist.group.WORLD)
+    x = torch.randn(3, 4)
+    lp(x).sum().backward()
+    if last:
+        raise RuntimeError(f"user code failed on rank {rank}")
+    for step in (2, 3, 4):
+        try:
+            lp(x).sum().backward()
+            print(f"rank {rank} was not stopped", flush=True)
+        except mgrit.RemoteRankError as exc:
+            print(f"rank {rank} step {step} raised RemoteRankError: {str(exc)[:100]}", flush=True)
+    print(f"rank {rank} done", flush=True)
+
+
 def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -49,6 +71,8 @@ def main():
     torch.set_num_threads(1)
     if where == "grid":
         return grid(rank)
+    if where == "retry":
+        return retry(rank, last)
     try:
         if where == "split":
             if last:
