@@ -88,6 +88,7 @@ import pickle
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -402,18 +403,13 @@ def _post(op, view, peer: int, tag: int):
         raise _Unreachable(str(exc)) from exc
 
 
-class _Gone:
+class _Gone(NamedTuple):
     """What the root of a gather sends the other ranks instead of its answer when a member's process is
     gone: gloo tells only the ranks that wait for a process that ended, and the others wait for the root.
     :meth:`TorchDistComm._recv_obj` raises RemoteRankError naming that member when it receives one."""
 
-    __slots__ = ("rank", "note")
-
-    def __init__(self, rank: int, note: str):
-        self.rank, self.note = rank, note
-
-    def __reduce__(self):
-        return _Gone, (self.rank, self.note)
+    rank: int
+    how: str
 
 
 class _Timeout(Exception):
@@ -594,11 +590,12 @@ class TorchDistComm(_SessionComm):
                 from job.error
         req.done = True
 
-    def _gone(self, r: int, how: str) -> RemoteRankError:
-        """The error of a wait for (or a message to) rank ``r`` whose process is gone (``gone=True``:
-        the others may not know; a session passes it on, a gather's root tells the other ranks)."""
+    def _gone(self, r: int, how: str, found: bool = True) -> RemoteRankError:
+        """The error of a wait for (or a message to) rank ``r`` whose process is gone. ``found``: this rank
+        found it (``gone=True``: the others may not know; a session passes it on, a gather's root tells
+        the other ranks), else a root's :class:`_Gone` told it."""
         return RemoteRankError(f"{self._who(r)} is gone: {how}; its process ended (its own error, if any, "
-                               "is in its output)", rank=r, world_rank=self.world_rank(r), gone=True)
+                               "is in its output)", rank=r, world_rank=self.world_rank(r), gone=found)
 
     # -- sending and receiving on a channel --------------------------------------
     def _route(self, buf):
@@ -676,8 +673,7 @@ class TorchDistComm(_SessionComm):
         else:
             obj = pickle.loads(head[8: 8 + k].tobytes())
         if isinstance(obj, _Gone):
-            raise RemoteRankError(f"{self._who(obj.rank)} is gone: {obj.note}", rank=obj.rank,
-                                  world_rank=self.world_rank(obj.rank))
+            raise self._gone(obj.rank, obj.how, found=False)
         return obj
 
     def _complete_sends(self, ch: _Channel) -> None:
@@ -717,7 +713,7 @@ class TorchDistComm(_SessionComm):
         if gone:
             first = gone[0]
             note = _Gone(first.rank, f"its connection to {self._who(0)} closed while that rank gathered "
-                                     "from every rank; its process ended (its own error, if any, is in its output)")
+                                     "from every rank")
             lost = {e.rank for e in gone}
             for j in range(1, self.size):
                 if j not in lost:
