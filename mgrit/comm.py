@@ -226,11 +226,13 @@ def _world_failures(MPI) -> dict:
     return _WORLD_FAILED
 
 
-def _world_failure_note(MPI, members=None) -> tuple | None:
+def _world_failure_note(MPI, members=None, not_of=None) -> tuple | None:
     """``(world rank, note)`` of a known failure among ``members`` (world ranks; None: any), preferring
-    a process that failed of its own (not of a RemoteRankError about another's failure); or None."""
+    a process that failed of its own (not of a RemoteRankError about another's failure); or None.
+    ``not_of``: a world rank whose own failure or exit is being reported; processes that died of it
+    are its consequences, not news, and are left out."""
     failed = _world_failures(MPI)
-    known = [w for w in (failed if members is None else members) if w in failed]
+    known = [w for w in (failed if members is None else members) if w in failed and failed[w][0] != not_of]
     if not known:
         return None
     w = next((w for w in known if failed[w][0] == w), known[0])
@@ -1264,7 +1266,8 @@ class MPIComm(_SessionComm):
             raise self._exited_error(min(self._exited))
 
     def _exited_error(self, r: int) -> RemoteRankError:
-        earlier = _world_failure_note(self._MPI)  # (say it caught the RemoteRankError of that failure)
+        # (say it caught the RemoteRankError of that failure; a rank that died of this very exit is no news)
+        earlier = _world_failure_note(self._MPI, not_of=self._world[r])
         more = "" if earlier is None else (
             f" (earlier, rank {earlier[0]} of MPI.COMM_WORLD ended on an unhandled exception: {earlier[1]})")
         return RemoteRankError(

@@ -14,6 +14,8 @@ they wait to duplicate it with a rank that never comes, and must raise RemoteRan
 an exception whose ``__str__`` raises.
 ``skip``: the last rank runs a LayerParallel forward pass and ends without an error, skipping the
 backward pass the others enter: they must raise RemoteRankError saying that it exited.
+``skiplate``: the same on 3 or more ranks, rank 1 building its error only after rank 0 died of it: rank 1's
+error must not cite rank 0's death of this same exit as an earlier failure (a consequence, not news).
 ``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
 session (it sleeps and then polls inside ``finish``) while the last rank, done, exits: the alarm
 of its exit must not fail rank 0's finish; every rank prints "finished" and the job ends cleanly.
@@ -46,7 +48,18 @@ if where == "between":
     if last:
         raise RuntimeError(f"user code failed on rank {rank}")
     y.sum().backward()
-elif where in ("skip", "done"):
+elif where in ("skip", "skiplate", "done"):
+    if where == "skiplate" and rank == 1:
+        import mgrit.comm as mc
+        original_error = MPIComm._exited_error
+
+        def late(self, r):  # wait until rank 0's world alarm (it died of this exit) has arrived
+            t = time.perf_counter()
+            while 0 not in mc._world_failures(self._MPI) and time.perf_counter() - t < 10.0:
+                time.sleep(0.01)
+            return original_error(self, r)
+
+        MPIComm._exited_error = late
     if where == "done" and rank == 0:
         original = MPIComm._complete_sends
 
