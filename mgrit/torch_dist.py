@@ -63,7 +63,9 @@ connection for good. So:
   waiting for a rank that knows.
 * **At exit** a process that sent or received failure messages waits (at most
   3 s) until no helper thread can come back from a blocked gloo wait while
-  Python shuts down, which would abort the process (see :func:`_settle_at_exit`).
+  Python shuts down, which would abort the process (see :func:`_settle_at_exit`);
+  then every exiting process ends its notice listener through a stop message
+  from a peer, so that a late alarm cannot wake it (see :func:`_stop_listeners`).
 
 NCCL
 ----
@@ -112,6 +114,8 @@ _DEVICE = -1  # the code of NCCL messages in the finish logs: one ordered stream
 _NOTICE_SPACE = 1  # the slot of the failure notices (space 0: the bootstrap of a wrapper)
 _POOL_SIZE = 4
 _FULFIL = -1  # the space field of a request for a dummy message (see _Group.request_fulfil)
+_STOP_ME = -2  # the space field of an exiting process's request for a stop message (see _stop_listeners)
+_STOP = -3  # the space field of the answer: the listener that receives it ends
 
 #: Work handles, buffers and threads of retired channels (never touched again; kept
 #: alive so that no backend frees memory it may still write to)
@@ -257,6 +261,38 @@ def _settle_at_exit() -> None:
         time.sleep(min(left, 0.05))
 
 
+#: At exit, seconds a process waits at most for the stop message that ends its notice listener
+STOP_WAIT = 0.5
+
+
+def _stop_listeners() -> None:
+    """End the notice listeners while Python still runs, so that no late message can abort the process.
+
+    A listener blocks in a gloo receive from any rank; a message that arrives while Python
+    finalises (say, another process's alarm, sent because its own work failed after this one
+    had finished) makes the wait return in a thread Python no longer runs, and the process
+    aborts. gloo cannot cancel the receive and a process cannot send to itself, so an exiting
+    process asks every peer not known to be exiting for a *stop* message; their listeners answer
+    and note that this process is exiting (they send it nothing more), and this process's listener
+    ends on the first answer without posting another receive: messages sent to it later (more
+    answers among them) wait on the sender's side until the connection closes. Without an answer
+    within :data:`STOP_WAIT` seconds the listener stays, as before: then every peer has stopped
+    its own listener already (it asked before this process did) or is gone, and sends nothing
+    more. Runs after :func:`_settle_at_exit`.
+    """
+    asked = []
+    for _, g in list(_GROUPS.values()):
+        try:
+            if g.request_stop():
+                asked.append(g)
+        except Exception:  # noqa: BLE001 - say, a destroyed group: its listener ends by itself
+            pass
+    deadline = time.monotonic() + STOP_WAIT
+    for g in asked:
+        g.listener.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_listeners)  # (atexit calls in reverse order: this one runs last)
 atexit.register(_settle_at_exit)
 
 
@@ -288,6 +324,7 @@ class _Group:
             raise ValueError("the control group must have the same ranks as the process group, in the same order")
         self.next_space = 2
         self.notices: dict = {}  # (space, epoch) -> (sender's rank in the group, message)
+        self.exiting: set = set()  # ranks whose process asked for a stop message: it is exiting
         self.listener = None
         if self.size > 1:
             self.listener = threading.Thread(target=self._listen, name="mgrit-torch-dist-notices", daemon=True)
@@ -304,14 +341,42 @@ class _Group:
                 work.wait()
             except BaseException:  # noqa: BLE001 - the group was destroyed: stop listening
                 return
-            _signal()
             space, epoch, src, n = (int(v) for v in buf[:32].numpy().view(np.int64))
+            if space == _STOP:  # this process is exiting (_stop_listeners): post no receive again
+                return
+            if space == _STOP_ME:  # that process is exiting: answer, and send it nothing more
+                self.exiting.add(src)
+                self._send_header(_STOP, 0, src)
+                continue
+            _signal()
             if space == _FULFIL:  # a peer left a receive from this rank behind: send it a dummy
                 dummy = torch.zeros(max(n, 1), dtype=torch.uint8)
                 _KEEP.append((self.ctl.send([dummy], src, epoch), dummy))
                 continue
             note = bytes(buf[32: 32 + n].numpy()).decode("utf-8", "replace")
             self.notices.setdefault((space, epoch), (src, note))
+
+    def _send_header(self, space: int, epoch: int, dest: int, n: int = 0):
+        """Send ``dest``'s listener a message with only a header; the handle, or None when ``dest`` is gone."""
+        import torch
+
+        raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
+        raw[:32] = np.array([space, epoch, self.rank, n], dtype=np.int64).view(np.uint8)
+        buf = torch.from_numpy(raw)
+        try:
+            work = self.ctl.send([buf], dest, _wire(_NOTICE_SPACE, Tag.FAILURE))
+        except RuntimeError:  # that process has exited
+            return None
+        _KEEP.append((work, buf))
+        return work
+
+    def request_stop(self) -> bool:
+        """Ask every peer not known to be exiting for a stop message (see :func:`_stop_listeners`);
+        False when there is no listener to stop or nobody to ask."""
+        if self.listener is None or not self.listener.is_alive():
+            return False
+        peers = [r for r in range(self.size) if r != self.rank and r not in self.exiting]
+        return sum(self._send_header(_STOP_ME, 0, r) is not None for r in peers) > 0
 
     def request_fulfil(self, source: int, wire: int, nbytes: int) -> None:
         """Ask ``source`` to send a dummy message for a receive that will never be matched.
@@ -320,16 +385,8 @@ class _Group:
         process exits during this interpreter's shutdown aborts the process; the
         listener of ``source`` answers with ``nbytes`` zeros (if it is still there).
         """
-        import torch
-
         _signal()
-        raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
-        raw[:32] = np.array([_FULFIL, wire, self.rank, nbytes], dtype=np.int64).view(np.uint8)
-        buf = torch.from_numpy(raw)
-        try:
-            _KEEP.append((self.ctl.send([buf], source, _wire(_NOTICE_SPACE, Tag.FAILURE)), buf))
-        except RuntimeError:  # that process has exited: the receive fails by itself
-            pass
+        self._send_header(_FULFIL, wire, source, nbytes)  # (None when it has exited: the receive fails by itself)
 
     def send_notice(self, space: int, epoch: int, dest: int, note: str) -> None:
         """Tell ``dest`` (a rank of the group) that this rank failed in session ``epoch`` of ``space``."""
@@ -793,7 +850,7 @@ class TorchDistComm(_SessionComm):
         """A failure notice (or, on the base space with epoch 0, an alarm) to every other rank."""
         reqs = []
         for r in range(self.size):
-            if r != self.rank:
+            if r != self.rank and self._members[r] not in self._g.exiting:  # (an exiting process needs none)
                 try:
                     reqs.append(self._g.send_notice(space, epoch, self._members[r], note))
                 except RuntimeError:  # that process is gone: it needs no notice
