@@ -137,6 +137,19 @@ def is_process_group(obj) -> bool:
 _CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def _reason(exc) -> str:
+    """gloo's error in a few words: the lost-connection phrase, else its first line (at most 200 characters)
+    without the source location (``[.../pair.cc:534] Connection closed by peer [127.0.0.1]:39419``)."""
+    text = str(exc)
+    lost = next((k for k in _CONNECTION_LOST if k in text), None)
+    if lost is not None:
+        return f"gloo: {lost}"
+    line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return f"gloo: {line[:200]}"
+
+
 def _code(tag: int) -> int:
     """The 10-bit code of a tag (level indices below 512, the named tags, user tags)."""
     tag = int(tag)
@@ -641,7 +654,8 @@ class TorchDistComm(_SessionComm):
         if job.error is not None:
             text = str(job.error)
             if req.peer is not None and any(k in text for k in _CONNECTION_LOST):
-                raise self._gone(req.peer, f"its connection closed while this rank waited for it ({text})") \
+                raise self._gone(req.peer, f"its connection closed while this rank waited for it "
+                                           f"({_reason(job.error)})") \
                     from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
@@ -669,7 +683,7 @@ class TorchDistComm(_SessionComm):
         try:
             work = _post(pg.send, view, self._members[dest], 0 if device else _wire(ch.space, tag))
         except _Unreachable as exc:
-            raise self._gone(dest, f"torch.distributed could not send to it ({exc})") from exc
+            raise self._gone(dest, f"torch.distributed could not send to it ({_reason(exc)})") from exc
         req = _Req(work, device, dest)
         if log and ch.log:
             runs = ch.sent[dest].setdefault(_DEVICE if device else _code(tag), [])
@@ -695,7 +709,7 @@ class TorchDistComm(_SessionComm):
         try:
             work = _post(pg.recv, view, self._members[source], wire)
         except _Unreachable as exc:
-            raise self._gone(source, f"torch.distributed could not receive from it ({exc})") from exc
+            raise self._gone(source, f"torch.distributed could not receive from it ({_reason(exc)})") from exc
         req = _Req(work, device, source)
         try:
             self._wait(req)
