@@ -274,8 +274,14 @@ def _settle_at_exit() -> None:
         time.sleep(min(left, 0.05))
 
 
-#: At exit, seconds a process waits at most for the stop message that ends its notice listener
-STOP_WAIT = 0.5
+#: At exit, seconds a process waits at most for the stop message that ends its notice listener, and
+#: the age (by the clocks of the two processes) beyond which a request for one is no longer answered:
+#: by the time an answer could arrive, its asker may be shutting down (where the answer would abort it)
+STOP_WAIT = 0.3
+STOP_ANSWER_AGE = 0.1
+#: At exit, seconds a process lets its listeners read what already arrived, before it asks and (when a
+#: peer was found gone and a listener stays) after
+STOP_GRACE = 0.1
 
 
 def _stop_listeners() -> None:
@@ -285,24 +291,41 @@ def _stop_listeners() -> None:
     finalises (say, another process's alarm, sent because its own work failed after this one
     had finished) makes the wait return in a thread Python no longer runs, and the process
     aborts. gloo cannot cancel the receive and a process cannot send to itself, so an exiting
-    process asks every peer not known to be exiting for a *stop* message; their listeners answer
-    and note that this process is exiting (they send it nothing more), and this process's listener
-    ends on the first answer without posting another receive: messages sent to it later (more
-    answers among them) wait on the sender's side until the connection closes. Without an answer
-    within :data:`STOP_WAIT` seconds the listener stays, as before: then every peer has stopped
-    its own listener already (it asked before this process did) or is gone, and sends nothing
-    more. Runs after :func:`_settle_at_exit`.
+    process asks every peer not known to be exiting for a *stop* message; each peer's listener
+    notes that this process is exiting (it sends it no notices any more) and answers, if the
+    request is at most :data:`STOP_ANSWER_AGE` seconds old, and this process's listener ends on
+    the first answer without posting another receive: messages sent to it later (more answers
+    among them) wait on the sender's side until the connection closes.
+
+    Three rules keep the exchange itself from waking a listener in a process that is shutting down:
+    a request carries the sender's clock (``time.time()``; the processes' clocks must agree to well
+    within 0.1 s, as on one host or with NTP), so a peer that was busy (holding the GIL, or stopped)
+    when it came does not answer after its sender stopped waiting (:data:`STOP_WAIT` seconds; then
+    its listener stays, as before); the listeners get :data:`STOP_GRACE` seconds to read what already
+    arrived before the process asks (a peer's own request: that peer is exiting and is not asked,
+    since it may be shutting down already); and when a peer was found gone and a listener stays,
+    another :data:`STOP_GRACE` seconds let what that peer sent last be read while Python still runs.
+    Runs after :func:`_settle_at_exit`; a process without listeners (one process, or none left)
+    returns at once.
     """
-    asked = []
-    for _, g in list(_GROUPS.values()):
+    groups = [g for _, g in list(_GROUPS.values()) if g.listener is not None and g.listener.is_alive()]
+    if not groups:
+        return
+    time.sleep(STOP_GRACE)  # let the listeners read what already arrived (a peer's request: it is exiting)
+    asked, lost = [], False
+    for g in groups:
         try:
-            if g.request_stop():
-                asked.append(g)
+            ask, gone = g.request_stop()
         except Exception:  # noqa: BLE001 - say, a destroyed group: its listener ends by itself
-            pass
+            continue
+        lost = lost or gone
+        if ask:
+            asked.append(g)
     deadline = time.monotonic() + STOP_WAIT
     for g in asked:
         g.listener.join(max(0.0, deadline - time.monotonic()))
+    if lost and any(g.listener is not None and g.listener.is_alive() for _, g in list(_GROUPS.values())):
+        time.sleep(STOP_GRACE)  # what a process that just ended sent may still be arriving: let it be read
 
 
 atexit.register(_stop_listeners)  # (atexit calls in reverse order: this one runs last)
@@ -350,16 +373,21 @@ class _Group:
         while True:
             buf = torch.zeros(_NOTE_BYTES, dtype=torch.uint8)
             work = self.ctl.recv_anysource([buf], tag)
+            # never freed in this thread: a gloo handle's destructor lets go of the GIL and takes it
+            # back, which aborts the process if Python began to shut down meanwhile (a wait that ends
+            # as a peer's process exits, with this process exiting too)
+            _KEEP.append((work, buf))
             try:
                 work.wait()
-            except BaseException:  # noqa: BLE001 - the group was destroyed: stop listening
+            except BaseException:  # noqa: BLE001 - the group was destroyed or a peer's process ended
                 return
             space, epoch, src, n = (int(v) for v in buf[:32].numpy().view(np.int64))
             if space == _STOP:  # this process is exiting (_stop_listeners): post no receive again
                 return
-            if space == _STOP_ME:  # that process is exiting: answer, and send it nothing more
+            if space == _STOP_ME:  # that process is exiting: send it nothing more; answer unless it is late
                 self.exiting.add(src)
-                self._send_header(_STOP, 0, src)
+                if time.time() - epoch * 1e-6 <= STOP_ANSWER_AGE:
+                    self._send_header(_STOP, 0, src)
                 continue
             _signal()
             if space == _FULFIL:  # a peer left a receive from this rank behind: send it a dummy
@@ -383,13 +411,14 @@ class _Group:
         _KEEP.append((work, buf))
         return work
 
-    def request_stop(self) -> bool:
-        """Ask every peer not known to be exiting for a stop message (see :func:`_stop_listeners`);
-        False when there is no listener to stop or nobody to ask."""
+    def request_stop(self) -> tuple:
+        """Ask every peer not known to be exiting for a stop message (see :func:`_stop_listeners`).
+        Returns (whether any peer was asked, whether a peer was found gone)."""
         if self.listener is None or not self.listener.is_alive():
-            return False
+            return False, False
         peers = [r for r in range(self.size) if r != self.rank and r not in self.exiting]
-        return sum(self._send_header(_STOP_ME, 0, r) is not None for r in peers) > 0
+        sent = [self._send_header(_STOP_ME, int(time.time() * 1e6), r) is not None for r in peers]
+        return any(sent), not all(sent)
 
     def request_fulfil(self, source: int, wire: int, nbytes: int) -> None:
         """Ask ``source`` to send a dummy message for a receive that will never be matched.

@@ -9,8 +9,14 @@ alarms the communicator (what LayerParallel does with ``data_comm=`` when a laye
 exits with code 1. ``eval`` (4 processes, a 2 x 2 layer x data grid): one training step on every
 process; then only the layer group of data rank 0 (processes 0 and 1) evaluates, and a layer
 raises on process 0: process 1 raises the RemoteRankError (exit code 3), processes 2 and 3 have
-ended normally when LayerParallel's alarm over the data group reaches them.
+ended normally when LayerParallel's alarm over the data group reaches them. ``busy`` (2 processes,
+no failure): process 1 ends while process 0 is stopped for 0.8 s (SIGSTOP, as a busy or descheduled
+process would be): process 0 must not answer process 1's late request for a stop message (the answer
+would reach it while Python shuts down), and both end with code 0.
 """
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -47,6 +53,15 @@ def late(rank):
     print(f"rank {rank} ends", flush=True)
 
 
+def busy(rank):
+    comm = as_communicator(dist.group.WORLD)
+    comm.allreduce_array(np.ones(3))
+    if rank == 0:
+        subprocess.Popen(["sh", "-c", f"sleep 0.8; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+    print(f"rank {rank} ends", flush=True)
+
+
 def evaluate(rank):
     from propagators.torch import LayerParallel, allreduce_gradients
 
@@ -71,7 +86,7 @@ def evaluate(rank):
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    {"late": late, "eval": evaluate}[sys.argv[1]](dist.get_rank())
+    {"late": late, "eval": evaluate, "busy": busy}[sys.argv[1]](dist.get_rank())
 
 
 if __name__ == "__main__":
