@@ -63,9 +63,7 @@ connection for good. So:
   waiting for a rank that knows.
 * **At exit** a process that sent or received failure messages waits (at most
   3 s) until no helper thread can come back from a blocked gloo wait while
-  Python shuts down, which would abort the process (see :func:`_settle_at_exit`);
-  then every exiting process ends its notice listener through a stop message
-  from a peer, so that a late alarm cannot wake it (see :func:`_stop_listeners`).
+  Python shuts down, which would abort the process (see :func:`_settle_at_exit`).
 
 NCCL
 ----
@@ -114,8 +112,6 @@ _DEVICE = -1  # the code of NCCL messages in the finish logs: one ordered stream
 _NOTICE_SPACE = 1  # the slot of the failure notices (space 0: the bootstrap of a wrapper)
 _POOL_SIZE = 4
 _FULFIL = -1  # the space field of a request for a dummy message (see _Group.request_fulfil)
-_STOP_ME = -2  # the space field of an exiting process's request for a stop message (see _stop_listeners)
-_STOP = -3  # the space field of the answer: the listener that receives it ends
 
 #: Work handles, buffers and threads of retired channels (never touched again; kept
 #: alive so that no backend frees memory it may still write to)
@@ -274,61 +270,6 @@ def _settle_at_exit() -> None:
         time.sleep(min(left, 0.05))
 
 
-#: At exit, seconds a process waits at most for the stop message that ends its notice listener, and
-#: the age (by the clocks of the two processes) beyond which a request for one is no longer answered:
-#: by the time an answer could arrive, its asker may be shutting down (where the answer would abort it)
-STOP_WAIT = 0.3
-STOP_ANSWER_AGE = 0.1
-#: At exit, seconds a process lets its listeners read what already arrived, before it asks and (when a
-#: peer was found gone and a listener stays) after
-STOP_GRACE = 0.1
-
-
-def _stop_listeners() -> None:
-    """End the notice listeners while Python still runs, so that no late message can abort the process.
-
-    A listener blocks in a gloo receive from any rank; a message that arrives while Python
-    finalises (say, another process's alarm, sent because its own work failed after this one
-    had finished) makes the wait return in a thread Python no longer runs, and the process
-    aborts. gloo cannot cancel the receive and a process cannot send to itself, so an exiting
-    process asks every peer not known to be exiting for a *stop* message; each peer's listener
-    notes that this process is exiting (it sends it no notices any more) and answers, if the
-    request is at most :data:`STOP_ANSWER_AGE` seconds old, and this process's listener ends on
-    the first answer without posting another receive: messages sent to it later (more answers
-    among them) wait on the sender's side until the connection closes.
-
-    Three rules keep the exchange itself from waking a listener in a process that is shutting down:
-    a request carries the sender's clock (``time.time()``; the processes' clocks must agree to well
-    within 0.1 s, as on one host or with NTP), so a peer that was busy (holding the GIL, or stopped)
-    when it came does not answer after its sender stopped waiting (:data:`STOP_WAIT` seconds; then
-    its listener stays, as before); the listeners get :data:`STOP_GRACE` seconds to read what already
-    arrived before the process asks (a peer's own request: that peer is exiting and is not asked,
-    since it may be shutting down already); and when a peer was found gone and a listener stays,
-    another :data:`STOP_GRACE` seconds let what that peer sent last be read while Python still runs.
-    Runs after :func:`_settle_at_exit`; a process without listeners (one process, or none left)
-    returns at once.
-    """
-    groups = [g for _, g in list(_GROUPS.values()) if g.listener is not None and g.listener.is_alive()]
-    if not groups:
-        return
-    time.sleep(STOP_GRACE)  # let the listeners read what already arrived (a peer's request: it is exiting)
-    asked, lost = [], False
-    for g in groups:
-        try:
-            ask, gone = g.request_stop()
-        except Exception:  # noqa: BLE001 - say, a destroyed group: its listener ends by itself
-            continue
-        lost = lost or gone
-        if ask:
-            asked.append(g)
-    deadline = time.monotonic() + STOP_WAIT
-    for g in asked:
-        g.listener.join(max(0.0, deadline - time.monotonic()))
-    if lost and any(g.listener is not None and g.listener.is_alive() for _, g in list(_GROUPS.values())):
-        time.sleep(STOP_GRACE)  # what a process that just ended sent may still be arriving: let it be read
-
-
-atexit.register(_stop_listeners)  # (atexit calls in reverse order: this one runs last)
 atexit.register(_settle_at_exit)
 
 
@@ -360,7 +301,6 @@ class _Group:
             raise ValueError("the control group must have the same ranks as the process group, in the same order")
         self.next_space = 2
         self.notices: dict = {}  # (space, epoch) -> (sender's rank in the group, message)
-        self.exiting: set = set()  # ranks whose process asked for a stop message: it is exiting
         self.listener = None
         if self.size > 1:
             self.listener = threading.Thread(target=self._listen, name="mgrit-torch-dist-notices", daemon=True)
@@ -374,51 +314,20 @@ class _Group:
             buf = torch.zeros(_NOTE_BYTES, dtype=torch.uint8)
             work = self.ctl.recv_anysource([buf], tag)
             # never freed in this thread: a gloo handle's destructor lets go of the GIL and takes it
-            # back, which aborts the process if Python began to shut down meanwhile (a wait that ends
-            # as a peer's process exits, with this process exiting too)
+            # back, which aborts the process if Python began to shut down meanwhile
             _KEEP.append((work, buf))
             try:
                 work.wait()
-            except BaseException:  # noqa: BLE001 - the group was destroyed or a peer's process ended
+            except BaseException:  # noqa: BLE001 - the group was destroyed: stop listening
                 return
-            space, epoch, src, n = (int(v) for v in buf[:32].numpy().view(np.int64))
-            if space == _STOP:  # this process is exiting (_stop_listeners): post no receive again
-                return
-            if space == _STOP_ME:  # that process is exiting: send it nothing more; answer unless it is late
-                self.exiting.add(src)
-                if time.time() - epoch * 1e-6 <= STOP_ANSWER_AGE:
-                    self._send_header(_STOP, 0, src)
-                continue
             _signal()
+            space, epoch, src, n = (int(v) for v in buf[:32].numpy().view(np.int64))
             if space == _FULFIL:  # a peer left a receive from this rank behind: send it a dummy
                 dummy = torch.zeros(max(n, 1), dtype=torch.uint8)
                 _KEEP.append((self.ctl.send([dummy], src, epoch), dummy))
                 continue
             note = bytes(buf[32: 32 + n].numpy()).decode("utf-8", "replace")
             self.notices.setdefault((space, epoch), (src, note))
-
-    def _send_header(self, space: int, epoch: int, dest: int, n: int = 0):
-        """Send ``dest``'s listener a message with only a header; the handle, or None when ``dest`` is gone."""
-        import torch
-
-        raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
-        raw[:32] = np.array([space, epoch, self.rank, n], dtype=np.int64).view(np.uint8)
-        buf = torch.from_numpy(raw)
-        try:
-            work = self.ctl.send([buf], dest, _wire(_NOTICE_SPACE, Tag.FAILURE))
-        except RuntimeError:  # that process has exited
-            return None
-        _KEEP.append((work, buf))
-        return work
-
-    def request_stop(self) -> tuple:
-        """Ask every peer not known to be exiting for a stop message (see :func:`_stop_listeners`).
-        Returns (whether any peer was asked, whether a peer was found gone)."""
-        if self.listener is None or not self.listener.is_alive():
-            return False, False
-        peers = [r for r in range(self.size) if r != self.rank and r not in self.exiting]
-        sent = [self._send_header(_STOP_ME, int(time.time() * 1e6), r) is not None for r in peers]
-        return any(sent), not all(sent)
 
     def request_fulfil(self, source: int, wire: int, nbytes: int) -> None:
         """Ask ``source`` to send a dummy message for a receive that will never be matched.
@@ -427,8 +336,16 @@ class _Group:
         process exits during this interpreter's shutdown aborts the process; the
         listener of ``source`` answers with ``nbytes`` zeros (if it is still there).
         """
+        import torch
+
         _signal()
-        self._send_header(_FULFIL, wire, source, nbytes)  # (None when it has exited: the receive fails by itself)
+        raw = np.zeros(_NOTE_BYTES, dtype=np.uint8)
+        raw[:32] = np.array([_FULFIL, wire, self.rank, nbytes], dtype=np.int64).view(np.uint8)
+        buf = torch.from_numpy(raw)
+        try:
+            _KEEP.append((self.ctl.send([buf], source, _wire(_NOTICE_SPACE, Tag.FAILURE)), buf))
+        except RuntimeError:  # that process has exited: the receive fails by itself
+            pass
 
     def send_notice(self, space: int, epoch: int, dest: int, note: str) -> None:
         """Tell ``dest`` (a rank of the group) that this rank failed in session ``epoch`` of ``space``."""
@@ -893,7 +810,7 @@ class TorchDistComm(_SessionComm):
         """A failure notice (or, on the base space with epoch 0, an alarm) to every other rank."""
         reqs = []
         for r in range(self.size):
-            if r != self.rank and self._members[r] not in self._g.exiting:  # (an exiting process needs none)
+            if r != self.rank:
                 try:
                     reqs.append(self._g.send_notice(space, epoch, self._members[r], note))
                 except RuntimeError:  # that process is gone: it needs no notice

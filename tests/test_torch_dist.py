@@ -218,18 +218,10 @@ def test_processes_that_retry_after_a_process_died_raise_instead_of_waiting():
     assert "rank 0 done" in out and "rank 1 done" in out and rc == 1, out[-5000:]
 
 
-@pytest.mark.parametrize("n, where, code", [(2, "late", 1), (4, "eval", 3), (2, "busy", 0)])
-def test_a_process_that_ended_normally_exits_cleanly_when_a_late_alarm_comes(n, where, code):
-    """exits.py: processes end their program normally while another one alarms them a moment later
-    (``late``: a bare ``alarm`` 0.3 s after; ``eval``: a layer fails on process 0 in an evaluation
-    only its layer group runs, and LayerParallel alarms the data group, whose other members have
-    ended). The alarm used to reach them while Python shut down, and they aborted (code -6; 3 of 3
-    runs of each case before the fix): now each exiting process stops its notice listener first.
-    ``busy``: no failure; a peer stopped for 0.8 s while the other ends must not answer its request for
-    a stop message late (that answer aborted the exiting process in 3 of 3 runs of a first version)."""
-    rc, out = launch(n, "exits.py", where, timeout=120)
-    assert "terminate called" not in out and rc == code, out[-5000:]
-    ends = {"late": range(1, n), "eval": range(2, n), "busy": range(n)}[where]
-    assert sorted(re.findall(r"rank (\d+) ends", out)) == [str(r) for r in ends], out[-5000:]
-    if where == "eval":
-        assert "rank 1 raised RemoteRankError: rank 0 failed" in out, out[-5000:]
+def test_a_process_that_ends_beside_a_busy_peer_exits_cleanly():
+    """exits.py busy: process 1 ends while process 0 is stopped for 0.8 s, with no failure anywhere;
+    both end with code 0 (an exchange of messages at exit, tried against the late-alarm abort of the
+    README's limitations, aborted the exiting process here in 2 and 3 of 3 runs)."""
+    rc, out = launch(2, "exits.py", "busy", timeout=120)
+    assert "terminate called" not in out and rc == 0, out[-5000:]
+    assert sorted(re.findall(r"rank (\d+) ends", out)) == ["0", "1"], out[-5000:]
