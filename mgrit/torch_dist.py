@@ -133,11 +133,16 @@ def is_process_group(obj) -> bool:
 _CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def _lost(text: str) -> str | None:
+    """The phrase of :data:`_CONNECTION_LOST` in gloo's error text ``text`` (the peer's process ended), or None."""
+    return next((k for k in _CONNECTION_LOST if k in text), None)
+
+
 def _reason(exc) -> str:
     """gloo's error in a few words: the lost-connection phrase, else its first line (at most 200 characters)
     without the source location (``[.../pair.cc:534] Connection closed by peer [127.0.0.1]:39419``)."""
     text = str(exc)
-    lost = next((k for k in _CONNECTION_LOST if k in text), None)
+    lost = _lost(text)
     if lost is not None:
         return f"gloo: {lost}"
     line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
@@ -598,10 +603,9 @@ class TorchDistComm(_SessionComm):
                 _leave_waiter_behind()
                 raise
         if job.error is not None:
-            text = str(job.error)
-            if req.peer is not None and any(k in text for k in _CONNECTION_LOST):
-                raise self._gone(req.peer, f"its connection closed while this rank waited for it "
-                                           f"({_reason(job.error)})") \
+            lost = _lost(str(job.error))
+            if req.peer is not None and lost is not None:
+                raise self._gone(req.peer, f"its connection closed while this rank waited for it (gloo: {lost})") \
                     from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
