@@ -365,3 +365,40 @@ def test_a_gru_solve_without_progress_warns_and_a_converging_one_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         model(1.0)(x)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 9])
+def test_affine_scan_and_composition_equal_the_recurrence(k):
+    """The frozen coarse step's log-depth evaluation: h_{j+1} = a_j h_j + b_j at every j (scan) and at
+    the end (composition), for lengths with and without an odd carry."""
+    from propagators.torch.gru import _affine_compose, _affine_scan
+
+    torch.manual_seed(10)
+    a, b, h0 = torch.rand(3, k, B, H), torch.randn(3, k, B, H), torch.randn(3, B, H)
+    hs, h = [], h0
+    for j in range(k):
+        h = a[:, j] * h + b[:, j]
+        hs.append(h)
+    A, Bc = _affine_scan(a, b)
+    assert maxdiff(A * h0[:, None] + Bc, torch.stack(hs, 1)) < 1e-14
+    A, Bc = _affine_compose(a, b)
+    assert maxdiff(A * h0 + Bc, hs[-1]) < 1e-14
+
+
+@pytest.mark.parametrize("m", [3, 5])
+def test_adjoint_step_without_forcing_is_the_vjp_of_the_forward_step(m):
+    torch.manual_seed(11)
+    L, i0 = 9, 1
+    W, b = torch.randn(3 * H, H) * 0.5, torch.randn(3 * H)
+    prop = GRUPropagator(W, b, torch.randn(L, B, 3 * H), 0, "frozen")
+    h0 = torch.randn(B, H, requires_grad=True)
+    gh = torch.nn.functional.linear(h0, W, b)
+    h = h0
+    for j in range(m):
+        r, z, n = prop.gates(prop.gi[i0 + j], gh)
+        h = n + z * (h - n)
+    lam1 = torch.randn(B, H)
+    ref = torch.autograd.grad(h, h0, lam1)[0]
+    U = h0.detach()[None]
+    adj = GRUAdjointPropagator(prop, L, U, prop.hidden(U), i0)
+    assert maxdiff(adj.step(lam1, float(L - i0 - m), float(L - i0)), ref) < 1e-13

@@ -43,6 +43,35 @@ def _positions(i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
     return torch.as_tensor(np.asarray(i0, dtype=np.int64)[:, None] + np.arange(k) - offset)
 
 
+def _affine_scan(a, b):
+    """All partial compositions of the affine maps ``h -> a_j h + b_j`` along dimension 1.
+
+    Returns ``(A, B)`` with ``A_j h + B_j`` the result of applying maps ``0..j`` in
+    order to ``h``: the states of the recurrence ``h_{j+1} = a_j h_j + b_j`` at every
+    position, in ``ceil(log2 k)`` rounds of whole-tensor operations (Hillis-Steele)
+    instead of ``k`` rounds of small ones. Products and sums only, no division.
+    """
+    k, d = a.shape[1], 1
+    while d < k:
+        b = torch.cat([b[:, :d], torch.addcmul(b[:, d:], a[:, d:], b[:, :-d])], dim=1)
+        a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
+        d *= 2
+    return a, b
+
+
+def _affine_compose(a, b):
+    """``(A, B)`` of the composition of all the affine maps ``h -> a_j h + b_j`` along dimension 1
+    (map 0 applied first): pairs of neighbours composed, ``ceil(log2 k)`` rounds."""
+    while a.shape[1] > 1:
+        k = a.shape[1]
+        e = k - k % 2
+        na, nb = a[:, 1:e:2] * a[:, 0:e:2], torch.addcmul(b[:, 1:e:2], a[:, 1:e:2], b[:, 0:e:2])
+        if k % 2:
+            na, nb = torch.cat([na, a[:, -1:]], dim=1), torch.cat([nb, b[:, -1:]], dim=1)
+        a, b = na, nb
+    return a[:, 0], b[:, 0]
+
+
 def _steps(t0, t1) -> tuple:
     """Integer start positions and lengths of intervals on the integer time grid."""
     a = np.rint(np.asarray(t0, dtype=np.float64)).astype(np.int64)
@@ -113,10 +142,11 @@ class GRUPropagator(mgrit.Propagator):
         """States ``U`` at positions ``i0`` advanced by ``m`` positions (all intervals alike)."""
         k = self.span(m)
         r, z, n = self.gates(self.inputs(i0, k), self.hidden(U)[:, None])
-        h = U
-        for j in range(k):
-            h = n[:, j] + z[:, j] * (h - n[:, j])
-        return h
+        if k == 1:  # the GRU cell, written as torch.nn.GRU writes it
+            return n[:, 0] + z[:, 0] * (U - n[:, 0])
+        # frozen gates: h_{j+1} = z_j h_j + (1 - z_j) n_j is affine in h, composed in log2(k) rounds
+        A, Bc = _affine_compose(z, n - z * n)
+        return torch.addcmul(Bc, A, U)
 
     def step_batch(self, U, t0, t1):
         i0, m = _steps(t0, t1)
@@ -170,22 +200,28 @@ class GRUAdjointPropagator(mgrit.Propagator):
         gh = self.GH[rows][:, None]
         k = f.span(m)
         r, z, n = f.gates(f.inputs(i0, k), gh)
-        hs = [self.U[rows]]
-        for j in range(k - 1):
-            hs.append(n[:, j] + z[:, j] * (hs[-1] - n[:, j]))
-        mu = V
-        acc_r = acc_z = acc_n = None
-        for j in reversed(range(k)):
-            zj, nj, rj = z[:, j], n[:, j], r[:, j]
-            dz = mu * (hs[j] - nj) * zj * (1.0 - zj)  # gradients of the gates' pre-activations
-            dn = mu * (1.0 - zj) * (1.0 - nj * nj)
-            if acc_z is None:
-                acc_r, acc_z, acc_n = dn * rj * (1.0 - rj), dz, dn * rj
+        h0 = self.U[rows]
+        if k == 1:
+            hs, mus, mu = h0[:, None], V[:, None], z[:, 0] * V
+        else:
+            # states before each position: h_{j+1} = z_j h_j + (1 - z_j) n_j (affine in h, scanned)
+            A, Bc = _affine_scan(z[:, :-1], (n - z * n)[:, :-1])
+            hs = torch.cat([h0[:, None], torch.addcmul(Bc, A, h0[:, None])], dim=1)
+            # adjoint at each position, from the last back: mu_{j-1} = z_j mu_j (+ g_{i0+j} for j > 0),
+            # affine in mu, scanned in reverse order
+            zr = z.flip(1)
+            if self.g is not None:
+                c = self.g[_positions(i0, k, 0)[:, 1:].flip(1).to(V.device)]
+                c = torch.cat([c, torch.zeros_like(c[:, :1])], dim=1)
             else:
-                acc_r, acc_z, acc_n = acc_r + dn * rj * (1.0 - rj), acc_z + dz, acc_n + dn * rj
-            mu = zj * mu
-            if j > 0 and self.g is not None:
-                mu = mu + self.g[torch.as_tensor(np.asarray(i0) + j, device=V.device)]
+                c = torch.zeros_like(zr)
+            A, Bc = _affine_scan(zr, c)
+            after = torch.addcmul(Bc, A, V[:, None])  # mu after positions k-1, ..., 0
+            mus = torch.cat([V[:, None], after[:, :-1]], dim=1).flip(1)  # mu at positions 0, ..., k-1
+            mu = after[:, -1]
+        dz = mus * (hs - n) * z * (1.0 - z)  # gradients of the gates' pre-activations
+        dn = mus * (1.0 - z) * (1.0 - n * n)
+        acc_r, acc_z, acc_n = (dn * r * (1.0 - r)).sum(1), dz.sum(1), (dn * r).sum(1)
         dgh = torch.cat([acc_r * gh[:, 0, ..., 2 * H:], acc_z, acc_n], dim=-1)
         lam = mu + torch.matmul(dgh, f.W)
         if self.g is not None:
