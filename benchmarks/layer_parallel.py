@@ -256,18 +256,25 @@ def run_ranks(a) -> dict:
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
         if k not in ("quick", "no_mpi", "child", "sweep", "launches")]
-    runs = []
-    for _ in range(max(1, a.launches)):
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                             timeout=1200)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise SystemExit(f"the 2-rank run failed:\n{out.stdout}\n{out.stderr}")
-        runs.append(json.loads(lines[0][7:]))
+    runs = mpi_results(cmd, a.launches)
     runs.sort(key=lambda r: r["lp1"] / r["lp2"])
     best = dict(runs[(len(runs) - 1) // 2])  # (an even count: the lower of the middle two)
     best["ratios"] = [r["lp1"] / r["lp2"] for r in runs]
     return best
+
+
+def mpi_results(cmd: list, launches: int, timeout: float = 1800) -> list:
+    """Run the ``mpiexec`` command line ``cmd`` ``launches`` times (fresh processes, one thread each);
+    rank 0 prints one line ``RESULT <json>``: the parsed results, one per launch."""
+    runs = []
+    for _ in range(max(1, launches)):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             timeout=timeout)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise SystemExit(f"the {cmd[2]}-rank run failed:\n{out.stdout}\n{out.stderr}")
+        runs.append(json.loads(lines[0][7:]))
+    return runs
 
 
 def sweep(a):

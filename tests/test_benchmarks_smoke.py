@@ -103,3 +103,20 @@ def test_layer_parallel_quick_run_and_rank_sweep():
         assert [int(r[0]) for r in rows] == [16, 32] and all(r[4].endswith("x") for r in rows)
         # the reported ratio is one of the launches' (the median launch)
         assert all(f"{float(r[4][:-1]):.2f}" in r[5:] for r in rows)
+
+
+def test_families_quick_run_two_ranks_give_one_process_gradients():
+    """GRU, ViT and two-stage CNN: one step serial, layer-parallel on one process and on 2 ranks. The
+    2-rank gradients equal the one-process ones up to float32 rounding of the ranks' partial sums."""
+    pytest.importorskip("torch")
+    if not (Path(sys.executable).parent / "mpiexec").exists():
+        pytest.skip("needs mpiexec (make venv installs mpich)")
+    out = run_benchmark("families.py", "--quick")
+    rows = {r[0]: r for r in map(str.split, out.splitlines()) if r and r[0] in ("gru", "vit", "cnn")
+            and len(r) >= 9}
+    assert sorted(rows) == ["cnn", "gru", "vit"], out
+    for name, r in rows.items():
+        serial, lp1, lp2 = map(float, r[1:4])
+        assert serial > 0 and lp1 > 0 and lp2 > 0
+        assert abs(lp1 / lp2 - float(r[6][:-1])) < 0.011, r  # the ratio printed is that of the times printed
+        assert float(r[7]) <= 1e-5, f"{name}: 2-rank gradients differ from one process's: {r}"
