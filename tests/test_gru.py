@@ -402,3 +402,19 @@ def test_adjoint_step_without_forcing_is_the_vjp_of_the_forward_step(m):
     U = h0.detach()[None]
     adj = GRUAdjointPropagator(prop, L, U, prop.hidden(U), i0)
     assert maxdiff(adj.step(lam1, float(L - i0 - m), float(L - i0)), ref) < 1e-13
+
+
+@pytest.mark.parametrize("i0, k", [([3], 4), ([0, 2, 4, 6], 2), ([1, 4, 7], 4), ([2, 2, 2], 3), ([0, 1, 5], 2),
+                                   ([6, 4, 2], 1), ([], 3)])
+def test_input_windows_equal_indexing(i0, k):
+    """The windows of inputs a step reads: a strided view where the starts are evenly spaced, else an
+    indexed copy; the same values either way, and rows outside the array raise as indexing does."""
+    from propagators.torch.gru import _positions, _windows
+
+    x = torch.randn(12, 2, 3)
+    i0 = np.array(i0, dtype=np.int64)
+    got = _windows(x, i0 + 1, k, 1)
+    assert got.shape == (len(i0), k, 2, 3)
+    assert torch.equal(got, x[_positions(i0, k, 0)] if len(i0) else x[:0, None].expand(0, k, 2, 3))
+    with pytest.raises(IndexError):
+        _windows(x, np.array([8, 10]), 3, 0)  # the second window ends past row 11

@@ -72,6 +72,25 @@ def _affine_compose(a, b):
     return a[:, 0], b[:, 0]
 
 
+def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
+    """``x[i0[j] + 0..k-1 - offset]`` stacked: shape ``(len(i0), k) + x.shape[1:]``.
+
+    When the starts are evenly spaced (every batched sweep of MGRIT, and a single
+    interval) and the windows lie inside ``x``, a strided view of ``x`` (no copy);
+    otherwise an indexed copy (which raises for rows outside ``x``).
+    """
+    i0 = np.asarray(i0, dtype=np.int64)
+    n = len(i0)
+    first = int(i0[0]) - offset if n else 0
+    stride = int(i0[1] - i0[0]) if n > 1 else 1
+    if (n and stride >= 0 and first >= 0 and first + stride * (n - 1) + k <= x.shape[0]
+            and (n < 3 or (np.diff(i0) == stride).all())):
+        s0 = x.stride(0)
+        return x.as_strided((n, k) + tuple(x.shape[1:]), (stride * s0, s0) + tuple(x.stride()[1:]),
+                            x.storage_offset() + first * s0)
+    return x[_positions(i0, k, offset).to(x.device)]
+
+
 def _steps(t0, t1) -> tuple:
     """Integer start positions and lengths of intervals on the integer time grid."""
     a = np.rint(np.asarray(t0, dtype=np.float64)).astype(np.int64)
@@ -125,9 +144,9 @@ class GRUPropagator(mgrit.Propagator):
     def gates(self, gi, gh):
         """``r, z, n`` from input projections ``gi`` and hidden projections ``gh`` (broadcast)."""
         H = self.H
-        rz = torch.sigmoid(gi[..., :2 * H] + gh[..., :2 * H])
+        rz = (gi[..., :2 * H] + gh[..., :2 * H]).sigmoid_()  # (in place on the fresh sums)
         r, z = rz[..., :H], rz[..., H:]
-        n = torch.tanh(gi[..., 2 * H:] + r * gh[..., 2 * H:])
+        n = (gi[..., 2 * H:] + r * gh[..., 2 * H:]).tanh_()
         return r, z, n
 
     def span(self, m: int) -> int:
@@ -136,7 +155,7 @@ class GRUPropagator(mgrit.Propagator):
 
     def inputs(self, i0: np.ndarray, k: int):
         """Input projections at positions ``i0 + 0..k-1``: shape (n, k, B, 3H)."""
-        return self.gi[_positions(i0, k, self.offset).to(self.gi.device)]
+        return _windows(self.gi, i0, k, self.offset)
 
     def advance(self, U, i0: np.ndarray, m: int):
         """States ``U`` at positions ``i0`` advanced by ``m`` positions (all intervals alike)."""
@@ -196,11 +215,10 @@ class GRUAdjointPropagator(mgrit.Propagator):
 
     def back(self, V, i0: np.ndarray, m: int):
         f, H = self.fwd, self.fwd.H
-        rows = torch.as_tensor(np.asarray(i0) - self.g0, device=V.device)
-        gh = self.GH[rows][:, None]
+        gh = _windows(self.GH, i0, 1, self.g0)
         k = f.span(m)
         r, z, n = f.gates(f.inputs(i0, k), gh)
-        h0 = self.U[rows]
+        h0 = _windows(self.U, i0, 1, self.g0)[:, 0]
         if k == 1:
             hs, mus, mu = h0[:, None], V[:, None], z[:, 0] * V
         else:
@@ -211,7 +229,7 @@ class GRUAdjointPropagator(mgrit.Propagator):
             # affine in mu, scanned in reverse order
             zr = z.flip(1)
             if self.g is not None:
-                c = self.g[_positions(i0, k, 0)[:, 1:].flip(1).to(V.device)]
+                c = _windows(self.g, np.asarray(i0) + 1, k - 1, 0).flip(1)
                 c = torch.cat([c, torch.zeros_like(c[:, :1])], dim=1)
             else:
                 c = torch.zeros_like(zr)
@@ -225,7 +243,7 @@ class GRUAdjointPropagator(mgrit.Propagator):
         dgh = torch.cat([acc_r * gh[:, 0, ..., 2 * H:], acc_z, acc_n], dim=-1)
         lam = mu + torch.matmul(dgh, f.W)
         if self.g is not None:
-            lam = lam + self.g[torch.as_tensor(np.asarray(i0), device=V.device)]
+            lam = lam + _windows(self.g, i0, 1, 0)[:, 0]
         return lam
 
     def step_batch(self, V, tau0, tau1):
@@ -644,10 +662,9 @@ class ParallelGRU(nn.Module):
         if not len(t):
             gw = [torch.zeros_like(w) for w in self._detached_weights(prop, w_ih)]
             return gw, x[:0]
-        rows = torch.as_tensor(t - g0, device=U.device)
-        h, gh = U[rows], GH[rows]
-        gi = prop.gi[torch.as_tensor(t - prop.offset, device=U.device)]
-        lm = lam[torch.as_tensor(t + 1 - lay.lo, device=U.device)]
+        h, gh = _windows(U, t, 1, g0)[:, 0], _windows(GH, t, 1, g0)[:, 0]
+        gi = _windows(prop.gi, t, 1, prop.offset)[:, 0]
+        lm = _windows(lam, t + 1, 1, lay.lo)[:, 0]
         rr, z, n = prop.gates(gi, gh)
         dz = lm * (h - n) * z * (1.0 - z)
         dn = lm * (1.0 - z) * (1.0 - n * n)
@@ -655,7 +672,7 @@ class ParallelGRU(nn.Module):
         dgi = torch.cat([dr, dz, dn], dim=-1)  # (T, B, 3H)
         dgh = torch.cat([dr, dz, dn * rr], dim=-1)
         dgi2, dgh2 = dgi.reshape(-1, 3 * H), dgh.reshape(-1, 3 * H)
-        g_wih = dgi2.t() @ x[torch.as_tensor(t, device=x.device)].reshape(-1, n_in)
+        g_wih = dgi2.t() @ _windows(x, t, 1, 0)[:, 0].reshape(-1, n_in)
         g_whh = dgh2.t() @ h.reshape(-1, H)
         gw = [g_wih, g_whh]
         if self.bias:
