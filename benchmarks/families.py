@@ -64,9 +64,13 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--launches", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions, one launch")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes, 3 repetitions, one launch (overrides the size options)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for name in ("seq", "hidden", "blocks", "dim", "stage", "channels", "batch", "repeat", "launches"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     if a.quick:
         a.seq, a.hidden, a.blocks, a.dim, a.stage, a.channels = 64, 8, 8, 16, 4, 2
         a.batch, a.repeat, a.launches = 4, 3, 1

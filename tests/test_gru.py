@@ -418,3 +418,11 @@ def test_input_windows_equal_indexing(i0, k):
     assert torch.equal(got, x[_positions(i0, k, 0)] if len(i0) else x[:0, None].expand(0, k, 2, 3))
     with pytest.raises(IndexError):
         _windows(x, np.array([8, 10]), 3, 0)  # the second window ends past row 11
+    with pytest.raises(IndexError, match="before the first row"):
+        _windows(x, np.array([0, 1]), 2, 1)  # position 0 lies before row 0 (offset 1): no wrap-around
+
+
+def test_an_empty_interval_returns_the_state():
+    prop = GRUPropagator(torch.randn(3 * H, H), torch.randn(3 * H), torch.randn(6, B, 3 * H), 0)
+    h = torch.randn(B, H)
+    assert torch.equal(prop.step(h, 2.0, 2.0), h)

@@ -77,10 +77,12 @@ def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tens
 
     When the starts are evenly spaced (every batched sweep of MGRIT, and a single
     interval) and the windows lie inside ``x``, a strided view of ``x`` (no copy);
-    otherwise an indexed copy (which raises for rows outside ``x``).
+    otherwise an indexed copy. Rows outside ``x`` raise ``IndexError``.
     """
     i0 = np.asarray(i0, dtype=np.int64)
     n = len(i0)
+    if n and int(i0.min()) < offset:  # (an indexed copy would wrap around to the last rows)
+        raise IndexError(f"a window starts at position {int(i0.min())}, before the first row ({offset})")
     first = int(i0[0]) - offset if n else 0
     stride = int(i0[1] - i0[0]) if n > 1 else 1
     if (n and stride >= 0 and first >= 0 and first + stride * (n - 1) + k <= x.shape[0]
@@ -160,6 +162,8 @@ class GRUPropagator(mgrit.Propagator):
     def advance(self, U, i0: np.ndarray, m: int):
         """States ``U`` at positions ``i0`` advanced by ``m`` positions (all intervals alike)."""
         k = self.span(m)
+        if k == 0:  # an empty interval: no position to step
+            return U
         r, z, n = self.gates(self.inputs(i0, k), self.hidden(U)[:, None])
         if k == 1:  # the GRU cell, written as torch.nn.GRU writes it
             return n[:, 0] + z[:, 0] * (U - n[:, 0])
