@@ -160,6 +160,8 @@ def test_multilevel_v_cycle_counts_from_reference(m, levels, relax, expected, rn
 )
 @example(name="brusselator", N=23, cf=[4], relax=["FCF"], levels=2, cycle="V", skip=False, grid="uniform",
          poor_coarse=False, seed=1994)  # (its coarse RK4 steps overflow: discarded, see solve_without_overflow)
+@example(name="heat", N=38, cf=[2], relax=["F"], levels=2, cycle="V", skip=True, grid="uniform",
+         poor_coarse=True, seed=0)  # (fast convergence: 8.0e-11 one cycle before the bound, 0 at it)
 @HYP
 def test_exact_after_bound_property(name, N, cf, relax, levels, cycle, skip, grid, poor_coarse, seed):
     """Any N (ragged or not), per-level cf / relax lists, 2..4 levels, V or F cycles:
@@ -182,7 +184,9 @@ def test_exact_after_bound_property(name, N, cf, relax, levels, cycle, skip, gri
     assert max_err(res.u, ref) <= 1e-11 * scale(ref)
     if poor_coarse and K > 1:
         before = solve_without_overflow(props, pb.u0, t, max_iter=K - 1, **kw)
-        assert max_err(before.u, ref) > 1e-10 * scale(ref)
+        # not exact yet: far above rounding and above the exact solve's own error (a fast-converging case
+        # comes close: heat, N 38, cf 2, F, skip, uniform: 8.0e-11 after K - 1 cycles, 0 after K)
+        assert max_err(before.u, ref) > max(10 * max_err(res.u, ref), 1e-13 * scale(ref))
 
 
 def solve_without_overflow(*args, **kwargs):
