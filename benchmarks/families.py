@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from layer_parallel import interleaved, mpi_results  # noqa: E402
+from layer_parallel import interleaved, median_launch, mpi_results  # noqa: E402
 
 FAMILIES = ("gru", "vit", "cnn")
 
@@ -159,12 +159,6 @@ def launch(a) -> list:
     return mpi_results(cmd, a.launches)
 
 
-def _median_launch(runs: list, family: str) -> dict:
-    """The launch with the median 1 -> 2 rank ratio (of an even count, the lower of the middle two)."""
-    rows = sorted((r[family] for r in runs), key=lambda r: r["lp1"] / r["lp2"])
-    return rows[(len(rows) - 1) // 2]
-
-
 def main(argv=None):
     a = parse(argv)
     if a.child:
@@ -185,7 +179,7 @@ def main(argv=None):
           f"{'2 ranks / serial':>18}{'1 -> 2 ranks':>14}{'grad diff 2 vs 1':>18}{'grad err':>10}"
           "   launches (1 -> 2)")
     for family in a.only:
-        rows, r = sorted((q[family] for q in runs), key=lambda q: q["lp1"] / q["lp2"]), _median_launch(runs, family)
+        r, rows = median_launch([q[family] for q in runs])
         print(f"{family:<7}{1e3 * r['serial']:>11.2f}{1e3 * r['lp1']:>17.2f}{1e3 * r['lp2']:>15.2f}"
               f"{r['lp1'] / r['serial']:>17.2f}{r['lp2'] / r['serial']:>18.2f}{r['lp1'] / r['lp2']:>13.2f}x"
               f"{r['diff']:>18.1e}{r['err']:>10.1e}   " + " ".join(f"{q['lp1'] / q['lp2']:.2f}" for q in rows))
@@ -193,7 +187,7 @@ def main(argv=None):
           f"{a.repeat}; the 2-rank time from the table above")
     print(f"{'family':<7}{'serial ms':>11}{'LP 1 process ms':>17}{'1 proc / serial':>17}{'2 ranks / serial':>18}")
     for family in a.only:
-        (t_serial, t_lp1), r = alone[family], _median_launch(runs, family)
+        (t_serial, t_lp1), (r, _) = alone[family], median_launch([q[family] for q in runs])
         print(f"{family:<7}{1e3 * t_serial:>11.2f}{1e3 * t_lp1:>17.2f}{t_lp1 / t_serial:>17.2f}"
               f"{r['lp2'] / t_serial:>18.2f}")
     print()

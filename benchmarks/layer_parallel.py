@@ -256,11 +256,17 @@ def run_ranks(a) -> dict:
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
         if k not in ("quick", "no_mpi", "child", "sweep", "launches")]
-    runs = mpi_results(cmd, a.launches)
-    runs.sort(key=lambda r: r["lp1"] / r["lp2"])
-    best = dict(runs[(len(runs) - 1) // 2])  # (an even count: the lower of the middle two)
+    median, runs = median_launch(mpi_results(cmd, a.launches))
+    best = dict(median)
     best["ratios"] = [r["lp1"] / r["lp2"] for r in runs]
     return best
+
+
+def median_launch(runs: list) -> tuple:
+    """``(the run with the median 1 -> 2 rank ratio lp1 / lp2, all runs sorted by it)``; of an even
+    count, the lower of the middle two."""
+    runs = sorted(runs, key=lambda r: r["lp1"] / r["lp2"])
+    return runs[(len(runs) - 1) // 2], runs
 
 
 def mpi_results(cmd: list, launches: int, timeout: float = 1800) -> list:

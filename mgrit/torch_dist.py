@@ -603,10 +603,9 @@ class TorchDistComm(_SessionComm):
                 _leave_waiter_behind()
                 raise
         if job.error is not None:
-            lost = _lost(str(job.error))
-            if req.peer is not None and lost is not None:
-                raise self._gone(req.peer, f"its connection closed while this rank waited for it (gloo: {lost})") \
-                    from job.error
+            if req.peer is not None and _lost(str(job.error)) is not None:
+                raise self._gone(req.peer, f"its connection closed while this rank waited for it "
+                                 f"({_reason(job.error)})") from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
         req.done = True
