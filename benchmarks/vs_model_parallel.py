@@ -60,7 +60,13 @@ compute); ``c`` is the reference's time per layer on 1 rank:
   latency of LayerParallel's communicator for every critical-path message beyond P = 2's.
   On 1 rank the same predicted work times its measured/modelled ratio.
 
-No constant is fitted to the N-layer P = 2 times: those are the check.
+No constant is fitted to the N-layer P = 2 times: those are the check. It is
+printed twice: on medians (every constant's median over the launches against the
+times' medians) and launch by launch (round j's P = 2 times against the model
+from round j's own P = 1 and P = 2 probes, which ran in the same minutes; per
+cell the median over the rounds), since a launch's processes may run tens of
+percent faster or slower than another's and the medians of the two sides need not
+come from the same launch.
 
 Run (do not run it under a launcher: it starts its own gloo ranks)::
 
@@ -101,7 +107,8 @@ def parse(argv=None):
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions per launch")
-    p.add_argument("--rounds", type=int, default=3, help="launches per rank count, interleaved (P=1, P=2, P=1, ...)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="launches per rank count, interleaved (P=1, P=2, P=1, ...); default 3 (--quick: 1)")
     p.add_argument("--cf", type=int, default=4)
     p.add_argument("--levels", type=int, default=4)
     p.add_argument("--fwd-iters", type=int, default=2)
@@ -113,7 +120,8 @@ def parse(argv=None):
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
-        a.layers, a.widths, a.batches, a.repeat, a.levels, a.rounds = "64", "16", "16", 2, 3, 1
+        a.layers, a.widths, a.batches, a.repeat, a.levels = "64", "16", "16", 2, 3
+    a.rounds = a.rounds or (1 if a.quick else 3)
     a.configs = [tuple(c) for c in itertools.product(*(map(int, s.split(",")) for s in (a.layers, a.widths,
                                                                                            a.batches)))]
     return a
@@ -639,6 +647,31 @@ def merge(rows):
     return med(rows)
 
 
+def with_probes(rows, launches, configs):
+    """``rows`` (config -> measured numbers) with the trivial-layer probes set to their median over
+    ``launches`` and every config of the same N: the probe does not depend on w and B."""
+    for c in configs:
+        for k in ("lp_probe", "probe_half"):
+            rows[c][k] = statistics.median(run[d][k] for run in launches for d in configs if d[0] == c[0])
+    return rows
+
+
+def round_check(a, runs) -> dict:
+    """The model check launch by launch: round j's P = 2 times against the model built from round j's
+    own probes (its P = 1 launch and its P = 2 launch, which ran one after the other), so that a slow
+    or fast phase of the machine moves the prediction with the times it predicts. Returns config ->
+    per-method list of the rounds' signed differences in percent (model over measured)."""
+    out = {c: [] for c in a.configs}
+    for run1, run2 in zip(runs[1], runs[2]):
+        r1 = with_probes({c: dict(run1[c]) for c in a.configs}, [run1], a.configs)
+        r2 = with_probes({c: dict(run2[c]) for c in a.configs}, [run2], a.configs)
+        for c in a.configs:
+            M = Model(a, r1[c], r2[c])
+            pred = [M.mp(2), M.pipe(2, k=0), M.pipe(2, k=1), M.lp(2)]
+            out[c].append([100 * (p - t) / t for p, t in zip(pred, r2[c]["time"])])
+    return out
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse(argv)
@@ -656,11 +689,8 @@ def main(argv=None):
     for _ in range(a.rounds):
         for P in ranks:
             runs[P].append(launch(a, P, argv))
-    res = {P: {c: merge([run[c] for run in runs[P]]) for c in a.configs} for P in ranks}
-    for P in ranks:  # the trivial-layer probe does not depend on w and B: its median over every run of that N
-        for c in a.configs:
-            for k in ("lp_probe", "probe_half"):
-                res[P][c][k] = statistics.median(run[d][k] for run in runs[P] for d in a.configs if d[0] == c[0])
+    res = {P: with_probes({c: merge([run[c] for run in runs[P]]) for c in a.configs}, runs[P], a.configs)
+           for P in ranks}
     engine = "NCCL, one GPU per rank" if a.device == "cuda" else "gloo"
     print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
           f"torch.distributed {engine} for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
@@ -701,7 +731,22 @@ def main(argv=None):
             print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
         print(f"|difference|: median {statistics.median(diffs):.0f}%, max {max(diffs):.0f}%, "
               f"{sum(d <= 15 for d in diffs)}/{len(diffs)} within 15%")
-        if a.rounds > 1:  # how far the measurement itself moves between launches of the same processes' code
+        if a.rounds > 1:
+            per = round_check(a, runs)
+            print(f"\nthe same check launch by launch (each of the {a.rounds} rounds' P = 2 times against the model "
+                  "from that round's own probes): median over the rounds of the difference, and the rounds' range")
+            print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
+            meds = []
+            for c in a.configs:
+                cells = []
+                for k in range(len(METHODS)):
+                    ds = [d[k] for d in per[c]]
+                    meds.append(abs(statistics.median(ds)))
+                    cells.append(f"{statistics.median(ds):+4.0f}% ({min(ds):+4.0f} .. {max(ds):+4.0f})")
+                print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
+            print(f"|median difference|: median {statistics.median(meds):.0f}%, max {max(meds):.0f}%, "
+                  f"{sum(d <= 15 for d in meds)}/{len(meds)} within 15%")
+            # how far the measurement itself moves between launches of the same processes' code
             spread = [100 * (max(ts) / min(ts) - 1) for c in a.configs
                       for ts in zip(*(run[c]["time"] for run in runs[2]))]
             print(f"the measured P = 2 times themselves, largest over smallest of the {a.rounds} launches per cell: "

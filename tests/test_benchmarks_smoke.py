@@ -7,6 +7,7 @@ virtual environment.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,8 +65,16 @@ def test_vs_model_parallel_quick_run_prints_the_table():
     """Model parallel, GPipe, 1F1B and LayerParallel on 1 and 2 gloo ranks (N 64): exit 0 and the tables."""
     pytest.importorskip("torch")
     pytest.importorskip("torch.distributed.pipelining")
-    out = run_benchmark("vs_model_parallel.py", "--quick")
+    out = run_benchmark("vs_model_parallel.py", "--quick", "--rounds", "2")
     assert "time per step" in out and "LayerParallel ms" in out and "model check at P = 2" in out
+    # the launch-by-launch check: per method the median of the 2 rounds' differences, inside their range
+    per = out.split("the same check launch by launch")[1].splitlines()
+    row = next(line for line in per if line.split()[:3] == ["64", "16", "16"])
+    cells = re.findall(r"([+-]\s*\d+)% \(\s*([+-]\s*\d+) \.\.\s*([+-]\s*\d+)\)", row)
+    assert len(cells) == 4, row
+    for med, lo, hi in cells:
+        assert int(lo.replace(" ", "")) <= int(med.replace(" ", "")) <= int(hi.replace(" ", "")), row
+    assert re.search(r"\d+/4 within 15%", out.split("the same check launch by launch")[1]), out
     rows = [line.split() for line in out.splitlines() if line.split()[:4] in (["64", "16", "16", "1"],
                                                                              ["64", "16", "16", "2"])]
     assert len(rows) == 4  # P 1 and 2, in the time table and in the error / memory table
