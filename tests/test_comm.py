@@ -25,6 +25,51 @@ from mgrit.comm import (
 )
 from mgrit.cycle import temporal_norm, temporal_norms
 
+# --------------------------------------------------------------------------- spatial norms and the NaN check
+@pytest.mark.parametrize("shape", [(1, 4096), (257, 16), (257, 4096), (9, 8, 64)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+def test_row_norms_are_the_euclidean_norms_and_each_row_is_its_own(shape, dtype):
+    """Every row's norm to rounding, whatever the other rows (a rank holds some of them), scaled
+    rows near 1e200 and 1e-200 included (no overflow to inf, no underflow to 0)."""
+    from mgrit._backend import row_norms
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal(shape).astype(dtype)
+    if dtype == np.complex128:
+        X = X + 1j * rng.standard_normal(shape)
+    if dtype == np.float64 and shape[0] > 2:
+        X[1] *= 1e200
+        X[2] *= 1e-200
+    n = row_norms(X)
+    ref = np.array([math.sqrt(sum(abs(complex(v)) ** 2 for v in row.ravel() / np.abs(row).max()))
+                    * float(np.abs(row).max()) for row in X])
+    np.testing.assert_allclose(n, ref, rtol=1e-5 if dtype == np.float32 else 1e-13)
+    parts = np.concatenate([row_norms(X[:1]), row_norms(X[1:])])
+    assert np.array_equal(n, parts)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (257, 16), (257, 4096), (9, 8, 64)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+def test_all_finite_finds_one_bad_entry_anywhere(shape, dtype):
+    from mgrit._backend import all_finite
+
+    X = np.ones(shape, dtype=dtype)
+    assert all_finite(X) and all_finite(X[:0])
+    flat = X.reshape(-1)
+    for pos in (0, flat.size // 2, flat.size - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            flat[pos] = bad
+            assert not all_finite(X), (pos, bad)
+            flat[pos] = 1
+    if dtype == np.complex128:
+        flat[flat.size // 2] = complex(1.0, np.nan)
+        assert not all_finite(X)
+        flat[flat.size // 2] = 1
+    big = np.finfo(np.dtype(dtype).type(0).real.dtype).max
+    X[...] = big  # finite entries whose sums overflow: checked entry by entry, still finite
+    assert all_finite(X)
+
+
 # --------------------------------------------------------------------------- the exact 2-norm
 ordinary = st.floats(min_value=-1e100, max_value=1e100, allow_nan=False).filter(lambda v: v == 0 or abs(v) > 1e-100)
 
