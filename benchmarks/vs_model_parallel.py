@@ -121,7 +121,8 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.widths, a.batches, a.repeat, a.levels = "64", "16", "16", 2, 3
-    a.rounds = a.rounds or (1 if a.quick else 3)
+    if a.rounds is None:
+        a.rounds = 1 if a.quick else 3
     a.configs = [tuple(c) for c in itertools.product(*(map(int, s.split(",")) for s in (a.layers, a.widths,
                                                                                            a.batches)))]
     return a
@@ -678,6 +679,10 @@ def main(argv=None):
     if a.worker:
         return worker(a)
     ranks = [int(r) for r in a.ranks.split(",")]
+    if len(set(ranks)) != len(ranks) or min(ranks) < 1:
+        raise SystemExit(f"--ranks takes distinct rank counts of at least 1, e.g. 1,2; got {a.ranks}")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     if a.device == "cuda":
         import torch
 
@@ -712,10 +717,9 @@ def main(argv=None):
             r = res[P][(N, w, B)]
             print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{e:>12.1e} /{mm / 1024:>7.0f}"
                                                          for e, mm in zip(r["err"], r["mem"])))
-    if 1 not in ranks:
-        return 0
-    models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs}
-    if 2 in ranks:
+    models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs} if 1 in ranks else {}
+    per = round_check(a, runs) if 1 in ranks and 2 in ranks else None
+    if 1 in ranks and 2 in ranks:
         print("\nmodel check at P = 2 (constants from probes timed with the steps on 1 and 2 ranks; "
               "nothing fitted to these times): measured / model ms (difference)")
         print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
@@ -732,20 +736,23 @@ def main(argv=None):
         print(f"|difference|: median {statistics.median(diffs):.0f}%, max {max(diffs):.0f}%, "
               f"{sum(d <= 15 for d in diffs)}/{len(diffs)} within 15%")
         if a.rounds > 1:
-            per = round_check(a, runs)
             print(f"\nthe same check launch by launch (each of the {a.rounds} rounds' P = 2 times against the model "
-                  "from that round's own probes): median over the rounds of the difference, and the rounds' range")
+                  "from that round's own probes): per cell the median over the rounds of the signed difference "
+                  "(the model's bias: a round's noise of either sign cancels) and the rounds' range")
             print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
-            meds = []
+            meds, mags = [], []
             for c in a.configs:
                 cells = []
                 for k in range(len(METHODS)):
                     ds = [d[k] for d in per[c]]
                     meds.append(abs(statistics.median(ds)))
+                    mags.append(statistics.median(abs(d) for d in ds))
                     cells.append(f"{statistics.median(ds):+4.0f}% ({min(ds):+4.0f} .. {max(ds):+4.0f})")
                 print(f"{c[0]:>5}{c[1]:>4}{c[2]:>5}  " + "".join(f"{s:>24}" for s in cells))
-            print(f"|median difference|: median {statistics.median(meds):.0f}%, max {max(meds):.0f}%, "
+            print(f"|median difference| (bias): median {statistics.median(meds):.0f}%, max {max(meds):.0f}%, "
                   f"{sum(d <= 15 for d in meds)}/{len(meds)} within 15%")
+            print(f"median |difference| (one launch against its own model): median {statistics.median(mags):.0f}%, "
+                  f"max {max(mags):.0f}%, {sum(d <= 15 for d in mags)}/{len(mags)} within 15%")
             # how far the measurement itself moves between launches of the same processes' code
             spread = [100 * (max(ts) / min(ts) - 1) for c in a.configs
                       for ts in zip(*(run[c]["time"] for run in runs[2]))]
@@ -789,7 +796,9 @@ def main(argv=None):
                  "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks},
                  "probes": {P: res[P][c] for P in ranks},
                  "launches": {P: [run[c]["time"] for run in runs[P]] for P in ranks}}
-            if 2 in ranks:
+            if per is not None:
+                d["round_check"] = dict(zip(METHODS, map(list, zip(*per[c]))))  # per method, each round's %
+            if 1 in ranks and 2 in ranks:
                 M = models[c]
                 Ps = [2 ** j for j in range(10) if 2 ** j <= c[0]]
                 d["model"] = {"P": Ps, "model parallel": [M.mp(P) for P in Ps],

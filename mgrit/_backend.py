@@ -83,7 +83,10 @@ def row_norms(X) -> np.ndarray:
 
     Rows whose plain norm over- or underflows (states near 1e200, or near
     1e-200) are recomputed scaled by their largest entry, so a finite state
-    always has a finite, nonzero-if-nonzero norm.
+    has a nonzero-if-nonzero norm, finite unless the norm itself exceeds the
+    largest float. A C-contiguous float64 numpy stack is reduced in one pass
+    (``einsum``, no temporary of squares), each row on its own: a row's norm
+    does not depend on the other rows of the stack.
     """
     n = X.shape[0]
     if n == 0:
@@ -104,7 +107,8 @@ def row_norms(X) -> np.ndarray:
         return out
     Y = X.reshape(n, -1)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        if Y.dtype == np.float64:  # the sums of squares in one pass, no temporary (2-4x np.linalg.norm)
+        if Y.dtype == np.float64 and Y.flags.c_contiguous and type(Y) is np.ndarray:
+            # the sums of squares in one pass, no temporary (2-4x np.linalg.norm)
             out = np.sqrt(np.einsum("ij,ij->i", Y, Y))
         else:
             out = np.linalg.norm(Y, axis=1).astype(np.float64, copy=True)
@@ -114,7 +118,8 @@ def row_norms(X) -> np.ndarray:
         s = sub.max(axis=1)
         fix = np.isfinite(s) & (s > 0)
         if fix.any():
-            out[bad[fix]] = s[fix] * np.linalg.norm(sub[fix] / s[fix, None], axis=1)
+            with np.errstate(over="ignore"):  # (a norm beyond the largest float is inf)
+                out[bad[fix]] = s[fix] * np.linalg.norm(sub[fix] / s[fix, None], axis=1)
     return out
 
 
@@ -135,7 +140,7 @@ def all_finite(X) -> bool:
     if X.size == 0:
         return True
     with np.errstate(over="ignore", invalid="ignore"):  # (finite states whose sum overflows: checked below)
-        if X.size >= 4096 and X.ndim > 1 and X.dtype.char in "fdFD":  # (the BLAS types)
+        if X.size >= 4096 and X.ndim > 1 and X.dtype.char in "fdFD" and type(X) is np.ndarray:  # (BLAS types)
             # row sums by one matrix-vector product (memory-bound, about twice np.sum's speed); a NaN
             # or infinite entry makes its row's sum NaN or infinite
             Y = X.reshape(X.shape[0], -1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -67,7 +68,20 @@ def test_all_finite_finds_one_bad_entry_anywhere(shape, dtype):
         flat[flat.size // 2] = 1
     big = np.finfo(np.dtype(dtype).type(0).real.dtype).max
     X[...] = big  # finite entries whose sums overflow: checked entry by entry, still finite
-    assert all_finite(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no overflow warning reaches the user
+        assert all_finite(X)
+    M = np.ma.masked_invalid(np.where(np.arange(X.size).reshape(X.shape) == 1, np.nan, 1.0))
+    assert all_finite(M) == bool(np.isfinite(M).all())  # numpy's own answer for a masked array
+
+
+def test_row_norms_of_finite_rows_beyond_the_largest_float_are_inf_without_a_warning():
+    from mgrit._backend import row_norms
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        n = row_norms(np.array([[1.5e308, 1.5e308, 1.5e308], [3.0, 4.0, 0.0]]))  # sqrt(3) 1.5e308 > max
+    assert n[0] == np.inf and n[1] == 5.0
 
 
 # --------------------------------------------------------------------------- the exact 2-norm
