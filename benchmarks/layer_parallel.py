@@ -23,6 +23,7 @@ Run::
     .venv/bin/python benchmarks/layer_parallel.py            # 1024 layers, width 16, batch 16
     .venv/bin/python benchmarks/layer_parallel.py --quick    # small smoke run
     .venv/bin/python benchmarks/layer_parallel.py --sweep 64 128 256 512 1024   # 1 -> 2 ranks only
+    .venv/bin/python benchmarks/layer_parallel.py --layers 64 --batch-sweep 1 16 64 256   # one process
     .venv/bin/python benchmarks/layer_parallel.py --launches 5   # more mpiexec launches (default 3)
 """
 from __future__ import annotations
@@ -66,8 +67,13 @@ def parse(argv=None):
     p.add_argument("--no-mpi", action="store_true", help="skip the 2-rank measurement")
     p.add_argument("--sweep", type=int, nargs="+", metavar="N",
                    help="only the 1 -> 2 rank comparison under mpiexec, for each of these layer counts")
+    p.add_argument("--batch-sweep", type=int, nargs="+", metavar="B",
+                   help="only one process, for each of these batch sizes: how much of a pass grows with the "
+                        "batch (the arithmetic a second rank would halve) and how much does not")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.batch_sweep and min(a.batch_sweep) < 1:
+        p.error("--batch-sweep takes batch sizes of at least 1")
     if a.quick:
         a.layers, a.repeat, a.levels, a.launches = 64, 3, 3, 1
     return a
@@ -195,6 +201,8 @@ def main(argv=None):
         return child(a)
     if a.sweep:
         return sweep(a)
+    if a.batch_sweep:
+        return batch_sweep(a)
     torch.set_num_threads(1)
     x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
     serial = ODENet(layers(a), T=1.0)
@@ -255,7 +263,7 @@ def run_ranks(a) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-        if k not in ("quick", "no_mpi", "child", "sweep", "launches")]
+        if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches")]
     median, runs = median_launch(mpi_results(cmd, a.launches))
     best = dict(median)
     best["ratios"] = [r["lp1"] / r["lp2"] for r in runs]
@@ -294,6 +302,27 @@ def sweep(a):
         r = run_ranks(argparse.Namespace(**{**vars(a), "layers": n}))
         print(f"{n:>7}{1e3 * r['plain']:>15.2f}{1e3 * r['lp1']:>14.2f}{1e3 * r['lp2']:>12.2f}"
               f"{r['lp1'] / r['lp2']:>13.2f}x   " + " ".join(f"{q:.2f}" for q in r["ratios"]))
+    return 0
+
+
+def batch_sweep(a):
+    """One process, one net, several batch sizes, all interleaved: the plain loop and LayerParallel.
+
+    A pass whose time barely grows with the batch is fixed cost per call (Python, dispatch), which a
+    second rank does not halve: each rank makes the same batched calls on half the states."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(b, a.width, generator=g) for b in a.batch_sweep]
+    lp = build_lp(a)
+    fns = [f for x in xs for f in (plain_loop(a, x), fwd_bwd(lp, x))]
+    t = interleaved(fns, a.repeat)
+    print(f"one process, {a.layers} layers, width {a.width}, cf {a.cf}, up to {a.levels} levels, {a.fwd_iters}/"
+          f"{a.bwd_iters} cycles, float32, 1 thread; interleaved medians of {a.repeat}; growth = time over the "
+          f"smallest batch's")
+    print(f"{'batch':>6}{'plain loop ms':>15}{'growth':>8}{'LayerParallel ms':>18}{'growth':>8}")
+    for k, b in enumerate(a.batch_sweep):
+        print(f"{b:>6}{1e3 * t[2 * k]:>15.2f}{t[2 * k] / t[0]:>8.2f}{1e3 * t[2 * k + 1]:>18.2f}"
+              f"{t[2 * k + 1] / t[1]:>8.2f}")
     return 0
 
 

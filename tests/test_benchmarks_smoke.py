@@ -104,6 +104,10 @@ def test_layer_parallel_quick_run_and_rank_sweep():
     pytest.importorskip("torch")
     out = run_benchmark("layer_parallel.py", "--quick")
     assert "LayerParallel, 1 rank, nn.Sequential layers" in out and "critical-path model" in out
+    bs = run_benchmark("layer_parallel.py", "--layers", "16", "--levels", "3", "--width", "4", "--repeat", "2",
+                       "--batch-sweep", "1", "4")
+    rows = [r for r in map(str.split, bs.splitlines()) if len(r) == 5 and r[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 4] and rows[0][2] == rows[0][4] == "1.00", bs  # growth from batch 1
     if (Path(sys.executable).parent / "mpiexec").exists():
         assert "1 -> 2 ranks:" in out
         sweep = run_benchmark("layer_parallel.py", "--sweep", "16", "32", "--levels", "3", "--repeat", "2",
