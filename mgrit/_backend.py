@@ -78,13 +78,20 @@ def subtract_into(a, b, out):
     return np.subtract(a, b, out=out)
 
 
+def _underflow_bound(fi) -> float:
+    """Below this norm (``fi``: the finfo of the dtype it was computed in) squares of the row's
+    largest entries may have been subnormal or zero, losing digits: such rows are recomputed scaled."""
+    return float(np.sqrt(float(fi.tiny))) * 2.0 ** (int(fi.bits) // 4)
+
+
 def row_norms(X) -> np.ndarray:
     """Euclidean norm of every state in the stack ``X``, as a float64 numpy array.
 
     Rows whose plain norm over- or underflows (states near 1e200, or near
-    1e-200) are recomputed scaled by their largest entry, so a finite state
-    has a nonzero-if-nonzero norm, finite unless the norm itself exceeds the
-    largest float. A C-contiguous float64 numpy stack is reduced in one pass
+    1e-160 and below, where squares are subnormal) are recomputed scaled by
+    their largest entry, so a finite state has a nonzero-if-nonzero norm,
+    accurate to rounding, finite unless the norm itself exceeds the largest
+    float. A C-contiguous float64 numpy stack is reduced in one pass
     (``einsum``, no temporary of squares), each row on its own: a row's norm
     does not depend on the other rows of the stack.
     """
@@ -96,7 +103,9 @@ def row_norms(X) -> np.ndarray:
 
         Y = X.reshape(n, -1)
         out = torch.linalg.vector_norm(Y, dim=1).double().cpu().numpy()
-        bad = np.flatnonzero(~np.isfinite(out) | (out == 0.0))
+        real = Y.real.dtype if Y.is_complex() else Y.dtype
+        low = _underflow_bound(torch.finfo(real)) if real.is_floating_point else 0.0
+        bad = np.flatnonzero(~np.isfinite(out) | (out < low) | (out == 0.0))
         if bad.size:
             sub = Y[torch.as_tensor(bad, device=Y.device)].abs().double()
             s = sub.amax(dim=1, keepdim=True)
@@ -111,8 +120,11 @@ def row_norms(X) -> np.ndarray:
             # the sums of squares in one pass, no temporary (2-4x np.linalg.norm)
             out = np.sqrt(np.einsum("ij,ij->i", Y, Y))
         else:
-            out = np.linalg.norm(Y, axis=1).astype(np.float64, copy=True)
-    bad = np.flatnonzero(~np.isfinite(out) | (out == 0.0))
+            out = np.linalg.norm(Y, axis=1)
+        kind = out.dtype  # the dtype the squares were summed in
+        out = out.astype(np.float64, copy=True)
+    low = _underflow_bound(np.finfo(kind)) if kind.kind == "f" else 0.0
+    bad = np.flatnonzero(~np.isfinite(out) | (out < low) | (out == 0.0))
     if bad.size:
         sub = np.abs(Y[bad]).astype(np.float64)
         s = sub.max(axis=1)

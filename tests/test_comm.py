@@ -38,15 +38,33 @@ def test_row_norms_are_the_euclidean_norms_and_each_row_is_its_own(shape, dtype)
     X = rng.standard_normal(shape).astype(dtype)
     if dtype == np.complex128:
         X = X + 1j * rng.standard_normal(shape)
-    if dtype == np.float64 and shape[0] > 2:
+    if dtype == np.float64 and shape[0] > 3:
         X[1] *= 1e200
-        X[2] *= 1e-200
+        X[2] *= 1e-200  # squares 0
+        X[3] *= 1e-160  # squares subnormal
+    if dtype == np.float32 and shape[0] > 3:
+        X[3] *= np.float32(1e-21)  # squares subnormal in float32
     n = row_norms(X)
     ref = np.array([math.sqrt(sum(abs(complex(v)) ** 2 for v in row.ravel() / np.abs(row).max()))
                     * float(np.abs(row).max()) for row in X])
-    np.testing.assert_allclose(n, ref, rtol=1e-5 if dtype == np.float32 else 1e-13)
+    np.testing.assert_allclose(n, ref, rtol=1e-6 if dtype == np.float32 else 1e-13)
     parts = np.concatenate([row_norms(X[:1]), row_norms(X[1:])])
     assert np.array_equal(n, parts)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_row_norms_of_torch_stacks_are_accurate_at_every_scale(dtype):
+    torch = pytest.importorskip("torch")
+    from mgrit._backend import row_norms
+
+    scales = [1.0, 1e30, 1e-19, 1e-30] if dtype == "float32" else [1.0, 1e200, 1e-160, 1e-200]
+    X = torch.randn(len(scales), 3, 50, dtype=getattr(torch, dtype), generator=torch.Generator().manual_seed(0))
+    X = X * torch.tensor(scales, dtype=X.dtype)[:, None, None]
+    n = row_norms(X)
+    rows = X.double().reshape(len(scales), -1)
+    s = rows.abs().amax(dim=1)
+    ref = (s * torch.linalg.vector_norm(rows / s[:, None], dim=1)).numpy()
+    np.testing.assert_allclose(n, ref, rtol=1e-6 if dtype == "float32" else 1e-13)
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (257, 16), (257, 4096), (9, 8, 64)])
