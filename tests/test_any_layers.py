@@ -992,3 +992,135 @@ def test_saved_tensor_hooks_of_the_user_give_the_same_gradients(batched):
             lp(x).square().sum().backward()
         grads.append([p.grad.clone() for p in lp.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# --------------------------------------------------------------------------- parameter VJPs of the adjoint sweeps
+class Normed(nn.Module):
+    """LayerNorm, Linear, GELU: a vmapped layer (no closed-form derivative)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.lin = nn.Linear(width, width)
+        self.spare = nn.Parameter(torch.ones(width))  # registered, never used: no gradient, as in serial
+
+    def forward(self, u):
+        return nn.functional.gelu(self.lin(self.norm(u)))
+
+
+def fused_networks(width=4):
+    def normed():
+        return [Normed(width) for _ in range(12)]
+
+    def normed_frozen_norm():  # every layer alike: the frozen LayerNorm weights get no gradient
+        layers = normed()
+        for m in layers:
+            m.norm.weight.requires_grad_(False)
+        return layers
+
+    def tied():  # the same module at two depths: the two gradients are summed
+        layers = normed()
+        layers[7] = layers[2]
+        return layers
+
+    return {
+        "normed": (normed, (3, width)),
+        "normed_frozen_norm": (normed_frozen_norm, (3, width)),
+        "normed_one_frozen": (normed, (3, width)),  # layer 5's bias frozen after construction (below)
+        "tied": (tied, (3, width)),
+        "conv_kernels": (networks()["conv_kernels"][0], (2, 2, 5, 5)),  # two vmapped classes in every sweep
+    }
+
+
+def _gradients(layers, x, monkeypatch, fused: bool, after=None, **kw):
+    """Input and parameter gradients of LayerParallel at its default cycles (one adjoint cycle, skip),
+    with the adjoint sweeps' parameter VJPs or without them (the separate parameter pass only), and
+    the layers the parameter pass was asked for."""
+    from propagators.torch import kernel, module
+
+    asked = []
+    plain = module.parameter_vjp
+
+    def counted(fwd, layers_, *args):
+        asked.extend(np.asarray(layers_).tolist())
+        return plain(fwd, layers_, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(module, "parameter_vjp", counted)
+        if not fused:
+            m.setattr(kernel.KernelPass, "vjp_state_and_params", lambda self, *a: None)
+        lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, **kw)
+        if after is not None:
+            after(lp)
+        xp = x.clone().requires_grad_(True)
+        loss_fn(lp(xp)).backward()
+    return xp.grad, [p.grad for p in lp.parameters()], asked
+
+
+@pytest.mark.parametrize("name", list(fused_networks()))
+def test_adjoint_sweeps_give_the_parameter_pass_gradients(name, monkeypatch):
+    make, shape = fused_networks()[name]
+    torch.manual_seed(0)
+    layers = make()
+    x = torch.randn(*shape)
+    def freeze_one(lp):  # one layer now unlike the others of its class (grouped at construction)
+        lp.layers["5"].lin.bias.requires_grad_(False)
+
+    after = freeze_one if name == "normed_one_frozen" else None
+    gx0, gp0, asked0 = _gradients(layers, x, monkeypatch, fused=False, after=after)
+    gx1, gp1, asked1 = _gradients(layers, x, monkeypatch, fused=True, after=after)
+    assert torch.equal(gx0, gx1)
+    assert len(gp0) == len(gp1)
+    for a, b in zip(gp0, gp1):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-13, atol=0.0)
+    assert sorted(set(asked0)) == list(range(len(layers)))
+    if name == "normed_one_frozen":  # the sweeps that hold layer 5 take the plain paths, the others not
+        assert 5 in asked1 and len(asked1) < len(layers)
+        assert gp1[[n for n, _ in LayerParallel(layers).named_parameters()].index("layers.5.lin.bias")] is None
+    else:  # every fine step ran once, after the coarse correction: the parameter pass had nothing to do
+        assert asked1 == []
+    if name == "normed":
+        spare = [g for (n, _), g in zip(LayerParallel(layers).named_parameters(), gp1) if n.endswith("spare")]
+        assert spare and all(g is None for g in spare)
+
+
+def test_adjoint_sweep_gradients_are_used_only_with_the_final_adjoint(monkeypatch):
+    """A recorded parameter VJP whose cotangent is not the solve's final adjoint (here: made
+    different) is not used: the parameter pass computes that layer's gradient."""
+    from propagators.torch import adjoint
+
+    make, shape = fused_networks()["normed"]
+    torch.manual_seed(0)
+    layers = make()
+    x = torch.randn(*shape)
+    gx0, gp0, _ = _gradients(layers, x, monkeypatch, fused=False)
+    plain = adjoint.AdjointPropagator.step_batch
+
+    def spoil(self, V, tau0, tau1):
+        out = plain(self, V, tau0, tau1)
+        if self.record:
+            for j in (0, 3, 4, 11):
+                if j in self.record:
+                    cot, per = self.record[j]
+                    self.record[j] = (cot + 1.0, [(pos, g * 7.0) for pos, g in per])  # wrong, and marked so
+        return out
+
+    monkeypatch.setattr(adjoint.AdjointPropagator, "step_batch", spoil)
+    gx1, gp1, asked = _gradients(layers, x, monkeypatch, fused=True)
+    assert sorted(asked) == [0, 3, 4, 11]
+    assert torch.equal(gx0, gx1)
+    for a, b in zip(gp0, gp1):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-13, atol=0.0)
+
+
+def test_more_adjoint_cycles_keep_the_parameter_pass(monkeypatch):
+    """With two adjoint cycles a fine step runs in more than one sweep: no VJPs are taken in the
+    sweeps (they would be wasted), the parameter pass computes every gradient."""
+    make, shape = fused_networks()["normed"]
+    torch.manual_seed(0)
+    layers = make()
+    x = torch.randn(*shape)
+    _, _, asked = _gradients(layers, x, monkeypatch, fused=True, bwd_iters=2)
+    assert sorted(asked) == list(range(len(layers)))

@@ -39,11 +39,19 @@ class AdjointPropagator(mgrit.Propagator):
         fine index ``i0 + k`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
         default parameter injection). Every step then reuses them instead of re-evaluating the
         layer at its stored state.
+    record : dict, optional
+        When given (and without ``linearization``), every batched sweep of fine steps also takes
+        the parameter VJPs of its layers from the same vector-Jacobian product, where the layers
+        allow it (:meth:`~propagators.torch.kernel.KernelPass.vjp_state_and_params`), and keeps
+        ``record[layer] = (cotangent, [(flat position, gradient), ...])``, a later sweep replacing an
+        earlier one. A gradient is the final one when its cotangent equals the solve's final adjoint.
     """
 
-    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None):
+    def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None,
+                 record: dict | None = None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
         self.linearization = linearization
+        self.record = record
         self._plans = forward.kernel.k.plan_cache(("adjoint", self.N, forward.h, forward.layer_index))
 
     def intervals(self, tau0, tau1):
@@ -70,6 +78,13 @@ class AdjointPropagator(mgrit.Propagator):
     def step_batch(self, V, tau0, tau1):
         if self.linearization is None:
             ia, layers, dt = self.plan(tau0, tau1, V)
+            if self.record is not None and (self.fwd.ints(tau1) - self.fwd.ints(tau0) == 1).all():
+                both = self.fwd.kernel.vjp_state_and_params(self.states(ia), V, layers, dt)
+                if both is not None:
+                    cot = V.detach().clone()  # (the solver overwrites V's rows later)
+                    for k, j in enumerate(layers.tolist()):
+                        self.record[j] = (cot[k], both[1][k])
+                    return both[0]
             return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
         D, i0 = self.linearization
         # the step functions are kept by the forward's pass (its parameter values), afresh for a new or

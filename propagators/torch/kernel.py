@@ -1068,6 +1068,59 @@ class KernelPass:
         return self._batched(cid, lambda: vmap(vjp_one)(p, b, U, V, dt),
                              lambda: self._vjp_state_class(cid, idx, U, V, dt))
 
+    def vjp_state_and_params(self, U, V, idx: np.ndarray, dt):
+        """:meth:`vjp_state` of the steps ``k`` and, from the same vector-Jacobian product, their
+        parameter VJPs ``(d step_k / d theta)^T V[k]``: ``(state VJPs, per)`` with ``per[k]`` the list
+        of ``(flat position, gradient)`` of step ``k`` (as :meth:`vjp_params` gives them: None
+        gradients left out). Only for vmapped classes whose layers agree on which parameters require
+        grad; otherwise, or when vmap fails, None (the plain paths then run, and handle it)."""
+        idx = np.asarray(idx)
+        plans = []
+        for cid, pos in self._groups(idx):
+            c = self.k.classes[cid]
+            part = idx if pos is None else idx[pos]
+            nq = len(c.param_names)
+            cols = self.k.p_start[part][:, None] + np.arange(nq)
+            R = self.requires_grad()[cols] if nq else np.zeros((len(part), 0), dtype=bool)
+            if c.mode != "vmap" or not len(part) or not (R == R[:1]).all():
+                return None
+            plans.append((c, cid, pos, part, cols, [n for q, n in enumerate(c.param_names) if R[0, q]]))
+        out, per = None, [None] * idx.size
+        for c, cid, pos, part, cols, need in plans:
+            if pos is None:
+                Up, Vp, dtp = U, V, dt
+            else:
+                t = torch.as_tensor(pos, device=U.device)
+                Up, Vp, dtp = U.index_select(0, t), V.index_select(0, t), dt.index_select(0, t)
+            key = (tuple(Up.shape[1:]), Up.dtype, tuple(need))
+            if need and key not in c.unused:  # as _vjp_params_class: autograd's None, asked once
+                one = self._vjp_params_one(int(part[0]), Up[0], Vp[0], dtp[0])
+                c.unused[key] = frozenset(n for n in need if one[n] is None)
+            use = [n for n in need if n not in c.unused.get(key, ())]
+            p, b = self._gather(cid, part, U.device)
+            single = self._vmapped(c)
+
+            def g(p_, b_, u, v, dt_):
+                fixed = {n: x for n, x in p_.items() if n not in use}
+                _, pull = vjp(lambda x, q: single({**fixed, **q}, b_, x, dt_), u, {n: p_[n] for n in use})
+                return pull(v)
+
+            try:
+                gu, G = vmap(g)(p, b, Up, Vp, dtp)
+            except Exception:
+                return None
+            rows = range(idx.size) if pos is None else pos.tolist()
+            qs = [(q, G[n]) for q, n in enumerate(c.param_names) if n in G]
+            for kk, k in enumerate(rows):
+                per[k] = [(int(cols[kk, q]), Gn[kk]) for q, Gn in qs]
+            if pos is None:
+                out = gu
+            else:
+                if out is None:
+                    out = gu.new_empty((idx.size,) + tuple(gu.shape[1:]))
+                out.index_copy_(0, torch.as_tensor(pos, device=gu.device), gu)
+        return out, per
+
     # -- parameter VJPs ----------------------------------------------------------
     def vjp_params(self, U, W, idx: np.ndarray, dt, D=None):
         """``(d step_k / d theta)^T W[k]`` for every interval ``k`` (``D``: optional derivatives

@@ -950,8 +950,16 @@ class LayerParallel(nn.Module):
 
         # a failure here on one rank reaches the others through the backward pass's session
         D = self._linearize(prop, U, g0)
-        adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0))
+        # without closed-form derivatives, the fine sweeps also take the parameter VJPs of their layers
+        # (kept only where their cotangent is the final adjoint: _parameter_gradients checks). With one
+        # adjoint cycle that skips the first relaxation (the defaults) every fine step runs once, after
+        # the coarse correction: the separate parameter pass is left with nothing to do
+        fuse = D is None and self.layer_index is inject_layer and self.bwd_iters == 1 and self.skip
+        record = {} if fuse else None
+        adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0), record=record)
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
+        if transfers is not None:
+            adj.record = record = None
         with torch.no_grad():
             res = mgrit.solve(adjs, gy.detach().contiguous(), self.t, **self.options, tol=self.bwd_tol,
                               tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adjoint_comm(),
@@ -960,7 +968,7 @@ class LayerParallel(nn.Module):
         self.last_backward = res
         _warn_without_progress(res, "adjoint", "bwd_iters")
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
-        grads = self._parameter_gradients(prop, U, g0, W, param_ids, D)
+        grads = self._parameter_gradients(prop, U, g0, W, param_ids, D, record)
         if P == 1:
             return W[0].reshape(xshape), grads
         root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
@@ -981,13 +989,28 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             return prop.kernel.linearize(U[: rows.size], rows)
 
-    def _parameter_gradients(self, prop, U, g0, W, param_ids, D=None):
+    def _parameter_gradients(self, prop, U, g0, W, param_ids, D=None, record=None):
         layers = np.asarray(list(self.owned_layers), dtype=np.int64)
         if not len(layers) or not param_ids:
             return [None] * len(param_ids)
-        with torch.no_grad():
-            positions, grads = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
-                                             None if D is None else D[layers - g0])
+        positions, grads = [], []
+        if record:  # the adjoint sweeps' own parameter VJPs, where they used the final adjoint
+            rest = []
+            for j in layers.tolist():
+                kept = record.get(j)
+                if kept is not None and torch.equal(kept[0], W[j + 1 - self.lo]):
+                    for pos, g in kept[1]:
+                        positions.append(pos)
+                        grads.append(g)
+                else:
+                    rest.append(j)
+            layers = np.asarray(rest, dtype=np.int64)
+        if len(layers):
+            with torch.no_grad():
+                ps, gs = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
+                                       None if D is None else D[layers - g0])
+            positions += ps
+            grads += gs
         flat = prop.kernel.params
         ids = list(map(id, map(flat.__getitem__, positions)))
         if len(set(ids)) == len(ids):  # every gradient belongs to its own parameter (C-level maps)
