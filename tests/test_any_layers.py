@@ -1099,12 +1099,16 @@ def test_adjoint_sweep_gradients_are_used_only_with_the_final_adjoint(monkeypatc
     plain = adjoint.AdjointPropagator.step_batch
 
     def spoil(self, V, tau0, tau1):
+        n = len(self.record) if self.record is not None else 0
         out = plain(self, V, tau0, tau1)
-        if self.record:
-            for j in (0, 3, 4, 11):
-                if j in self.record:
-                    cot, per = self.record[j]
-                    self.record[j] = (cot + 1.0, [(pos, g * 7.0) for pos, g in per])  # wrong, and marked so
+        if self.record is not None and len(self.record) > n:  # this sweep recorded: spoil some of its rows
+            lay, cot, blocks = self.record[-1]
+            for r in np.flatnonzero(np.isin(lay, [0, 3, 4, 11])):
+                cot[r] += 1.0
+                for pos, _, gq in blocks:
+                    k = r if pos is None else np.flatnonzero(pos == r)
+                    for G in gq.values():
+                        G[k] *= 7.0  # wrong, and marked so
         return out
 
     monkeypatch.setattr(adjoint.AdjointPropagator, "step_batch", spoil)
@@ -1124,3 +1128,37 @@ def test_more_adjoint_cycles_keep_the_parameter_pass(monkeypatch):
     x = torch.randn(*shape)
     _, _, asked = _gradients(layers, x, monkeypatch, fused=True, bwd_iters=2)
     assert sorted(asked) == list(range(len(layers)))
+
+
+class TwoOffsets(nn.Module):
+    """Two additive parameters: autograd hands both the very same gradient tensor."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.p = nn.Parameter(0.1 * torch.randn(width))
+        self.q = nn.Parameter(0.1 * torch.randn(width))
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u)) + self.p + self.q
+
+
+@pytest.mark.parametrize("levels", [1, 3])  # exact (the separate parameter pass) and the default cycles
+def test_parameters_never_share_a_gradient_tensor(levels):
+    """Accumulating two backward passes (or clipping) must act on each parameter's own .grad."""
+    torch.manual_seed(0)
+    layers = [TwoOffsets(4) for _ in range(8)]
+    x = torch.randn(4)  # an unbatched state: the offsets' gradient is the adjoint itself, unreduced
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=levels)
+    loss_fn(lp(x)).backward()
+    once = [p.grad.clone() for p in lp.parameters()]
+    ptrs = [(p.grad.untyped_storage().data_ptr(), p.grad.storage_offset()) for p in lp.parameters()]
+    assert len(set(ptrs)) == len(ptrs)
+    loss_fn(lp(x)).backward()
+    for p, g in zip(lp.parameters(), once):
+        assert torch.allclose(p.grad, 2 * g, rtol=1e-13, atol=0.0)
+    if levels == 1:  # one level is the exact serial recursion: autograd's gradients
+        ref = ODENet(copy.deepcopy(layers), T=1.0)
+        loss_fn(ref(x)).backward()
+        for p, r in zip(lp.parameters(), ref.parameters()):
+            assert rel(p.grad, 2 * r.grad) < REL

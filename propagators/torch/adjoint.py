@@ -39,16 +39,17 @@ class AdjointPropagator(mgrit.Propagator):
         fine index ``i0 + k`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
         default parameter injection). Every step then reuses them instead of re-evaluating the
         layer at its stored state.
-    record : dict, optional
+    record : list, optional
         When given (and without ``linearization``), every batched sweep of fine steps also takes
         the parameter VJPs of its layers from the same vector-Jacobian product, where the layers
-        allow it (:meth:`~propagators.torch.kernel.KernelPass.vjp_state_and_params`), and keeps
-        ``record[layer] = (cotangent, [(flat position, gradient), ...])``, a later sweep replacing an
-        earlier one. A gradient is the final one when its cotangent equals the solve's final adjoint.
+        allow it (:meth:`~propagators.torch.kernel.KernelPass.vjp_state_and_params`), and appends
+        ``(layers, cotangents, blocks)`` to it, in the order of the sweeps (for a layer the last
+        entry counts). A gradient is the final one when its cotangent equals the solve's final
+        adjoint (:func:`recorded_gradients`).
     """
 
     def __init__(self, forward: ODEPropagator, states: Callable, n_layers: int, linearization=None,
-                 record: dict | None = None):
+                 record: list | None = None):
         self.fwd, self.states, self.N = forward, states, int(n_layers)
         self.linearization = linearization
         self.record = record
@@ -80,10 +81,8 @@ class AdjointPropagator(mgrit.Propagator):
             ia, layers, dt = self.plan(tau0, tau1, V)
             if self.record is not None and (self.fwd.ints(tau1) - self.fwd.ints(tau0) == 1).all():
                 both = self.fwd.kernel.vjp_state_and_params(self.states(ia), V, layers, dt)
-                if both is not None:
-                    cot = V.detach().clone()  # (the solver overwrites V's rows later)
-                    for k, j in enumerate(layers.tolist()):
-                        self.record[j] = (cot[k], both[1][k])
+                if both is not None:  # (V cloned: the solver overwrites its rows later)
+                    self.record.append((np.asarray(layers), V.detach().clone(), both[1]))
                     return both[0]
             return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
         D, i0 = self.linearization
@@ -99,6 +98,37 @@ class AdjointPropagator(mgrit.Propagator):
             return self.fwd.kernel.vjp_stepper(layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
 
         return cached_plan(held[2], tau0, tau1, V, make)(V)
+
+
+def recorded_gradients(record: list, layers: np.ndarray, final):
+    """The parameter VJPs the adjoint sweeps recorded (:class:`AdjointPropagator` ``record``) for
+    ``layers`` whose cotangent equals the final adjoint ``final(rows)`` (the adjoints after the
+    layers ``rows``) bitwise: ``(positions, grads, rest)``, ``rest`` the layers without one."""
+    last = {}  # layer -> (sweep, row): a later sweep replaces an earlier one
+    for s, (lay, _, _) in enumerate(record):
+        last.update(zip(lay.tolist(), zip([s] * lay.size, range(lay.size))))
+    want = set(np.asarray(layers).tolist())
+    positions, grads, done = [], [], set()
+    for s, (lay, cot, blocks) in enumerate(record):
+        rows = np.array([r for r, j in enumerate(lay.tolist()) if j in want and last[j] == (s, r)], dtype=np.int64)
+        if not rows.size:
+            continue
+        t = torch.as_tensor(rows, device=cot.device)
+        same = (cot.index_select(0, t) == final(lay[rows])).reshape(rows.size, -1).all(dim=1).cpu().numpy()
+        ok = np.zeros(lay.size, dtype=bool)
+        ok[rows[same]] = True
+        done.update(lay[ok].tolist())
+        for pos, cols, gq in blocks:
+            sel = ok if pos is None else ok[pos]
+            if not sel.any():
+                continue
+            every = bool(sel.all())
+            ts = None if every else torch.as_tensor(np.flatnonzero(sel), device=cot.device)
+            for q, G in gq.items():
+                positions += cols[sel, q].tolist()
+                grads += (G if every else G.index_select(0, ts)).unbind(0)
+    rest = np.asarray([j for j in np.asarray(layers).tolist() if j not in done], dtype=np.int64)
+    return positions, grads, rest
 
 
 def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):

@@ -1070,10 +1070,12 @@ class KernelPass:
 
     def vjp_state_and_params(self, U, V, idx: np.ndarray, dt):
         """:meth:`vjp_state` of the steps ``k`` and, from the same vector-Jacobian product, their
-        parameter VJPs ``(d step_k / d theta)^T V[k]``: ``(state VJPs, per)`` with ``per[k]`` the list
-        of ``(flat position, gradient)`` of step ``k`` (as :meth:`vjp_params` gives them: None
-        gradients left out). Only for vmapped classes whose layers agree on which parameters require
-        grad; otherwise, or when vmap fails, None (the plain paths then run, and handle it)."""
+        parameter VJPs ``(d step_k / d theta)^T V[k]``: ``(state VJPs, blocks)``, one block per class,
+        ``(rows, cols, grads)``: the rows of ``idx`` it covers (None: all), their flat parameter
+        positions ``(len(rows), parameters)`` and ``grads[q]``, the stacked gradients of parameter
+        ``q`` (the parameters with a gradient only: as :meth:`vjp_params`, None left out). Only for
+        vmapped classes whose layers agree on which parameters require grad; otherwise, or when vmap
+        fails, None (the plain paths then run, and handle it)."""
         idx = np.asarray(idx)
         plans = []
         for cid, pos in self._groups(idx):
@@ -1085,7 +1087,7 @@ class KernelPass:
             if c.mode != "vmap" or not len(part) or not (R == R[:1]).all():
                 return None
             plans.append((c, cid, pos, part, cols, [n for q, n in enumerate(c.param_names) if R[0, q]]))
-        out, per = None, [None] * idx.size
+        out, blocks = None, []
         for c, cid, pos, part, cols, need in plans:
             if pos is None:
                 Up, Vp, dtp = U, V, dt
@@ -1109,17 +1111,15 @@ class KernelPass:
                 gu, G = vmap(g)(p, b, Up, Vp, dtp)
             except Exception:
                 return None
-            rows = range(idx.size) if pos is None else pos.tolist()
-            qs = [(q, G[n]) for q, n in enumerate(c.param_names) if n in G]
-            for kk, k in enumerate(rows):
-                per[k] = [(int(cols[kk, q]), Gn[kk]) for q, Gn in qs]
+            G = _distinct(G)
+            blocks.append((pos, cols, {q: G[n] for q, n in enumerate(c.param_names) if n in G}))
             if pos is None:
                 out = gu
             else:
                 if out is None:
                     out = gu.new_empty((idx.size,) + tuple(gu.shape[1:]))
                 out.index_copy_(0, torch.as_tensor(pos, device=gu.device), gu)
-        return out, per
+        return out, blocks
 
     # -- parameter VJPs ----------------------------------------------------------
     def vjp_params(self, U, W, idx: np.ndarray, dt, D=None):
@@ -1176,7 +1176,7 @@ class KernelPass:
             with torch.enable_grad():
                 out = self.dense_step(c, req, U.detach(), dt)
                 gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
-            G = dict(zip(need, gs))
+            G = _distinct(dict(zip(need, gs)))
         else:
             key = (tuple(U.shape[1:]), U.dtype, tuple(need))
             if key not in c.unused:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
@@ -1191,7 +1191,7 @@ class KernelPass:
                 return pull(w)[0]
 
             try:
-                G = vmap(g)(p, b, U, W, dt) if need else {}
+                G = _distinct(vmap(g)(p, b, U, W, dt)) if need else {}
             except Exception as exc:
                 if "random" in str(exc).lower():
                     raise _random_error(c) from exc
@@ -1221,8 +1221,25 @@ class KernelPass:
                 if not out.requires_grad:
                     return grads
                 gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
-        grads.update(zip(need, gs))
+        grads.update(zip(need, _distinct(dict(zip(need, gs))).values()))
         return grads
+
+
+def _distinct(grads: dict) -> dict:
+    """``grads`` (name -> tensor or None) with every tensor that shares its memory with an earlier one
+    (autograd may hand two parameters the very same gradient, e.g. ``u + p + q``) replaced by a copy:
+    parameters must never share a ``.grad``, or accumulating or clipping one changes the other."""
+    seen = set()
+    out = {}
+    for n, g in grads.items():
+        if g is not None and g.numel():
+            key = (g.untyped_storage().data_ptr(), g.storage_offset())
+            if key in seen:
+                g = g.clone()
+            else:
+                seen.add(key)
+        out[n] = g
+    return out
 
 
 def _backward_hooked(module: nn.Module) -> bool:

@@ -31,7 +31,7 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy
 
-from .adjoint import AdjointPropagator, parameter_vjp
+from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
@@ -955,7 +955,7 @@ class LayerParallel(nn.Module):
         # adjoint cycle that skips the first relaxation (the defaults) every fine step runs once, after
         # the coarse correction: the separate parameter pass is left with nothing to do
         fuse = D is None and self.layer_index is inject_layer and self.bwd_iters == 1 and self.skip
-        record = {} if fuse else None
+        record = [] if fuse else None
         adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0), record=record)
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         if transfers is not None:
@@ -995,16 +995,8 @@ class LayerParallel(nn.Module):
             return [None] * len(param_ids)
         positions, grads = [], []
         if record:  # the adjoint sweeps' own parameter VJPs, where they used the final adjoint
-            rest = []
-            for j in layers.tolist():
-                kept = record.get(j)
-                if kept is not None and torch.equal(kept[0], W[j + 1 - self.lo]):
-                    for pos, g in kept[1]:
-                        positions.append(pos)
-                        grads.append(g)
-                else:
-                    rest.append(j)
-            layers = np.asarray(rest, dtype=np.int64)
+            positions, grads, layers = recorded_gradients(
+                record, layers, lambda js: W.index_select(0, torch.as_tensor(js + 1 - self.lo, device=W.device)))
         if len(layers):
             with torch.no_grad():
                 ps, gs = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
