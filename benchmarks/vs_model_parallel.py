@@ -718,8 +718,8 @@ def main(argv=None):
             print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{e:>12.1e} /{mm / 1024:>7.0f}"
                                                          for e, mm in zip(r["err"], r["mem"])))
     models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs} if 1 in ranks else {}
-    per = round_check(a, runs) if 1 in ranks and 2 in ranks else None
-    if 1 in ranks and 2 in ranks:
+    per = round_check(a, runs) if 1 in ranks and 2 in ranks else None  # (None: no model check)
+    if per is not None:
         print("\nmodel check at P = 2 (constants from probes timed with the steps on 1 and 2 ranks; "
               "nothing fitted to these times): measured / model ms (difference)")
         print(f"{'N':>5}{'w':>4}{'B':>5}  " + "".join(f"{m:>24}" for m in METHODS))
@@ -798,7 +798,6 @@ def main(argv=None):
                  "launches": {P: [run[c]["time"] for run in runs[P]] for P in ranks}}
             if per is not None:
                 d["round_check"] = dict(zip(METHODS, map(list, zip(*per[c]))))  # per method, each round's %
-            if 1 in ranks and 2 in ranks:
                 M = models[c]
                 Ps = [2 ** j for j in range(10) if 2 ** j <= c[0]]
                 d["model"] = {"P": Ps, "model parallel": [M.mp(P) for P in Ps],

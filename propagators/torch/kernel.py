@@ -1094,11 +1094,7 @@ class KernelPass:
             else:
                 t = torch.as_tensor(pos, device=U.device)
                 Up, Vp, dtp = U.index_select(0, t), V.index_select(0, t), dt.index_select(0, t)
-            key = (tuple(Up.shape[1:]), Up.dtype, tuple(need))
-            if need and key not in c.unused:  # as _vjp_params_class: autograd's None, asked once
-                one = self._vjp_params_one(int(part[0]), Up[0], Vp[0], dtp[0])
-                c.unused[key] = frozenset(n for n in need if one[n] is None)
-            use = [n for n in need if n not in c.unused.get(key, ())]
+            use = self._used(c, int(part[0]), Up[0], Vp[0], dtp[0], need)
             p, b = self._gather(cid, part, U.device)
             single = self._vmapped(c)
 
@@ -1178,11 +1174,7 @@ class KernelPass:
                 gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
             G = _distinct(dict(zip(need, gs)))
         else:
-            key = (tuple(U.shape[1:]), U.dtype, tuple(need))
-            if key not in c.unused:  # torch.func.vjp gives zeros where autograd gives None: ask autograd once
-                one = self._vjp_params_one(int(idx[0]), U[0], W[0], dt[0])
-                c.unused[key] = frozenset(n for n in need if one[n] is None)
-            need = [n for n in need if n not in c.unused[key]]
+            need = self._used(c, int(idx[0]), U[0], W[0], dt[0], need)
             single = self._vmapped(c)
 
             def g(p_, b_, u, w, dt_):
@@ -1204,6 +1196,18 @@ class KernelPass:
             ps += cols[:, q].tolist()
             gs += G[n].unbind(0)
         return ps, gs
+
+    def _used(self, c: LayerClass, j: int, u, w, dt, need: list) -> list:
+        """``need`` without the parameters whose gradient autograd leaves None for class ``c`` (its
+        output does not depend on them): ``torch.func.vjp`` gives zeros there, so autograd is asked
+        once, on layer ``j`` at state ``u``, per state shape, dtype and ``need``."""
+        if not need:
+            return []
+        key = (tuple(u.shape), u.dtype, tuple(need))
+        if key not in c.unused:
+            one = self._vjp_params_one(j, u, w, dt)
+            c.unused[key] = frozenset(n for n in need if one[n] is None)
+        return [n for n in need if n not in c.unused[key]]
 
     def _vjp_params_one(self, j, u, w, dt) -> dict:
         p, _ = self.value(j)
