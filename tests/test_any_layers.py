@@ -683,7 +683,8 @@ def test_a_solve_without_progress_warns_and_a_converging_one_does_not():
                                   lambda: nn.Sequential(nn.Linear(5, 5), nn.Sigmoid()),
                                   lambda: nn.Sequential(nn.Linear(5, 5), nn.ReLU()),
                                   lambda: nn.Sequential(nn.Linear(5, 5, bias=False), nn.Identity())])
-def test_closed_form_dense_vjps_equal_autograd(make):
+@pytest.mark.parametrize("rows", [4, 9])  # fewer batch rows than inputs (dt scales act' * v), more (dt scales W)
+def test_closed_form_dense_vjps_equal_autograd(make, rows):
     """The forward-Euler state VJP of dense layers in closed form equals autograd's."""
     from propagators.torch.kernel import DenseRHS
 
@@ -693,9 +694,10 @@ def test_closed_form_dense_vjps_equal_autograd(make):
     assert dense is not None and dense.derivative is not None
     names = [n for n, _ in layers[0].named_parameters()]
     params = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in layers]) for n in names}
-    U = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
-    V = torch.randn(3, 4, 5, dtype=torch.float64)
-    dt = torch.tensor([0.1, 0.25, 0.5], dtype=torch.float64)
+    assert dense.scale_weights(rows, params[names[0]]) == (rows > 5)
+    U = torch.randn(3, rows, 5, dtype=torch.float64, requires_grad=True)
+    V = torch.randn(3, rows, 5, dtype=torch.float64)
+    dt = torch.tensor([0.1, 0.3, 0.5], dtype=torch.float64)
     ref = torch.autograd.grad(U + dt.reshape(3, 1, 1) * dense(params, U), U, V)[0]
     assert rel(dense.euler_vjp(params, U.detach(), V, dt), ref) < 1e-13
     leaves = {n: v.clone().requires_grad_(True) for n, v in params.items()}
@@ -705,15 +707,15 @@ def test_closed_form_dense_vjps_equal_autograd(make):
         assert rel(got[n], r) < 1e-13, n
     single = {n: v[1] for n, v in params.items()}
     u = U[1].detach().requires_grad_(True)
-    ref1 = torch.autograd.grad(u + 0.25 * dense.single(single, u), u, V[1])[0]
-    assert rel(dense.euler_vjp_single(single, u.detach(), V[1], 0.25), ref1) < 1e-13
+    ref1 = torch.autograd.grad(u + 0.3 * dense.single(single, u), u, V[1])[0]
+    assert rel(dense.euler_vjp_single(single, u.detach(), V[1], 0.3), ref1) < 1e-13
     # the same products from the derivatives computed once (what the adjoint of a backward pass reuses)
     D = dense.linearize(params, U.detach())
     assert rel(dense.euler_vjp(params, None, V, dt, D), ref) < 1e-13
     got = dense.euler_param_vjp(params, U.detach(), V, dt, D)
     for (n, _), r in zip(leaves.items(), refs):
         assert rel(got[n], r) < 1e-13, n
-    assert rel(dense.euler_vjp_single(single, None, V[1], 0.25, D[1]), ref1) < 1e-13
+    assert rel(dense.euler_vjp_single(single, None, V[1], 0.3, D[1]), ref1) < 1e-13
 
 
 class _TracedDense(nn.Module):
@@ -1162,3 +1164,17 @@ def test_parameters_never_share_a_gradient_tensor(levels):
         loss_fn(ref(x)).backward()
         for p, r in zip(lp.parameters(), ref.parameters()):
             assert rel(p.grad, 2 * r.grad) < REL
+
+
+def test_rows_of_states_are_views_when_consecutive():
+    """The parameter pass reads runs of consecutive stored states as views, anything else as copies,
+    always the rows fancy indexing gives."""
+    from propagators.torch.module import _rows
+
+    X = torch.arange(40.0).reshape(10, 4)
+    for r in ([], [3], [3, 4], [2, 3, 4, 5], [0, 2, 1, 3], [5, 4], [-1, 0], [1, 1, 2], [0, 1, 3]):
+        rows = np.asarray(r, dtype=np.int64)
+        got = _rows(X, rows)
+        assert torch.equal(got, X[rows]), r
+        consecutive = len(r) > 0 and r[0] >= 0 and list(r) == list(range(r[0], r[0] + len(r)))
+        assert (got.data_ptr() == X[r[0]].data_ptr() if consecutive else got.data_ptr() != X.data_ptr()), r

@@ -209,28 +209,46 @@ class DenseRHS:
         Z = self._z(params, U)
         return self.derivative(Z).expand(Z.shape)  # (a linear layer's derivative is a scalar one)
 
-    def _scaled(self, params, U, V, dt, D=None):
-        """``dt act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation
+    def _behind(self, params, U, V, D=None):
+        """``act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation
         (``D``: the derivatives :meth:`linearize` gave for ``U``, else computed here)."""
         if D is None:
             D = self.linearize(params, U)
-        return V.reshape(V.shape[0], -1, V.shape[-1]) * D * dt.reshape(-1, 1, 1)
+        return V.reshape(V.shape[0], -1, V.shape[-1]) * D
+
+    @staticmethod
+    def scale_weights(rows: int, W) -> bool:
+        """Whether ``dt`` scales the weights ``W`` (``(..., out, in)``) rather than the
+        ``(rows, out)`` factor ``act'(z) * v`` of a step's VJPs: whichever is smaller (more batch
+        rows than inputs: the weights). Decided from the shapes alone, so that every path of the
+        same layer and state (:meth:`euler_vjp`, :meth:`euler_vjp_single`, a pass's bound
+        steppers, :meth:`euler_param_vjp`) evaluates the same formula on every rank."""
+        return rows > W.shape[-1]
 
     def euler_vjp(self, params, U, V, dt, D=None):
         """``V + dt W^T (act'(z) * V)`` for every interval: the state VJP of a forward Euler step
         ``u + dt act(W u + b)``, in closed form (no autograd graph). ``dt`` has shape ``(n,)``;
-        with the derivatives ``D`` of :meth:`linearize`, ``U`` is not read (may be None)."""
-        V3 = V.reshape(V.shape[0], -1, V.shape[-1])
-        return torch.baddbmm(V3, self._scaled(params, U, V, dt, D), params[self.weight]).reshape(V.shape)
+        with the derivatives ``D`` of :meth:`linearize`, ``U`` is not read (may be None).
+        ``dt`` multiplies the smaller factor (:meth:`scale_weights`)."""
+        V3, W = V.reshape(V.shape[0], -1, V.shape[-1]), params[self.weight]
+        G, dt3 = self._behind(params, U, V, D), dt.reshape(-1, 1, 1)
+        if self.scale_weights(V3.shape[1], W):
+            return torch.baddbmm(V3, G, W * dt3).reshape(V.shape)
+        return torch.baddbmm(V3, G.mul_(dt3), W).reshape(V.shape)
 
     def euler_param_vjp(self, params, U, W, dt, D=None) -> dict:
         """Weight and bias gradients of a forward Euler step for every interval, in closed form:
-        ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows."""
-        G = self._scaled(params, U, W, dt, D)
+        ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows (``dt`` multiplies
+        the batch-sized factor or the per-layer sums, as :meth:`scale_weights` decides)."""
         n = U.shape[0]
-        out = {self.weight: torch.bmm(G.transpose(1, 2), U.reshape(n, -1, U.shape[-1]))}
+        G, dt3 = self._behind(params, U, W, D), dt.reshape(-1, 1, 1)
+        late = self.scale_weights(G.shape[1], params[self.weight])
+        if not late:
+            G.mul_(dt3)
+        gw = torch.bmm(G.transpose(1, 2), U.reshape(n, -1, U.shape[-1]))
+        out = {self.weight: gw.mul_(dt3) if late else gw}
         if self.bias is not None:
-            out[self.bias] = G.sum(1)
+            out[self.bias] = G.sum(1).mul_(dt3[:, 0]) if late else G.sum(1)
         return out
 
     def euler_vjp_single(self, params, u, v, dt, d=None):
@@ -240,8 +258,11 @@ class DenseRHS:
             d = self.derivative(self._z_single(params, u))
         elif d.shape != v.shape:
             d = d.reshape(v.shape)
-        v2 = v.reshape(-1, v.shape[-1])
-        return torch.addmm(v2, (v * d * dt).reshape(v2.shape), params[self.weight]).reshape(v.shape)
+        v2, W = v.reshape(-1, v.shape[-1]), params[self.weight]
+        g = (v * d).reshape(v2.shape)
+        if self.scale_weights(v2.shape[0], W):
+            return torch.addmm(v2, g, W * dt).reshape(v.shape)
+        return torch.addmm(v2, g.mul_(dt), W).reshape(v.shape)
 
     def single(self, params, u, *extra):
         """One layer (unstacked ``params``) on one state: ``act(u W^T + b)``."""
@@ -952,10 +973,16 @@ class KernelPass:
             return general
         c = self.k.classes[cid]
         W, dt3 = self._gather(cid, idx, dt.device)[0][c.dense.weight], dt.reshape(-1, 1, 1)
+        if c.dense.scale_weights(D.shape[1], W):  # dt on the smaller factor, as euler_vjp
+            Wdt = W * dt3  # (once per pass)
 
-        def fused(V):
-            V3 = V.reshape(V.shape[0], -1, V.shape[-1])
-            return torch.baddbmm(V3, V3 * D * dt3, W).reshape(V.shape)
+            def fused(V):
+                V3 = V.reshape(V.shape[0], -1, V.shape[-1])
+                return torch.baddbmm(V3, V3 * D, Wdt).reshape(V.shape)
+        else:
+            def fused(V):
+                V3 = V.reshape(V.shape[0], -1, V.shape[-1])
+                return torch.baddbmm(V3, (V3 * D).mul_(dt3), W).reshape(V.shape)
 
         return fused
 

@@ -243,6 +243,14 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     return list(map(_TRAINING, subs)), hid, hooks
 
 
+def _rows(X, rows: np.ndarray):
+    """``X[rows]``: a view (no copy of the states) when ``rows`` is a run of consecutive indices."""
+    if (rows.size and rows[0] >= 0 and int(rows[-1]) - int(rows[0]) == rows.size - 1
+            and (rows.size < 3 or (np.diff(rows) == 1).all())):
+        return X[int(rows[0]): int(rows[-1]) + 1]
+    return X[rows]
+
+
 class LayerParallel(nn.Module):
     """A stack of residual layers evaluated by MGRIT, forward and backward.
 
@@ -999,8 +1007,8 @@ class LayerParallel(nn.Module):
                 record, layers, lambda js: W.index_select(0, torch.as_tensor(js + 1 - self.lo, device=W.device)))
         if len(layers):
             with torch.no_grad():
-                ps, gs = parameter_vjp(prop, layers, U[layers - g0], W[layers + 1 - self.lo],
-                                       None if D is None else D[layers - g0])
+                ps, gs = parameter_vjp(prop, layers, _rows(U, layers - g0), _rows(W, layers + 1 - self.lo),
+                                       None if D is None else _rows(D, layers - g0))
             positions += ps
             grads += gs
         flat = prop.kernel.params
