@@ -273,6 +273,10 @@ def test_bad_inputs_are_clear_errors():
         lp(torch.ones(2, 3, dtype=torch.int64))
     with pytest.raises(TypeError, match="torch.Tensor"):
         lp(np.ones((2, 3)))
+    for empty in (torch.ones(0, 3), torch.ones(2, 0, 3), torch.ones(0, 3, requires_grad=True)):
+        with pytest.raises(ValueError, match="empty input"):
+            lp(empty)
+    assert torch.isfinite(lp(torch.ones(2, 3))).all()  # the block still works after the error
     with pytest.raises(TypeError, match="layer 1 is a"):
         LayerParallel([nn.Linear(3, 3), "tanh"], cf=2)
     with pytest.raises(ValueError, match="fwd_iters"):

@@ -38,7 +38,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
     assert_all_ok(n, *launch(n, "norm_dropout.py"))
 
 
-CASES = ["check", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
+CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer"]
 MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
 
@@ -71,6 +71,8 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
                 assert r == owner or f"rank {owner}" in msg, msg
             elif r != bad:
                 assert kind == "RemoteRankError", f"{case}: rank {r} got {kind}: {msg}"
+                if case == "empty":
+                    assert "empty input" in msg, msg  # the failed rank's own error travels with the notice
                 assert f"rank {bad}" in msg, f"{case}: rank {r}'s message does not name world rank {bad}: {msg}"
                 # the backward pass runs on the reversed communicator: its errors are renumbered as the
                 # module's communicator (here the world), so no second numbering appears

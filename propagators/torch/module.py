@@ -611,6 +611,10 @@ class LayerParallel(nn.Module):
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"LayerParallel expects a floating-point input, got dtype {x.dtype}; "
                             "convert it, e.g. x.float()")
+        if x.numel() == 0:
+            raise ValueError(f"LayerParallel got an empty input (shape {tuple(x.shape)}): a solve needs states "
+                             "with at least one element; skip empty batches before the block "
+                             "(e.g. `if x.shape[0]: ...`)")
 
     # -- forward --------------------------------------------------------------
     def forward(self, x):

@@ -6,6 +6,7 @@ Usage: mpiexec -n P python torch_failures.py CASE:BAD_RANK [CASE:BAD_RANK ...]
 CASE is the phase in which rank BAD_RANK fails:
 
 * ``check``: a bad input on that rank only (an integer tensor);
+* ``empty``: an empty batch on that rank only;
 * ``halo``: while sending / receiving neighbours' parameters;
 * ``forward``: in a layer, inside the forward MGRIT solve;
 * ``ghost``: after the forward solve, taking the left neighbour's boundary state, before the output
@@ -131,6 +132,8 @@ def run_case(case, bad):
     if rank == bad:
         if case == "check":
             x = torch.ones(3, 4, dtype=torch.int64)
+        elif case == "empty":
+            x = torch.ones(0, 4)
         elif case == "settings":
             lp.fwd_iters = 3
         elif case == "eval":
