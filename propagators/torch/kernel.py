@@ -669,6 +669,8 @@ class KernelPass:
         self.buffers = [d[a] for d, a in kernel._bflat]
         self._values: dict = {}
         self._detached_values: dict = {}
+        self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
+        self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
         self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
@@ -716,6 +718,24 @@ class KernelPass:
         if hit is None or any(d.data_ptr() != v.data_ptr() or d.dtype != v.dtype
                               for d, v in zip(hit[0].values(), p.values())):
             hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
+        return hit
+
+    def _bound_one(self, c: LayerClass, j):
+        """``DenseRHS.bound`` of layer ``j``'s :meth:`_detached` parameters as a stack of one layer
+        (kept with them): the right-hand side of the batched sweeps' fused step for one state."""
+        p = self._detached(j)[0]
+        hit = self._one_values.get(j)
+        if hit is None or hit[0] is not p:
+            hit = self._one_values[j] = (p, c.dense.bound({n: v[None] for n, v in p.items()}))
+        return hit[1]
+
+    def _dt_of_one(self, dt: float, U):
+        key = (dt, U.dtype, U.device, U.dim())
+        hit = self._dt_one.get(key)
+        if hit is None:
+            if len(self._dt_one) > 64:
+                self._dt_one.clear()
+            hit = self._dt_one[key] = torch.full((1,) * U.dim(), dt, dtype=U.dtype, device=U.device)
         return hit
 
     def _stack(self, cid: int):
@@ -874,8 +894,11 @@ class KernelPass:
         if c.mode == "dense":
             p = self._detached(j)[0]
             try:
-                if self.k.scheme is forward_euler and isinstance(dt, float):  # u + dt f(u), fused
-                    out = torch.add(u, c.dense.single(p, u), alpha=dt)
+                if self.k.scheme is forward_euler and isinstance(dt, float):
+                    # the fused step of a batched sweep (stepper) on a batch of one: the same operations,
+                    # so a layer stepped here (a coarsest chain) or in a sweep gives the same bits
+                    U = u[None]
+                    out = torch.addcmul(U, self._dt_of_one(dt, U), self._bound_one(c, j)(U))[0]
                 else:
                     out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
             except Exception:  # noqa: BLE001 - the looped call below names the layer

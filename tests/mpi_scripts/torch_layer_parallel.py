@@ -2,7 +2,9 @@
 
 Usage: mpiexec -n P python torch_layer_parallel.py [grid]
 Checks (every rank): forward output and input / parameter gradients equal serial
-autograd (to 1e-12 / 1e-10) on P ranks, also after optimizer steps; with
+autograd (to 1e-12 / 1e-10) on P ranks, also after optimizer steps; with the default
+2 / 1 cycles (far from converged) and a step size that is not a power of two, dense
+tanh layers give the same bits as the same LayerParallel on one process; with
 ``grid`` (P = 4): a 2 x 2 layer x data grid reproduces the full-batch gradients.
 Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
@@ -77,6 +79,28 @@ def layer_parallel_vs_serial(comm, n_layers, cf, levels, relax):
         fail(f"layers are not owned exactly once: {owned}")
 
 
+def unconverged_equals_one_process(n_layers, cf, levels, relax, rows):
+    """Default cycles: output and every gradient bitwise those of one process (the coarsest chain's
+    single-state steps and the batched sweeps take the same operations)."""
+    layers = make(n_layers, 5, seed=n_layers + 1)
+    kw = dict(T=0.3, cf=cf, max_levels=levels, relax=relax)
+    lp = LayerParallel(copy.deepcopy(layers), comm=world, **kw)
+    one = LayerParallel(copy.deepcopy(layers), **kw)
+    torch.manual_seed(5)
+    x = torch.randn(rows, 5)
+    xp, x1 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, y1 = lp(xp), one(x1)
+    loss_fn(y).backward()
+    loss_fn(y1).backward()
+    case = f"{n_layers} layers, cf {cf}, {levels} levels, {relax}, {rows} rows"
+    check(f"unconverged forward vs one process ({case})", y.detach(), y1.detach(), 1e-300)
+    check(f"unconverged input gradient vs one process ({case})", xp.grad, x1.grad, 1e-300)
+    for j in lp.owned_layers:
+        for p, q in zip(lp.layers[j].parameters(), one.layers[j].parameters()):
+            if not torch.equal(p.grad, q.grad):
+                fail(f"unconverged gradient of layer {j} differs from one process ({case})")
+
+
 def grid_2x2():
     layer_comm, data_comm = mgrit.split_comm(world, 2)
     torch.manual_seed(5)
@@ -146,6 +170,8 @@ try:
     else:
         for n_layers, cf, levels, relax in [(16, 2, 3, ("F", "FCF")), (21, 4, 2, "FCF"), (13, 2, 4, "F")]:
             layer_parallel_vs_serial(world, n_layers, cf, levels, relax)
+        for n_layers, cf, levels, relax, rows in [(31, 3, 2, "F", 9), (31, 2, 4, "FCF", 3), (50, 4, 3, "F", 7)]:
+            unconverged_equals_one_process(n_layers, cf, levels, relax, rows)
 except SystemExit:
     raise
 except BaseException as exc:  # report, then fail this rank
