@@ -720,10 +720,9 @@ class KernelPass:
             hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
         return hit
 
-    def _bound_one(self, c: LayerClass, j):
-        """``DenseRHS.bound`` of layer ``j``'s :meth:`_detached` parameters as a stack of one layer
-        (kept with them): the right-hand side of the batched sweeps' fused step for one state."""
-        p = self._detached(j)[0]
+    def _bound_one(self, c: LayerClass, j, p):
+        """``DenseRHS.bound`` of layer ``j``'s :meth:`_detached` parameters ``p`` as a stack of one
+        layer (kept with them): the right-hand side of the batched sweeps' fused step for one state."""
         hit = self._one_values.get(j)
         if hit is None or hit[0] is not p:
             hit = self._one_values[j] = (p, c.dense.bound({n: v[None] for n, v in p.items()}))
@@ -898,7 +897,7 @@ class KernelPass:
                     # the fused step of a batched sweep (stepper) on a batch of one: the same operations,
                     # so a layer stepped here (a coarsest chain) or in a sweep gives the same bits
                     U = u[None]
-                    out = torch.addcmul(U, self._dt_of_one(dt, U), self._bound_one(c, j)(U))[0]
+                    out = torch.addcmul(U, self._dt_of_one(dt, U), self._bound_one(c, j, p)(U))[0]
                 else:
                     out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
             except Exception:  # noqa: BLE001 - the looped call below names the layer
