@@ -193,8 +193,10 @@ class Levels(LevelOps):
     def check(self, l, R=None, iteration=0):
         if not B.all_finite(self.states[l].u if R is None else R):
             raise DivergenceError(
-                f"MGRIT diverged: NaN or Inf on level {l} in iteration {iteration}; "
-                "reduce the time step, use more levels of relaxation ('FCF') or a smaller `cf`"
+                f"MGRIT diverged: NaN or Inf on level {l} in iteration {iteration}. Either the propagator "
+                "returned NaN or Inf for some state (a layer's log or sqrt of a negative value, an overflow: "
+                "check it on the serial trajectory) or the iteration diverged: reduce the time step, use "
+                "more levels of relaxation ('FCF') or a smaller `cf`"
             )
 
     def restrict(self, l, R):

@@ -49,6 +49,19 @@ def check_integer(value, name: str, minimum: int, hint: str = "") -> None:
     raise ValueError(f"`{name}` must be an integer >= {minimum}{hint}, got {value!r}{note}")
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool; ValueError naming ``name`` unless it is one (a string such as "no" is not).
+
+    >>> check_flag("no", "skip")
+    Traceback (most recent call last):
+    ...
+    ValueError: `skip` must be True or False, got 'no'
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+    return bool(value)
+
+
 def parse_relax(relax: str) -> int:
     """Number of (C, F) sweeps after the first F sweep: "F" -> 0, "FCF" -> 1, ...
 

@@ -11,20 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 
-from .hierarchy import Hierarchy, check_integer, check_levels, check_time_grid, levels_of
+from .hierarchy import Hierarchy, check_flag, check_integer, check_levels, check_time_grid, levels_of
 
 
 def _frozen(value):
     """Lists become tuples (a frozen value holds no mutable list); the rest is kept."""
     return tuple(value) if isinstance(value, list) else value
-
-
-def _check_flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}")
-    return bool(value)
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,9 @@ class Options:
             raise TypeError("`callback` must be callable")
         fields = {
             "norm": math.inf if norm == "inf" else norm,
-            "skip": _check_flag(self.skip, "skip"),
-            "nested": _check_flag(self.nested, "nested"),
-            "final_residual": _check_flag(self.final_residual, "final_residual"),
+            "skip": check_flag(self.skip, "skip"),
+            "nested": check_flag(self.nested, "nested"),
+            "final_residual": check_flag(self.final_residual, "final_residual"),
             "max_iter": int(self.max_iter),
             "cf": _frozen(self.cf),
             "relax": _frozen(self.relax),

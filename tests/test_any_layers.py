@@ -50,6 +50,25 @@ class Noisy(nn.Module):
         return self.lin(u) + 0.1 * torch.randn_like(u)
 
 
+class Hamiltonian(nn.Module):
+    """``f(u) = J grad H(u)``, ``H(u) = sum log cosh(W u + b)``: differentiates its input inside forward."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        half = width // 2
+        J = torch.zeros(width, width)
+        J[:half, half:2 * half] = torch.eye(half)
+        J[half:2 * half, :half] = -torch.eye(half)
+        self.register_buffer("J", J)
+
+    def forward(self, u):
+        with torch.enable_grad():
+            v = u if u.requires_grad else u.detach().requires_grad_()
+            (g,) = torch.autograd.grad(torch.log(torch.cosh(self.lin(v))).sum(), v, create_graph=True)
+        return g @ self.J
+
+
 def networks(width=4):
     """name -> (factory of the layer list, input shape)."""
     def mixed_free():  # parameter-free layers between parametrised ones
@@ -92,6 +111,7 @@ def networks(width=4):
         "frozen_some": (frozen_some, (3, width)),
         "conv_kernels": (conv_kernels, (2, 2, 5, 5)),
         "hooked": (hooked, (3, width)),
+        "hamiltonian": (lambda: [Hamiltonian(width) for _ in range(8)], (3, width)),
     }
 
 
@@ -1182,3 +1202,146 @@ def test_rows_of_states_are_views_when_consecutive():
         assert torch.equal(got, X[rows]), r
         consecutive = len(r) > 0 and r[0] >= 0 and list(r) == list(range(r[0], r[0] + len(r)))
         assert (got.data_ptr() == X[r[0]].data_ptr() if consecutive else got.data_ptr() != X.data_ptr()), r
+
+
+# --------------------------------------------------------------------------- what users do around the block
+def _stiff_layers(n=32, width=6, seed=0):
+    """Layers that two forward / one backward cycles leave far from the serial network (T = 4 below)."""
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)]
+    with torch.no_grad():
+        for m in layers:
+            m[0].weight.mul_(3.0)
+    return layers
+
+
+def _grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_tolerance_alone_runs_the_cycles_it_needs_and_equals_serial():
+    layers = _stiff_layers()
+    lp = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, fwd_tol=1e-12, bwd_tol=1e-12)
+    ref = ODENet(copy.deepcopy(layers), T=4.0)
+    assert (lp.fwd_iters, lp.bwd_iters) == (100, 100)  # the caps with a tolerance (2 and 1 without)
+    assert (LayerParallel(copy.deepcopy(layers)).fwd_iters, LayerParallel(copy.deepcopy(layers)).bwd_iters) == (2, 1)
+    x = torch.randn(4, 6)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, ys = lp(xp), ref(xs)
+    assert rel(y, ys) < REL
+    loss_fn(y).backward()
+    loss_fn(ys).backward()
+    assert rel(xp.grad, xs.grad) < REL
+    for g, gs in zip(_grads(lp), _grads(ref)):
+        assert rel(g, gs) < REL
+    assert lp.last_forward.iterations > 2 and lp.last_backward.iterations > 1
+    # the same in eval mode (saliency): the adjoint solve alone, to its tolerance
+    xe, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    loss_fn(lp.eval()(xe)).backward()
+    loss_fn(ref.eval()(xr)).backward()
+    assert rel(xe.grad, xr.grad) < REL
+
+
+def test_a_solve_that_stops_short_of_its_tolerance_warns():
+    from propagators.torch import ConvergenceWarning
+
+    lp = LayerParallel(_stiff_layers(), T=4.0, cf=2, fwd_iters=2, fwd_tol=1e-12, bwd_iters=1, bwd_tol=1e-12)
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.warns(ConvergenceWarning, match="forward MGRIT solve stopped after 2 cycle.*short of its tolerance"):
+        y = lp(x)
+    with pytest.warns(ConvergenceWarning, match="adjoint MGRIT solve stopped after 1 cycle.*Raise `bwd_iters`"):
+        loss_fn(y).backward()
+
+
+def test_inference_mode_gives_what_no_grad_gives():
+    torch.manual_seed(1)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(8)]
+    a, b = LayerParallel(copy.deepcopy(layers), cf=2), LayerParallel(copy.deepcopy(layers), cf=2)
+    x = torch.randn(5, 4)
+    for mode in ("train", "eval"):
+        getattr(a, mode)(), getattr(b, mode)()
+        with torch.no_grad():
+            ya = a(x)
+        with torch.inference_mode():
+            yb = b(x)
+        assert torch.equal(ya, yb), mode
+        for ba, bb in zip(a.buffers(), b.buffers()):  # running statistics advanced alike in train mode
+            assert torch.equal(ba, bb), mode
+
+
+def test_torch_compile_runs_the_block_eagerly_with_serial_gradients():
+    torch.manual_seed(2)
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], cf=2)
+    model = nn.Sequential(nn.Linear(4, 5), lp, nn.Linear(5, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    loss_fn(model(x)).backward()
+    loss_fn(torch.compile(twin, backend="eager")(x)).backward()  # a graph break around the block
+    for g, gt in zip(_grads(model), _grads(twin)):
+        assert torch.allclose(g, gt, rtol=1e-12, atol=1e-14)
+
+
+def test_torch_func_transforms_and_forward_mode_are_clear_errors():
+    import torch.autograd.forward_ad as fwAD
+
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(2, 5)
+
+    def dual():
+        with fwAD.dual_level():
+            return lp(fwAD.make_dual(x, torch.ones_like(x)))
+
+    for f in (lambda: torch.func.grad(lambda v: lp(v).sum())(x), lambda: torch.func.jacrev(lp)(x),
+              lambda: torch.func.vmap(lp)(x[None]), dual,
+              lambda: torch.autograd.functional.jacobian(lp, x, vectorize=True)):
+        with pytest.raises(RuntimeError, match="LayerParallel does not support .*lp.to_serial"):
+            f()
+    jac = torch.autograd.functional.jacobian(lp, x)  # the plain one works: one backward pass per entry
+    assert jac.shape == (2, 5, 2, 5)
+
+
+@pytest.mark.parametrize("kw, kind, match", [
+    (dict(warm_start="no"), ValueError, "`warm_start` must be True or False"),
+    (dict(skip="no"), ValueError, "`skip` must be True or False"),
+    (dict(exact_eval="False"), ValueError, "`exact_eval` must be True or False"),
+    (dict(batched="false"), ValueError, "`batched` must be True or False"),
+    (dict(T="1"), ValueError, "`T` must be a finite number > 0"),
+    (dict(T=-1.0), ValueError, "`T` must be a finite number > 0"),
+    (dict(T=float("nan")), ValueError, "`T` must be a finite number > 0"),
+    (dict(scheme=None), TypeError, "`scheme` must be a function"),
+    (dict(callback=3), TypeError, "`callback` must be a function"),
+    (dict(layer_index=lambda i0, i1: 0), ValueError, "must return an integer array of their shape"),
+    (dict(fwd_iters=0), ValueError, "`fwd_iters` must be an integer >= 1"),
+    (dict(bwd_iters=True), ValueError, "`bwd_iters` must be an integer >= 1"),
+    (dict(streams=-1), ValueError, "`streams` must be an integer >= 0"),
+])
+def test_bad_arguments_are_clear_errors(kw, kind, match):
+    with pytest.raises(kind, match=match):
+        LayerParallel([nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)], **kw)
+
+
+def test_a_fractional_layer_count_is_a_clear_error():
+    with pytest.raises(ValueError, match="`n_layers` must be an integer >= 1"):
+        LayerParallel(lambda i: nn.Linear(3, 3), n_layers=2.5)
+
+
+def test_nan_in_the_input_or_from_a_layer_is_a_clear_error():
+    from mgrit.cycle import DivergenceError
+
+    lp = LayerParallel([nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(2, 3)
+    x[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="input that contains NaN or Inf"):
+        lp(x)
+
+    class Log(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, u):
+            return torch.log(self.lin(u))  # NaN where the pre-activation is negative
+
+    torch.manual_seed(0)
+    with pytest.raises(DivergenceError, match="returned NaN or Inf for some state"):
+        LayerParallel([Log() for _ in range(8)])(torch.randn(2, 3))

@@ -308,6 +308,8 @@ def test_bad_inputs_raise_and_say_what_to_pass(make_input, h0, exc, match):
     (dict(tol_type="max"), "tol_type"),
     (dict(cf=1), "cf"),
     (dict(relax="C"), "relax"),
+    (dict(skip="no"), "`skip` must be True or False"),
+    (dict(return_sequence="False"), "`return_sequence` must be True or False"),
 ])
 def test_bad_settings_raise(kw, match):
     args = dict(input_size=I, hidden_size=H)
@@ -426,3 +428,29 @@ def test_an_empty_interval_returns_the_state():
     prop = GRUPropagator(torch.randn(3 * H, H), torch.randn(3 * H), torch.randn(6, B, 3 * H), 0)
     h = torch.randn(B, H)
     assert torch.equal(prop.step(h, 2.0, 2.0), h)
+
+
+def test_a_tolerance_alone_runs_the_cycles_it_needs():
+    torch.manual_seed(0)
+    ref = torch.nn.GRU(I, H, num_layers=2)
+    par = ParallelGRU(I, H, num_layers=2, fwd_tol=1e-12, bwd_tol=1e-12)
+    par.load_state_dict(ref.state_dict())
+    assert (par.fwd_iters, par.bwd_iters) == (100, 100)
+    assert (ParallelGRU(I, H).fwd_iters, ParallelGRU(I, H).bwd_iters) == (2, 1)
+    x = torch.randn(40, 3, I)
+    (o, n, gx, _, grads), (op, np_, gxp, _, gradsp) = run_both(ref, par, x, None, torch.randn(40, 3, H),
+                                                               torch.randn(2, 3, H))
+    assert maxdiff(o, op) < 1e-10 and maxdiff(n, np_) < 1e-10 and maxdiff(gx, gxp) < 1e-10
+    assert all(maxdiff(grads[k], gradsp[k]) < 1e-10 for k in grads)
+
+
+def test_torch_func_transforms_are_a_clear_error_and_compile_runs_eagerly():
+    torch.manual_seed(0)
+    ref = torch.nn.GRU(I, H)
+    par = ParallelGRU(I, H, **TIGHT)
+    par.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 2, I)
+    with pytest.raises(RuntimeError, match="ParallelGRU does not support torch.func"):
+        torch.func.grad(lambda v: par(v)[1].sum())(x)
+    compiled = torch.compile(par, backend="eager")
+    assert maxdiff(compiled(x)[1], ref(x)[1]) < 1e-10

@@ -39,8 +39,12 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
-         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer"]
+         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
+         "shuffled", "loss", "n_layers", "shard", "modules"]
 MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
+#: ranks that disagree: every rank raises ValueError with this in its message
+DISAGREE = {"order": "differ between ranks", "shuffled": "input of rank", "loss": "gradient of the block's output",
+            "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters"}
 
 
 def failure_lines(out, name):
@@ -62,6 +66,8 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
                 assert kind == "ValueError" and "share a parameter" in msg, (r, kind, msg)
             elif case in MISMATCH:  # the pass's handshake compares the solve's arguments
                 assert kind == "ValueError" and "differ between ranks" in msg, (case, r, kind, msg)
+            elif case in DISAGREE:
+                assert kind == "ValueError" and DISAGREE[case] in msg, (case, r, kind, msg)
             elif case == "layout":  # ranks whose halo layer differs from its owner's raise ValueError
                 assert kind in ("ValueError", "RemoteRankError"), (r, kind, msg)
                 assert any("differs between ranks" in m for _, m, _ in lines.values())

@@ -7,6 +7,7 @@ gradient on every data rank.
 """
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import nn
 from mgrit.comm import as_communicator
 
 
-def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = None) -> None:
+def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = None, buffers: bool = False) -> None:
     """Average ``.grad`` of the parameters of ``module`` over the data communicator.
 
     The gradients travel as one flat buffer per dtype and device (one
@@ -27,6 +28,12 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     mean gradient; without it every shard weighs the same. A parameter gets a
     gradient when any data rank has one (the others contribute zeros), as
     serial autograd on the whole batch would give.
+
+    With ``buffers=True`` the floating-point buffers (BatchNorm's running statistics) are averaged
+    too, weighted alike: each data rank's running statistics follow its own shard, so without it the
+    data replicas drift apart and evaluate differently. The average of the running means is the full
+    batch's; that of the running variances leaves out the spread between the shard means (as
+    ``SyncBatchNorm`` would not), like the buffers DDP broadcasts from one rank.
 
     The call is collective over ``data_comm`` and failure-aware: when a data
     peer failed (its LayerParallel was given ``data_comm``, or it called
@@ -39,6 +46,8 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
         return
     if shard_size is not None and (isinstance(shard_size, bool) or not shard_size >= 0):
         raise ValueError(f"`shard_size` must be a number of samples >= 0, got {shard_size!r}")
+    floats = [b for b in module.buffers() if b.is_floating_point()] if buffers else []
+    _check_alike(comm, params + floats, shard_size is not None)
     weight = 1.0 if shard_size is None else float(shard_size)
     meta = np.array([p.grad is not None for p in params] + [weight], dtype=np.float64)
     meta = comm.allreduce_array(meta)
@@ -65,3 +74,28 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
+    if floats:
+        with torch.no_grad():
+            flat = torch.cat([b.detach().double().reshape(-1) for b in floats]) * weight
+            summed = comm.allreduce_array(flat) / total
+            off = 0
+            for b in floats:
+                b.copy_(summed[off: off + b.numel()].view_as(b))
+                off += b.numel()
+
+
+def _check_alike(comm, params, weighted: bool) -> None:
+    """Raise on every data rank alike (one reduction) unless all pass the same parameters (and buffers
+    to average; number, shapes, dtypes) and all or none a ``shard_size``: they travel as flat buffers
+    matched by position."""
+    layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    mine = [float(len(params)), float(layout), float(weighted)]
+    got = comm.exact_many([[v] for m in mine for v in (m, -m)], "max")
+    if got[0] != -got[1] or got[2] != -got[3]:
+        raise ValueError(
+            "allreduce_gradients: the data ranks pass modules with different parameters (number, shapes or dtypes, "
+            f"of those that require grad; this rank: {len(params)}): every data rank must hold the same model, "
+            "built the same way (same layer ranks' share of it), and freeze the same parameters")
+    if got[4] != -got[5]:
+        raise ValueError("allreduce_gradients: `shard_size` was given on some data ranks and not on others: "
+                         "pass it on every data rank (the shards are weighted by it) or on none")

@@ -27,9 +27,10 @@ from torch import nn
 
 import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
-from mgrit.hierarchy import build_hierarchy, check_levels
+from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import _check_output_gradient, _warn_without_progress
+from .module import (_agreed_uid, _check_output_gradient, _functorch_active, _iterations, _no_transforms, _uids,
+                     _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -295,6 +296,11 @@ class _GRULayerFunction(torch.autograd.Function):
         return out, hL
 
     @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_no_transforms("forward-mode differentiation (torch.autograd.forward_ad, torch.func.jvp)",
+                                          "ParallelGRU", "the serial GRU, `model.to_gru()`"))
+
+    @staticmethod
     def backward(ctx, g_out, g_hL):
         gru, needs = ctx.gru, ctx.needs_input_grad
         try:  # everything local before the layer's session: a failure on one rank reaches every rank in its handshake
@@ -354,10 +360,12 @@ class ParallelGRU(nn.Module):
         input of a coarse interval with the gates' hidden-state feedback frozen
         at its start (one matrix product per coarse step); "inject" applies the
         cell once, to the interval's first input. See docs/gru.md.
-    fwd_iters, bwd_iters : int
-        Largest number of cycles of each forward and adjoint solve (defaults 2 and 1).
+    fwd_iters, bwd_iters : int, optional
+        Largest number of cycles of each forward and adjoint solve: 2 and 1 by
+        default, 100 with a tolerance.
     fwd_tol, bwd_tol : float or None
-        Residual tolerances (None: run the given number of cycles).
+        Residual tolerances (None: run the given number of cycles). A solve that
+        stops short of its tolerance warns (``ConvergenceWarning``).
     tol_type : {"abs", "rel"}
     skip : bool
         XBraid's skip for the first cycle of each solve.
@@ -392,14 +400,13 @@ class ParallelGRU(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  device=None, dtype=None, *, cf: int = 4, max_levels: int = 3, min_coarse: int = 2,
-                 relax=("F", "FCF"), cycle: str = "V", coarse: str = "frozen", fwd_iters: int = 2,
-                 bwd_iters: int = 1, fwd_tol: float | None = None, bwd_tol: float | None = None,
+                 relax=("F", "FCF"), cycle: str = "V", coarse: str = "frozen", fwd_iters: int | None = None,
+                 bwd_iters: int | None = None, fwd_tol: float | None = None, bwd_tol: float | None = None,
                  tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
                  return_sequence: bool = True, comm=None):
         super().__init__()
         for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
-                             ("num_layers", num_layers, 1), ("fwd_iters", fwd_iters, 1),
-                             ("bwd_iters", bwd_iters, 1)):
+                             ("num_layers", num_layers, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
         if dropout:
@@ -420,9 +427,11 @@ class ParallelGRU(nn.Module):
         self.bias, self.batch_first = bool(bias), bool(batch_first)
         self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
         self.cycle, self.coarse = cycle, coarse
-        self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
+        self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
+        self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
         self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
-        self.skip, self.exact_eval, self.return_sequence = bool(skip), bool(exact_eval), bool(return_sequence)
+        self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
+        self.return_sequence = check_flag(return_sequence, "return_sequence")
         factory = {"device": device, "dtype": dtype}
         H = self.hidden_size
         for l in range(self.num_layers):
@@ -434,10 +443,29 @@ class ParallelGRU(nn.Module):
                 self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
         self.reset_parameters()
         self._comm = as_communicator(comm)
+        self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
+        if self._comm.size > 1:
+            self._agree_on_ranks()
         self._layouts: dict = {}
         #: mgrit.Result of the last forward and adjoint solve of every layer
         self.last_forward: list = [None] * self.num_layers
         self.last_backward: list = [None] * self.num_layers
+
+    def _agree_on_ranks(self) -> None:
+        """Building on several ranks is collective: the ranks agree on the module's id (so that ranks
+        calling two GRUs in different orders raise) and raise alike when they built different GRUs."""
+        shape = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
+                 self.coarse)
+        session = self._comm.session(share=(_uids[0], shape))
+        with session:
+            pass
+        self._uid = _agreed_uid([u for u, _ in session.shared])
+        for r, (_, theirs) in enumerate(session.shared):
+            if theirs != shape:
+                raise ValueError(
+                    f"ParallelGRU was built differently on rank {r} and this rank (input_size, hidden_size, "
+                    f"num_layers, bias, MGRIT settings, cycle, coarse: {theirs} against {shape}): every rank of "
+                    "its communicator must build the same GRU")
 
     def reset_parameters(self):
         """``nn.GRU``'s initialisation: every parameter uniform in ``(-1/sqrt(H), 1/sqrt(H))``."""
@@ -464,7 +492,9 @@ class ParallelGRU(nn.Module):
     # -- helpers ---------------------------------------------------------------------
     def _session(self, signature=None):
         """A failure-aware communicator session on several ranks; nothing on one."""
-        return self._comm.session(signature=signature) if self._comm.size > 1 else contextlib.nullcontext()
+        if self._comm.size > 1:
+            return self._comm.session(signature=(self._uid, signature))
+        return contextlib.nullcontext()
 
     def _layout(self, L: int) -> _Layout:
         lay = self._layouts.get(L)
@@ -517,7 +547,11 @@ class ParallelGRU(nn.Module):
         return x, h0, batched
 
     # -- forward ---------------------------------------------------------------------
+    @torch.compiler.disable(recursive=True)
     def forward(self, input, hx=None):
+        if _functorch_active():
+            raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
+                                              "the serial GRU, `model.to_gru()`"))
         P = self._comm.size
         with self._session():  # a bad input on one rank raises on every rank
             x, h0, batched = self._check(input, hx)
@@ -582,7 +616,7 @@ class ParallelGRU(nn.Module):
                 root = lay.plan.owner_of_point(L)
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
         self.last_forward[l] = res
-        _warn_without_progress(res, f"forward (GRU layer {l})", "fwd_iters")
+        _warn_solve(res, f"forward (GRU layer {l})", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 
@@ -636,7 +670,7 @@ class ParallelGRU(nn.Module):
                                   comm=ReversedInSession(self._comm) if P > 1 else self._comm,
                                   partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
             self.last_backward[l] = res
-            _warn_without_progress(res, f"adjoint (GRU layer {l})", "bwd_iters")
+            _warn_solve(res, f"adjoint (GRU layer {l})", "bwd_iters", self.bwd_tol, self.tol_type)
             lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
             if P == 1:

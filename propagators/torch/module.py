@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 import mgrit
 from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_communicator
-from mgrit.hierarchy import build_hierarchy
+from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors
@@ -127,13 +127,26 @@ class _LayerParallelFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_no_transforms(what="forward-mode differentiation (torch.autograd.forward_ad, "
+                                                      "torch.func.jvp)"))
+
+    @staticmethod
     def backward(ctx, gy):
         lp = ctx.lp
         try:
             try:  # the local checks first: a rank that fails here tells the others in the handshake
                 _backward_checks(ctx)
-                _check_output_gradient(gy)
+                try:
+                    _check_output_gradient(gy)
+                except RuntimeError as exc:  # the first operation on a gradient batched by torch's legacy vmap
+                    if "Batching rule" not in str(exc):
+                        raise
+                    raise RuntimeError(_no_transforms(
+                        what="vectorized Jacobians (torch.autograd.functional.jacobian(vectorize=True), "
+                             "torch.autograd.grad(is_grads_batched=True))")) from exc
                 sig = lp._adjoint_signature(gy)
+                share = _input_sums(gy) if lp._comm.size > 1 else None
             except BaseException as exc:
                 if lp._comm.size > 1:
                     lp._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
@@ -141,15 +154,29 @@ class _LayerParallelFunction(torch.autograd.Function):
             # one session around the whole backward pass on the module's communicator (so that it hears
             # a session the user has open there), the adjoint solve inside it in reverse rank order
             # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
-            # the solve's arguments): a failure of the solve or of the gradients reaches every rank
-            with lp._session(signature=sig):
-                kp = ctx.saved[0].kernel
-                with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors():
-                    gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
+            # the solve's arguments and the output gradients): a failure of the solve or of the gradients
+            # reaches every rank
+            session = lp._session(signature=sig, share=share)
+            with session:
+                differ = None if share is None else _differing_inputs(
+                    session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
+                if differ is None:
+                    kp = ctx.saved[0].kernel
+                    with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors():
+                        gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
+            if differ is not None:
+                raise differ  # every rank found it in the handshake: raised after the session (no one waits)
         except BaseException as exc:
             lp._alarm(exc)
             raise
         return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+_DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same output (the same targets, in the "
+                   "same order; the same random state for dropout and other randomness after the block): "
+                   "the block's adjoint starts at one rank's gradient while the layers around it would train "
+                   "on each rank's own. For data parallelism split the ranks into a layer x data grid "
+                   "(README, Several ranks)")
 
 
 def _check_output_gradient(gy, output: str = "the LayerParallel output", follows: str = "the block"):
@@ -158,8 +185,27 @@ def _check_output_gradient(gy, output: str = "the LayerParallel output", follows
                          f"check the loss and what follows {follows})")
 
 
+#: why torch.func transforms and forward-mode derivatives stop at a LayerParallel
+_NO_TRANSFORMS = ("{cls} does not support {what}: its derivative is an MGRIT solve of the adjoint, "
+                  "written for loss.backward() and torch.autograd.grad only (a non-vectorized "
+                  "torch.autograd.functional.jacobian works too). Use the serial network "
+                  "({serial}) for such derivatives")
+
+
+def _no_transforms(what: str, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> str:
+    return _NO_TRANSFORMS.format(what=what, cls=cls, serial=serial)
+
+
+def _functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
+
+
 def _backward_checks(ctx) -> None:
     """The checks of the backward pass that may fail on one rank only."""
+    if _functorch_active():
+        raise RuntimeError(_no_transforms(what="torch.func transforms"))
     if torch.is_grad_enabled():
         raise RuntimeError(
             "LayerParallel does not support double backward (backward with create_graph=True, "
@@ -192,28 +238,46 @@ def _layout(m: nn.Module) -> tuple:
 
 
 def _input_sums(x) -> tuple:
-    """(sum of squares, sum of magnitudes) of the input, in float64: compared between the ranks."""
+    """(sum of squares, sum of magnitudes, sum of magnitudes weighted by position, sum of values
+    weighted by position, relative tolerance of the dtype) of a tensor, in float64: compared between
+    the ranks (the weighted sums tell a shuffled batch, the last one signs)."""
     with torch.no_grad():
-        a = x.detach().abs().double()
-        return float(a.square().sum()), float(a.sum())
+        v = x.detach().double().reshape(-1)
+        if v.is_complex():
+            v = torch.view_as_real(v).reshape(-1)
+        a = v.abs()
+        w = torch.arange(a.numel(), dtype=torch.float64, device=a.device).remainder_(61).add_(1)
+        return float(a.square().sum()), float(a.sum()), float(a @ w), float(v @ w), _input_rtol(x.dtype)
+
+
+def _input_rtol(dtype) -> float:
+    """How far the sums of one input may differ between ranks: rounding in the layers before the block
+    (computed on other hardware), not a different batch; 100 units in the last place, at most 1e-4."""
+    eps = torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7
+    return min(1e-4, 100 * eps)
 
 
 def _input_gap(s, s0) -> float:
     """Largest relative difference between one rank's :func:`_input_sums` ``s`` and rank 0's ``s0``
     (NaN and Inf left out)."""
-    return max((abs(a - b) / max(abs(a), abs(b), 1e-300) for a, b in zip(s, s0)
+    scales = (max(abs(s[0]), abs(s0[0])), max(abs(s[1]), abs(s0[1])), max(abs(s[2]), abs(s0[2])),
+              max(abs(s[2]), abs(s0[2])))  # (the signed sum relative to the weighted magnitudes)
+    return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:4], s0[:4], scales)
                 if math.isfinite(a) and math.isfinite(b)), default=0.0)
 
 
-def _differing_inputs(sums, rtol: float = 1e-4) -> ValueError | None:
+def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError | None:
     """The error to raise when the ranks' inputs differ (``sums``: every rank's :func:`_input_sums`);
     not for differences in the last bits (the layers before this block computed on different hardware)."""
+    rtol = max(s[4] for s in sums)
     for r, s in enumerate(sums):
         if _input_gap(s, sums[0]) > rtol:
             return ValueError(
-                f"the input of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against {sums[0][0]:.6g}): "
-                "every layer rank must pass the same input (the same batch, or the same output of the layers "
-                "before this block); seed every rank alike, or broadcast the batch from one rank")
+                f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
+                f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}): "
+                + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
+                   "same output of the layers before this block); seed every rank alike, or broadcast the batch "
+                   "from one rank"))
     return None
 
 
@@ -284,10 +348,12 @@ class LayerParallel(nn.Module):
     cf, max_levels, min_coarse, relax, cycle
         MGRIT settings (see :func:`mgrit.solve`); default ``relax=("F", "FCF")``:
         F-relaxation on the layers, FCF on coarse levels (TorchBraid's).
-    fwd_iters, bwd_iters : int
-        Cycles of the forward and the adjoint solve (defaults 2 and 1).
+    fwd_iters, bwd_iters : int, optional
+        Cycles of the forward and the adjoint solve: 2 and 1 by default; with a
+        tolerance, the most cycles a solve may run (default 100).
     fwd_tol, bwd_tol : float or None
-        Residual tolerances (None: run the given number of cycles).
+        Residual tolerances (None: run the given number of cycles). A solve that
+        stops short of its tolerance warns (:class:`ConvergenceWarning`).
     tol_type : {"abs", "rel"}
         Tolerances absolute, or relative to each solve's first residual.
     skip : bool
@@ -339,7 +405,7 @@ class LayerParallel(nn.Module):
 
     def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
                  max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
-                 fwd_iters: int = 2, bwd_iters: int = 1, fwd_tol: float | None = None,
+                 fwd_iters: int | None = None, bwd_iters: int | None = None, fwd_tol: float | None = None,
                  bwd_tol: float | None = None, tol_type: str = "abs", skip: bool = True, warm_start: bool = False,
                  exact_eval: bool = True,
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
@@ -349,6 +415,7 @@ class LayerParallel(nn.Module):
         if factory:
             if n_layers is None:
                 raise ValueError("`n_layers` is required when `layers` is a factory")
+            check_integer(n_layers, "n_layers", 1)
             N = int(n_layers)
         else:
             if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
@@ -360,21 +427,24 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`n_layers`={n_layers} but {N} layers were given")
         if N < 1:
             raise ValueError("`layers` is empty")
-        for name, v in (("fwd_iters", fwd_iters), ("bwd_iters", bwd_iters)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1, got {v!r}")
         self.n_layers = N
-        self.T = float(T)
+        self.T = _check_T(T)
         self.h = self.T / N
         self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
-        self.fwd_iters, self.bwd_iters = int(fwd_iters), int(bwd_iters)
+        self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
+        self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
         self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
         if tol_type not in ("abs", "rel"):
             raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
         self.tol_type = tol_type
-        self.skip, self.warm_start, self.exact_eval = bool(skip), bool(warm_start), bool(exact_eval)
+        self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
+        self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
+        for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
+            if fn is not None and not callable(fn) or fn is None and name == "scheme":
+                raise TypeError(f"`{name}` must be a function, got {fn!r}")
         self.scheme, self.layer_index = scheme, layer_index or inject_layer
-        self.batched, self.streams = bool(batched), int(streams)
+        check_integer(streams, "streams", 0)
+        self.streams = int(streams)
         self.callback = callback
         self.t = np.arange(N + 1, dtype=np.float64) * self.h
         self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
@@ -383,13 +453,19 @@ class LayerParallel(nn.Module):
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         P, r = self._comm.size, self._comm.rank
         self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
-        with self._session():  # a failure while building the layers on one rank reaches every rank
+        self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
+        session = self._session(share=(_uids[0], N, self.T, repr(self.options)))
+        with session:  # a failure while building the layers on one rank reaches every rank
+            if P > 1:
+                _check_same_block(session.shared)
             held = sorted(self.plan.needed[r])
             modules = {j: _checked_layer(j, layers(j) if factory else layers[j]) for j in held}
             if P > 1:
                 # tied parameters: over the whole list when given one (every rank sees the same ties)
                 self._check_sharing(modules if factory else dict(enumerate(layers)))
                 self._check_structure(modules)
+        if P > 1:
+            self._uid = _agreed_uid([u for u, *_ in session.shared])
         self.owned_layers = self.plan.owned[r]
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
@@ -615,9 +691,20 @@ class LayerParallel(nn.Module):
             raise ValueError(f"LayerParallel got an empty input (shape {tuple(x.shape)}): a solve needs states "
                              "with at least one element; skip empty batches before the block "
                              "(e.g. `if x.shape[0]: ...`)")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("LayerParallel got an input that contains NaN or Inf: check the data and what "
+                             "comes before the block")
 
     # -- forward --------------------------------------------------------------
+    @torch.compiler.disable(recursive=True)
     def forward(self, x):
+        if _functorch_active():
+            raise RuntimeError(_no_transforms(what="torch.func transforms (grad, vmap, jacrev, jvp, ...)"))
+        if torch.is_inference_mode_enabled():
+            # inference tensors carry no version counters, which the solve's checks read: run the pass as
+            # under no_grad, on a normal copy of the input (the output is a normal tensor)
+            with torch.inference_mode(False), torch.no_grad():
+                return self.forward(x.clone() if isinstance(x, torch.Tensor) else x)
         try:
             modes = _modes(self._subs, self._modes)
             if modes != self._modes:
@@ -641,9 +728,10 @@ class LayerParallel(nn.Module):
             raise
 
     def _session(self, signature=None, share=None):
-        """A failure-aware communicator session on several ranks; nothing on one."""
+        """A failure-aware communicator session on several ranks; nothing on one. Its handshake also
+        compares the module's id: ranks that call different blocks (another order) raise."""
         if self._comm.size > 1:
-            return self._comm.session(signature=signature, share=share)
+            return self._comm.session(signature=(self._uid, signature), share=share)
         return contextlib.nullcontext()
 
     def _pass_signature(self, x, exact: bool, cold: bool):
@@ -823,7 +911,7 @@ class LayerParallel(nn.Module):
             else:
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast_state(U[-1].clone() if r == root else None, x, root=root)
-        _warn_without_progress(res, "forward", "fwd_iters")  # after the checks: an error comes first
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)  # after the checks: an error comes first
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -865,9 +953,10 @@ class LayerParallel(nn.Module):
         for c in self.kernel.classes:
             j = int(c.members[0])
             leaves = {n: v.detach().requires_grad_(True) for n, v in kp.value(j)[0].items()}
+            u = x.detach().requires_grad_(True)  # (as in the adjoint's VJPs: a layer may differentiate by it)
             with torch.enable_grad():
-                out = kp._call_layer(j, x.detach(), dt, params=leaves)
-            foreign = _foreign_leaves(out, {id(v) for v in leaves.values()})
+                out = kp._call_layer(j, u, dt, params=leaves)
+            foreign = _foreign_leaves(out, {id(v) for v in leaves.values()} | {id(u)})
             if foreign:
                 raise LayerError(
                     f"layer {j} ({type(c.template).__name__}) uses a tensor that requires grad but is not one of "
@@ -978,7 +1067,7 @@ class LayerParallel(nn.Module):
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res
-        _warn_without_progress(res, "adjoint", "bwd_iters")
+        _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type)
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
         grads = self._parameter_gradients(prop, U, g0, W, param_ids, D, record)
         if P == 1:
@@ -1146,11 +1235,70 @@ class ConvergenceWarning(RuntimeWarning):
     """A layer-parallel solve made no progress: its returned residual is not below its first."""
 
 
-def _warn_without_progress(res, which: str, iters: str) -> None:
-    """Warn when the residual of the returned trajectory is not below the first residual measured
-    (a diverging or stalling solve: its gradients are not worth much)."""
+#: the id this process proposes for the next module built on several ranks (see _agreed_uid)
+_uids = [0]
+
+
+def _agreed_uid(proposals) -> int:
+    """The id of a module built on several ranks: the largest of the ranks' proposals (so that the ranks
+    agree whatever other modules each built before); this process proposes a larger one next."""
+    uid = max(proposals)
+    _uids[0] = max(_uids[0], uid + 1)
+    return uid
+
+
+def _check_same_block(shared) -> None:
+    """Raise on every rank alike when the ranks built blocks of different depth, final time or MGRIT settings
+    (``shared``: every rank's (id proposal, n_layers, T, settings))."""
+    for r, (_, N, T, opts) in enumerate(shared):
+        _, N0, T0, opts0 = shared[0]
+        for name, a, b in (("n_layers (the number of layers)", N, N0), ("T", T, T0),
+                           ("MGRIT settings (cf, max_levels, min_coarse, relax, cycle)", opts, opts0)):
+            if a != b:
+                raise ValueError(f"LayerParallel was built with different {name} on rank {r} ({a}) and rank 0 "
+                                 f"({b}): every rank of the layer communicator must build the same block")
+
+
+def _check_T(T) -> float:
+    """The final time: a finite number > 0 (not a string or a bool)."""
+    if isinstance(T, torch.Tensor) and T.numel() == 1 and not T.requires_grad:
+        T = T.item()
+    if isinstance(T, (bool, np.bool_, str, bytes)) or not isinstance(T, (int, float, np.number)) \
+            or not math.isfinite(T) or not T > 0:
+        raise ValueError(f"`T` must be a finite number > 0 (the final time; the layer step is T / n_layers), "
+                         f"got {T!r}")
+    return float(T)
+
+
+#: the most cycles of a solve with a tolerance whose iteration count is not given (mgrit.solve's ``max_iter``)
+TOL_ITERS = 100
+
+
+def _iterations(value, tol, default: int, name: str) -> int:
+    """The cycles of a solve: ``value``; when None, ``default`` without a tolerance and at most
+    :data:`TOL_ITERS` with one (a tolerance capped at the few cycles of training would rarely be met)."""
+    if value is None:
+        return default if tol is None else TOL_ITERS
+    check_integer(value, name, 1)
+    return int(value)
+
+
+def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs") -> None:
+    """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, or when the
+    residual of the returned trajectory is not below the first residual measured (a diverging or
+    stalling solve: its gradients are not worth much)."""
     first = next((r for r in res.residuals if r is not None), None)
     last = res.final_residual
+    if tol is not None and not res.converged:
+        bound = tol if tol_type == "abs" else None if first is None else tol * first
+        if last is None or bound is None or not last <= bound:
+            got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
+            warnings.warn(
+                f"the {which} MGRIT solve stopped after {res.iterations} cycle(s) short of its tolerance ({got}; "
+                f"tol_type={tol_type!r}): its output and gradients are not the serial network's to that tolerance. "
+                f"Raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset for up "
+                f"to {TOL_ITERS})", ConvergenceWarning, stacklevel=4)
+            return
     if first is None or last is None or not first > 0 or last < first:
         return
     warnings.warn(

@@ -61,7 +61,13 @@ class DistributionPlan:
         N, P = int(n_layers), int(size)
         k = np.arange(N)
         fine_layers = np.asarray(layer_index(k, k + 1))
-        if fine_layers.shape != k.shape or not np.array_equal(fine_layers, k):
+        if fine_layers.shape != k.shape:
+            raise ValueError(
+                "`layer_index(i0, i1)` is called with integer arrays of interval ends and must return an integer "
+                f"array of their shape (one layer per interval); for {N} intervals it returned shape "
+                f"{fine_layers.shape}. Write it with numpy operations on i0 and i1 (e.g. np.zeros_like(i0) for "
+                "layer 0, but it must give layer i on the layers themselves)")
+        if not np.array_equal(fine_layers, k):
             bad = int(np.flatnonzero(np.asarray(fine_layers).reshape(-1)[:N] != k[: fine_layers.size])[0]) \
                 if fine_layers.size else 0
             raise ValueError(

@@ -7,7 +7,8 @@ one and two layers, batch_first, no bias, h0 given or None, return_sequence=Fals
 sequences shorter than the number of ranks, eval mode (exact stepping), and after
 optimizer steps (the weights stay equal on every rank); a bad input on one rank
 makes every rank raise, and so does a failing step of the adjoint solve, with the
-failed rank numbered as on the module's communicator. Prints "rank r OK" on
+failed rank numbered as on the module's communicator, and so do two GRUs called in
+another order on one rank and GRUs built differently. Prints "rank r OK" on
 success and exits 1 otherwise.
 """
 
@@ -158,6 +159,30 @@ def settings_mismatch_raises_everywhere():
         fail(f"a settings mismatch: output shape {tuple(y.shape)} afterwards")
 
 
+def order_and_build_mismatches_raise_everywhere():
+    """Two GRUs of the same settings called in another order on the last rank: every handshake compares
+    which module it is for, so every rank raises ValueError (no pairing of one rank's GRU with another's);
+    GRUs built with another hidden size on the last rank: every rank raises while building."""
+    a, b = ParallelGRU(3, 4, comm=world), ParallelGRU(3, 4, comm=world)
+    x = torch.randn(9, 2, 3)
+    try:
+        for g in ((b, a) if rank == size - 1 else (a, b)):
+            g(x)
+    except ValueError as exc:
+        if "differ between ranks" not in str(exc):
+            fail(f"GRUs called in another order: unexpected ValueError: {exc}")
+    else:
+        fail("GRUs called in another order: no error")
+    try:
+        ParallelGRU(3, 5 if rank == size - 1 else 4, comm=world)
+    except ValueError as exc:
+        if "built differently" not in str(exc):
+            fail(f"GRUs built differently: unexpected ValueError: {exc}")
+    else:
+        fail("GRUs built differently: no error")
+    still_trains(a, "after calls in another order")
+
+
 def backward_failure_raises_everywhere():
     """A step of the adjoint solve fails on the last rank: that rank raises its error and every other
     rank RemoteRankError naming it as the module's communicator numbers it (the adjoint solve runs with
@@ -224,5 +249,6 @@ bad_input_raises_everywhere()
 solve_failure_raises_everywhere()
 settings_mismatch_raises_everywhere()
 if size > 1:
+    order_and_build_mismatches_raise_everywhere()
     backward_failure_raises_everywhere()
 print(f"rank {rank} OK", flush=True)

@@ -384,8 +384,15 @@ def different_inputs():
         except ValueError as exc:
             if "same input" not in str(exc):
                 fail(f"inputs that differ between ranks: {exc}")
-    y = lp(x * (1 + 1e-7 * rank))  # differences in the last bits pass
+    eps = torch.finfo(x.dtype).eps
+    y = lp(x * (1 + 8 * eps * rank))  # differences in the last bits pass
     check("input after a mismatch", y.detach(), lp(x).detach())
+    try:  # a scale of 1e-7 is well above the rounding of float64 (in float32 it is not)
+        lp(x * (1 + 1e-7 * rank))
+        fail("inputs that differ by 1e-7 in float64: no error")
+    except ValueError as exc:
+        if "same input" not in str(exc):
+            fail(f"inputs that differ by 1e-7 in float64: {exc}")
 
 
 try:

@@ -27,14 +27,20 @@ CASE is the phase in which rank BAD_RANK fails:
   every rank raises ValueError ("differ between ranks"), none waits.
 * ``outer``: the step runs inside the user's own session on the module's communicator and
   that rank raises between forward and backward (the others wait in the backward pass).
+* Ranks that disagree, where every rank raises ValueError (none waits, nothing is computed
+  from mixed data): ``order``, two blocks of the same settings called in the other order on
+  that rank (each handshake compares which block it is for); ``shuffled``, that rank's batch
+  in another row order; ``loss``, another loss there (the adjoint's handshake compares the
+  output gradients); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``shard``,
+  ``allreduce_gradients`` with ``shard_size`` on that rank only; ``modules``, with a module
+  of other parameters there.
 
 For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
 (or ``case NAME rank r: no error``). After the cases the ranks run one clean
 layer-parallel step and compare it with serial autograd (``rank r: recovered OK``).
 
 ``--grid-nan``: 4 ranks as a 2 x 2 layer x data grid; the data shard of data rank
-BAD_DATA_RANK holds a NaN, so its layer ranks raise a DivergenceError in the
-forward solve; the other data rank's ranks, waiting in ``allreduce_gradients``,
+BAD_DATA_RANK holds a NaN, so its layer ranks raise (the block's input check); the other data rank's ranks, waiting in ``allreduce_gradients``,
 must raise RemoteRankError (``case grid rank r: ...``).
 """
 import copy
@@ -110,6 +116,20 @@ def factory(case, bad):
 
 
 def run_case(case, bad):
+    if case == "n_layers":
+        LayerParallel(layers(17 if rank == bad else 16), cf=2, max_levels=3, comm=world)
+        return
+    if case in ("shard", "modules"):
+        model = nn.Linear(4, 3, bias=not (case == "modules" and rank == bad))
+        model(torch.randn(2, 4)).sum().backward()
+        allreduce_gradients(model, world, shard_size=2 if case == "modules" or rank == bad else None)
+        return
+    if case == "order":
+        a, b = (LayerParallel(layers(seed=s), cf=2, max_levels=3, comm=world) for s in (0, 1))
+        x = torch.randn(3, 4)
+        for lp in ((b, a) if rank == bad else (a, b)):
+            lp(x)
+        return
     if case in ("factory", "layout"):
         LayerParallel(factory(case, bad), n_layers=16, cf=2, max_levels=3, comm=world)
         return
@@ -140,6 +160,8 @@ def run_case(case, bad):
             lp.eval()
         elif case == "batch":
             x = torch.randn(5, 4)
+        elif case == "shuffled":
+            x = x.flip(0)
         inject(lp, case)
     if case == "interrupt":
         guess = None
@@ -161,7 +183,7 @@ def run_case(case, bad):
             next(iter(lp.parameters())).add_(1.0)
     if case == "bwd_settings" and rank == bad:
         lp.bwd_iters = 2
-    y.square().sum().backward()
+    (y.square().sum() + (y.sum() if case == "loss" and rank == bad else 0)).backward()
 
 
 def clean_step():

@@ -141,6 +141,32 @@ def grid_2x2():
     for j in lp.owned_layers:
         for p, q in zip(lp.layers[j].parameters(), ref[1].layers[j].parameters()):
             check(f"uneven shards: gradient of layer {j}", p.grad, q.grad, 1e-10)
+    grid_batch_norm_buffers(layer_comm, data_comm)
+
+
+def grid_batch_norm_buffers(layer_comm, data_comm):
+    """``allreduce_gradients(..., buffers=True)``: every data replica ends with the average of the running
+    statistics that each shard's serial network would have."""
+    torch.manual_seed(6)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2, comm=layer_comm, data_comm=data_comm,
+                       **TIGHT)
+    refs = [LayerParallel(copy.deepcopy(layers), T=1.0, max_levels=1) for _ in range(2)]
+    torch.manual_seed(7)
+    X = torch.randn(8, 4) * 2 + 1
+    d = data_comm.Get_rank()
+    lp(X[4 * d: 4 * d + 4]).square().mean().backward()
+    allreduce_gradients(lp, data_comm, buffers=True)
+    for k, ref in enumerate(refs):
+        ref(X[4 * k: 4 * k + 4]).square().mean().backward()
+    for j in lp.owned_layers:
+        for name in ("running_mean", "running_var"):
+            mine = getattr(lp.layers[j][1], name)
+            want = sum(getattr(ref.layers[j][1], name) for ref in refs) / 2
+            check(f"grid {name} of layer {j}", mine, want, 1e-10)
+            other = data_comm.allgather(mine.clone())
+            if not torch.equal(other[0], other[1]):
+                fail(f"grid {name} of layer {j} differs between the data replicas")
 
 
 def cuda_ranks():
