@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
@@ -239,15 +240,18 @@ def _layout(m: nn.Module) -> tuple:
 
 def _input_sums(x) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by position, sum of values
-    weighted by position, relative tolerance of the dtype) of a tensor, in float64: compared between
-    the ranks (the weighted sums tell a shuffled batch, the last one signs)."""
+    weighted by position, relative tolerance of the dtype) of a tensor, summed in float64: compared
+    between the ranks (the weighted sums tell a shuffled batch, the last one signs). The weights
+    1..61 repeat along the flattened tensor: its entries are summed in 61 columns, one pass each."""
     with torch.no_grad():
-        v = x.detach().double().reshape(-1)
+        v = x.detach().reshape(-1)
         if v.is_complex():
             v = torch.view_as_real(v).reshape(-1)
-        a = v.abs()
-        w = torch.arange(a.numel(), dtype=torch.float64, device=a.device).remainder_(61).add_(1)
-        return float(a.square().sum()), float(a.sum()), float(a @ w), float(v @ w), _input_rtol(x.dtype)
+        cols = F.pad(v, (0, -v.numel() % 61)).view(-1, 61)
+        mags, vals = cols.abs().sum(0, dtype=torch.float64), cols.sum(0, dtype=torch.float64)
+        w = torch.arange(1, 62, dtype=torch.float64, device=v.device)
+        squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
+        return squares, float(mags.sum()), float(mags @ w), float(vals @ w), _input_rtol(x.dtype)
 
 
 def _input_rtol(dtype) -> float:
