@@ -952,7 +952,9 @@ class _SessionComm(Communicator):
                 "the arguments of this collective call differ between ranks (for `solve`: time "
                 f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
                 "rank must pass the same (or ranks are at different collective calls: one skipped a "
-                "call the others made, e.g. a backward pass, or called another block or module)"
+                "call the others made, e.g. a backward pass, or called another block or module; every "
+                "rank must build its LayerParallel and ParallelGRU modules in the same order and call "
+                "them in the same order)"
             )
         return reuse, new_id, shares
 

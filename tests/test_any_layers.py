@@ -1345,3 +1345,28 @@ def test_nan_in_the_input_or_from_a_layer_is_a_clear_error():
     torch.manual_seed(0)
     with pytest.raises(DivergenceError, match="returned NaN or Inf for some state"):
         LayerParallel([Log() for _ in range(8)])(torch.randn(2, 3))
+
+
+def test_the_ranks_input_sums_tell_shuffled_sign_flipped_and_scaled_inputs_not_rounding():
+    from propagators.torch.module import _differing_inputs, _input_sums
+
+    def differ(a, b):
+        return _differing_inputs([_input_sums(a), _input_sums(b)]) is not None
+
+    torch.manual_seed(3)
+    for width in (4, 60, 61, 122):  # (rows of a multiple of 61: the position weights do not repeat)
+        x = torch.randn(8, width)
+        assert not differ(x, x.clone())
+        assert differ(x, x[torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])]), width
+        flipped = x.clone()
+        flipped[2, 1] = -flipped[2, 1]
+        assert differ(x, flipped), width
+        eps = torch.finfo(x.dtype).eps
+        assert not differ(x, x * (1 + 8 * eps)) and differ(x, x * (1 + 1e-7)), width
+    assert not differ(x.float(), (x * (1 + 1e-7)).float())  # float32: 1e-7 is rounding
+    z = torch.randn(3, 5, dtype=torch.complex128)
+    assert not differ(z.conj(), z.conj().resolve_conj()) and differ(z, z.conj())
+    assert not differ(torch.zeros(4, 3), torch.zeros(4, 3))
+    v, k = torch.randn(130), torch.arange(130, dtype=torch.float64)
+    s = _input_sums(v)
+    assert abs(s[2] - float(v.double().abs() @ k)) < 1e-9 and abs(s[3] - float(v.double() @ k)) < 1e-9

@@ -40,7 +40,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
-         "shuffled", "loss", "n_layers", "shard", "modules"]
+         "shuffled", "loss", "n_layers", "shard", "modules", "argument"]
 MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
 #: ranks that disagree: every rank raises ValueError with this in its message
 DISAGREE = {"order": "differ between ranks", "shuffled": "input of rank", "loss": "gradient of the block's output",

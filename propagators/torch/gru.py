@@ -29,7 +29,7 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_agreed_uid, _check_output_gradient, _functorch_active, _iterations, _no_transforms, _uids,
+from .module import (_agreed_uid, _check_output_gradient, _eager_under_compile, _functorch_active, _iterations, _no_transforms, _uids,
                      _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
@@ -405,44 +405,49 @@ class ParallelGRU(nn.Module):
                  tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
                  return_sequence: bool = True, comm=None):
         super().__init__()
-        for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
-                             ("num_layers", num_layers, 1)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
-        if dropout:
-            raise ValueError("ParallelGRU does not support dropout between layers (MGRIT evaluates every "
-                             "step many times per pass, each time with a different mask): pass dropout=0 "
-                             "and apply nn.Dropout to the output instead")
-        if bidirectional:
-            raise ValueError("ParallelGRU is not bidirectional: run a second ParallelGRU on the flipped "
-                             "sequence (input.flip(0)) and concatenate the outputs")
-        if coarse not in COARSE_STEPS:
-            raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
-        if tol_type not in ("abs", "rel"):
-            raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
-        if cycle not in ("V", "F"):
-            raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
-        check_levels(cf, max_levels, min_coarse, relax, 1.0)
-        self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
-        self.bias, self.batch_first = bool(bias), bool(batch_first)
-        self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
-        self.cycle, self.coarse = cycle, coarse
-        self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
-        self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-        self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
-        self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
-        self.return_sequence = check_flag(return_sequence, "return_sequence")
-        factory = {"device": device, "dtype": dtype}
-        H = self.hidden_size
-        for l in range(self.num_layers):
-            n_in = self.input_size if l == 0 else H
-            self.register_parameter(f"weight_ih_l{l}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
-            self.register_parameter(f"weight_hh_l{l}", nn.Parameter(torch.empty(3 * H, H, **factory)))
-            if self.bias:
-                self.register_parameter(f"bias_ih_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
-                self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
-        self.reset_parameters()
         self._comm = as_communicator(comm)
+        try:  # a bad argument on one rank: the others raise in the building handshake below
+            for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
+                                 ("num_layers", num_layers, 1)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                    raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
+            if dropout:
+                raise ValueError("ParallelGRU does not support dropout between layers (MGRIT evaluates every "
+                                 "step many times per pass, each time with a different mask): pass dropout=0 "
+                                 "and apply nn.Dropout to the output instead")
+            if bidirectional:
+                raise ValueError("ParallelGRU is not bidirectional: run a second ParallelGRU on the flipped "
+                                 "sequence (input.flip(0)) and concatenate the outputs")
+            if coarse not in COARSE_STEPS:
+                raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
+            if tol_type not in ("abs", "rel"):
+                raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
+            if cycle not in ("V", "F"):
+                raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
+            check_levels(cf, max_levels, min_coarse, relax, 1.0)
+            self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
+            self.bias, self.batch_first = bool(bias), bool(batch_first)
+            self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
+            self.cycle, self.coarse = cycle, coarse
+            self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
+            self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
+            self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
+            self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
+            self.return_sequence = check_flag(return_sequence, "return_sequence")
+            factory = {"device": device, "dtype": dtype}
+            H = self.hidden_size
+            for l in range(self.num_layers):
+                n_in = self.input_size if l == 0 else H
+                self.register_parameter(f"weight_ih_l{l}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
+                self.register_parameter(f"weight_hh_l{l}", nn.Parameter(torch.empty(3 * H, H, **factory)))
+                if self.bias:
+                    self.register_parameter(f"bias_ih_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
+                    self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
+            self.reset_parameters()
+        except BaseException as exc:
+            if self._comm.size > 1:
+                self._comm.open(failure=exc)
+            raise
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
         if self._comm.size > 1:
             self._agree_on_ranks()
@@ -547,7 +552,7 @@ class ParallelGRU(nn.Module):
         return x, h0, batched
 
     # -- forward ---------------------------------------------------------------------
-    @torch.compiler.disable(recursive=True)
+    @_eager_under_compile
     def forward(self, input, hx=None):
         if _functorch_active():
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import math
 import operator
 import warnings
@@ -25,7 +26,6 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
@@ -193,6 +193,28 @@ _NO_TRANSFORMS = ("{cls} does not support {what}: its derivative is an MGRIT sol
                   "({serial}) for such derivatives")
 
 
+def _eager_under_compile(forward):
+    """``forward`` of a module that torch.compile must not trace (an MGRIT solve with messages between
+    ranks): under compilation it runs eagerly behind a graph break; otherwise it is called as it is,
+    without importing ``torch._dynamo`` (a second at import)."""
+    compiling = getattr(torch.compiler, "is_compiling", None)
+    try:
+        from torch._compile import _disable_dynamo  # (imports torch._dynamo at its first call)
+    except ImportError:  # pragma: no cover - other torch versions: decided at import
+        _disable_dynamo = None
+    if compiling is None or _disable_dynamo is None:  # pragma: no cover
+        return torch.compiler.disable(forward, recursive=True)
+    eager = _disable_dynamo(forward, recursive=True)
+
+    @functools.wraps(forward)
+    def call(self, *args, **kwargs):
+        if compiling():
+            return eager(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
+
+    return call
+
+
 def _no_transforms(what: str, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> str:
     return _NO_TRANSFORMS.format(what=what, cls=cls, serial=serial)
 
@@ -239,19 +261,29 @@ def _layout(m: nn.Module) -> tuple:
 
 
 def _input_sums(x) -> tuple:
-    """(sum of squares, sum of magnitudes, sum of magnitudes weighted by position, sum of values
-    weighted by position, relative tolerance of the dtype) of a tensor, summed in float64: compared
-    between the ranks (the weighted sums tell a shuffled batch, the last one signs). The weights
-    1..61 repeat along the flattened tensor: its entries are summed in 61 columns, one pass each."""
+    """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
+    weighted by flat position, relative tolerance of the dtype) of a tensor, summed in float64:
+    compared between the ranks (the weighted sums tell a shuffled batch, the last one signs). The
+    weights ``k`` come from the column and row sums of a 61-wide view, ``k = 61 i + j``, and the
+    last ``numel % 61`` entries on their own."""
     with torch.no_grad():
-        v = x.detach().reshape(-1)
+        v = x.detach().resolve_conj().resolve_neg().reshape(-1)
         if v.is_complex():
             v = torch.view_as_real(v).reshape(-1)
-        cols = F.pad(v, (0, -v.numel() % 61)).view(-1, 61)
-        mags, vals = cols.abs().sum(0, dtype=torch.float64), cols.sum(0, dtype=torch.float64)
-        w = torch.arange(1, 62, dtype=torch.float64, device=v.device)
+        n = v.numel()
+        body, tail = v[: n - n % 61].view(-1, 61), v[n - n % 61:]
+        f64 = dict(dtype=torch.float64, device=v.device)
+        cols, rows = torch.arange(61, **f64), torch.arange(body.shape[0], **f64).mul_(61)
+        last = torch.arange(n - n % 61, n, **f64)
+
+        def weighted(b, t):
+            return float(b.sum(0, dtype=torch.float64) @ cols + b.sum(1, dtype=torch.float64) @ rows
+                         + t.to(torch.float64) @ last)
+
+        mags = body.abs()
         squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
-        return squares, float(mags.sum()), float(mags @ w), float(vals @ w), _input_rtol(x.dtype)
+        total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
+        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype)
 
 
 def _input_rtol(dtype) -> float:
@@ -415,48 +447,53 @@ class LayerParallel(nn.Module):
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
                  comm=None, data_comm=None, callback=None, spatial=None):
         super().__init__()
-        factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
-        if factory:
-            if n_layers is None:
-                raise ValueError("`n_layers` is required when `layers` is a factory")
-            check_integer(n_layers, "n_layers", 1)
-            N = int(n_layers)
-        else:
-            if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-                raise TypeError("`layers` must be a sequence of nn.Module or a factory `layers(i)`, "
-                                f"got a single {type(layers).__name__}")
-            layers = list(layers)
-            N = len(layers)
-            if n_layers is not None and n_layers != N:
-                raise ValueError(f"`n_layers`={n_layers} but {N} layers were given")
-        if N < 1:
-            raise ValueError("`layers` is empty")
-        self.n_layers = N
-        self.T = _check_T(T)
-        self.h = self.T / N
-        self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
-        self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
-        self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-        self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
-        if tol_type not in ("abs", "rel"):
-            raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
-        self.tol_type = tol_type
-        self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
-        self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
-        for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
-            if fn is not None and not callable(fn) or fn is None and name == "scheme":
-                raise TypeError(f"`{name}` must be a function, got {fn!r}")
-        self.scheme, self.layer_index = scheme, layer_index or inject_layer
-        check_integer(streams, "streams", 0)
-        self.streams = int(streams)
-        self.callback = callback
-        self.t = np.arange(N + 1, dtype=np.float64) * self.h
-        self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
-        self.spatial = self._checked_spatial(spatial)
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
-        P, r = self._comm.size, self._comm.rank
-        self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
+        try:  # a bad argument on one rank: the others raise in the building handshake below
+            factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
+            if factory:
+                if n_layers is None:
+                    raise ValueError("`n_layers` is required when `layers` is a factory")
+                check_integer(n_layers, "n_layers", 1)
+                N = int(n_layers)
+            else:
+                if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+                    raise TypeError("`layers` must be a sequence of nn.Module or a factory `layers(i)`, "
+                                    f"got a single {type(layers).__name__}")
+                layers = list(layers)
+                N = len(layers)
+                if n_layers is not None and n_layers != N:
+                    raise ValueError(f"`n_layers`={n_layers} but {N} layers were given")
+            if N < 1:
+                raise ValueError("`layers` is empty")
+            self.n_layers = N
+            self.T = _check_T(T)
+            self.h = self.T / N
+            self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
+            self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
+            self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
+            self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
+            if tol_type not in ("abs", "rel"):
+                raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
+            self.tol_type = tol_type
+            self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
+            self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
+            for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
+                if fn is not None and not callable(fn) or fn is None and name == "scheme":
+                    raise TypeError(f"`{name}` must be a function, got {fn!r}")
+            self.scheme, self.layer_index = scheme, layer_index or inject_layer
+            check_integer(streams, "streams", 0)
+            self.streams = int(streams)
+            self.callback = callback
+            self.t = np.arange(N + 1, dtype=np.float64) * self.h
+            self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
+            self.spatial = self._checked_spatial(spatial)
+            P, r = self._comm.size, self._comm.rank
+            self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
+        except BaseException as exc:
+            if self._comm.size > 1:
+                self._comm.open(failure=exc)
+            raise
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
         session = self._session(share=(_uids[0], N, self.T, repr(self.options)))
         with session:  # a failure while building the layers on one rank reaches every rank
@@ -700,7 +737,7 @@ class LayerParallel(nn.Module):
                              "comes before the block")
 
     # -- forward --------------------------------------------------------------
-    @torch.compiler.disable(recursive=True)
+    @_eager_under_compile
     def forward(self, x):
         if _functorch_active():
             raise RuntimeError(_no_transforms(what="torch.func transforms (grad, vmap, jacrev, jvp, ...)"))
@@ -1303,7 +1340,7 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs") ->
                 f"Raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset for up "
                 f"to {TOL_ITERS})", ConvergenceWarning, stacklevel=4)
             return
-    if first is None or last is None or not first > 0 or last < first:
+    if res.converged or first is None or last is None or not first > 0 or last < first:
         return
     warnings.warn(
         f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "

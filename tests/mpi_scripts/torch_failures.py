@@ -15,7 +15,8 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``params``: while computing the parameter gradients;
 * ``inplace``: a parameter modified in place between forward and backward on that rank only;
 * ``interrupt``: ``KeyboardInterrupt`` in ``mgrit.solve``'s input checks (before its handshake);
-* ``factory``: the layer factory raises (while the module is built);
+* ``factory``: the layer factory raises (while the module is built); ``argument``: a bad
+  argument there (``T=0``), found before the building handshake;
 * ``layout``: the factory builds layers of another layout (no bias) on that rank only;
 * ``tied``: the list ties the first and the last layer (every rank raises its own ValueError);
 * ``to_serial``: a layer that cannot be copied (it holds a lock) on that rank;
@@ -116,6 +117,9 @@ def factory(case, bad):
 
 
 def run_case(case, bad):
+    if case == "argument":
+        LayerParallel(layers(), T=0.0 if rank == bad else 1.0, cf=2, max_levels=3, comm=world)
+        return
     if case == "n_layers":
         LayerParallel(layers(17 if rank == bad else 16), cf=2, max_levels=3, comm=world)
         return
