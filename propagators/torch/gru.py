@@ -29,8 +29,8 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_agreed_uid, _check_output_gradient, _eager_under_compile, _functorch_active, _iterations, _no_transforms, _uids,
-                     _warn_solve)
+from .module import (_agreed_uid, _check_output_gradient, _eager_under_compile, _functorch_active, _iterations,
+                     _no_transforms, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 

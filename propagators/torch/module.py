@@ -129,8 +129,7 @@ class _LayerParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise RuntimeError(_no_transforms(what="forward-mode differentiation (torch.autograd.forward_ad, "
-                                                      "torch.func.jvp)"))
+        raise RuntimeError(_no_transforms("forward-mode differentiation (torch.autograd.forward_ad, torch.func.jvp)"))
 
     @staticmethod
     def backward(ctx, gy):
@@ -952,7 +951,8 @@ class LayerParallel(nn.Module):
             else:
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast_state(U[-1].clone() if r == root else None, x, root=root)
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)  # after the checks: an error comes first
+        # after the checks: an error comes first
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -1273,7 +1273,8 @@ class LayerParallel(nn.Module):
 
 
 class ConvergenceWarning(RuntimeWarning):
-    """A layer-parallel solve made no progress: its returned residual is not below its first."""
+    """A layer-parallel solve stopped short of its tolerance, or made no progress (its returned
+    residual is not below its first)."""
 
 
 #: the id this process proposes for the next module built on several ranks (see _agreed_uid)
