@@ -1370,3 +1370,22 @@ def test_the_ranks_input_sums_tell_shuffled_sign_flipped_and_scaled_inputs_not_r
     v, k = torch.randn(130), torch.arange(130, dtype=torch.float64)
     s = _input_sums(v)
     assert abs(s[2] - float(v.double().abs() @ k)) < 1e-9 and abs(s[3] - float(v.double() @ k)) < 1e-9
+
+
+def test_parameter_data_replaced_between_forward_and_backward_is_a_clear_error():
+    """``p.data = ...`` bumps no version counter: the closed-form backward of dense layers would mix the
+    forward's and the new weights; it raises instead. Between steps it is fine (the next pass binds anew)."""
+    torch.manual_seed(4)
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], cf=2, **TIGHT)
+    x = torch.randn(3, 5, requires_grad=True)
+    y = lp(x)
+    for p in lp.parameters():
+        p.data = p.data * 1.5
+    with pytest.raises(LayerError, match="got new data during this pass"):
+        loss_fn(y).backward()
+    ref = lp.to_serial()
+    lp.zero_grad()
+    loss_fn(lp(x)).backward()  # the next pass: the new weights throughout
+    loss_fn(ref(x.detach().clone())).backward()
+    for g, gs in zip(_grads(lp), _grads(ref)):
+        assert rel(g, gs) < REL

@@ -639,9 +639,12 @@ class LayerKernel:
             cache = self._plan_caches[key] = {}
         return cache
 
-    def bind(self) -> "KernelPass":
-        """Bind to the current parameter values (one forward pass and its backward)."""
-        return KernelPass(self)
+    def bind(self, one_pass: bool = False) -> "KernelPass":
+        """Bind to the current parameter values (with ``one_pass``: one forward pass and its backward,
+        during which no parameter may get new data)."""
+        kp = KernelPass(self)
+        kp.one_pass = one_pass
+        return kp
 
     def describe(self) -> list:
         """One line per layer class: members, mode, template type (for diagnostics)."""
@@ -669,6 +672,9 @@ class KernelPass:
         self.buffers = [d[a] for d, a in kernel._bflat]
         self._values: dict = {}
         self._detached_values: dict = {}
+        #: bound for one forward pass and its backward (LayerParallel): parameters whose data is replaced
+        #: in between raise (an ODEPropagator's kernel follows such changes instead)
+        self.one_pass = False
         self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
         self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
         self._req = None
@@ -714,10 +720,18 @@ class KernelPass:
         p, b = self.value(j)
         hit = self._detached_values.get(j)
         # kept per layer while every parameter still has the same data (``p.data = ...`` or a module's
-        # ``.to()`` / ``.double()`` give it new data: detach again)
+        # ``.to()`` / ``.double()`` give it new data: detach again, or, in a pass of LayerParallel, raise)
         if hit is None or any(d.data_ptr() != v.data_ptr() or d.dtype != v.dtype
                               for d, v in zip(hit[0].values(), p.values())):
-            hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
+            if hit is None or not self.one_pass:
+                hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
+                return hit
+            # (no version counter tells autograd of such a change either)
+            raise LayerError(
+                f"a parameter of layer {j} got new data during this pass, between its forward and its backward "
+                "(p.data = ..., .to() or .double()): the backward pass would mix "
+                "the old and the new values. Change parameters after loss.backward() (as optimizer.step() does), "
+                "or run the forward pass again")
         return hit
 
     def _bound_one(self, c: LayerClass, j, p):

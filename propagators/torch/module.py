@@ -752,10 +752,10 @@ class LayerParallel(nn.Module):
             else:
                 self._modes = modes  # the new hook-handle counter
             try:
-                kp = self.kernel.bind()
+                kp = self.kernel.bind(one_pass=True)
             except KeyError:  # a parameter or buffer moved since the layers were inspected (a parametrization
                 self._build_kernel()  # registered, a parameter deleted): inspect them again
-                kp = self.kernel.bind()
+                kp = self.kernel.bind(one_pass=True)
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
             if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
@@ -842,7 +842,7 @@ class LayerParallel(nn.Module):
             # and run the pass again (collective; the synced flags belong to the copies alone, so once)
             try:
                 self._build_kernel()
-                kp = self.kernel.bind()
+                kp = self.kernel.bind(one_pass=True)
             except BaseException as exc:
                 self._comm.open(failure=exc)  # the other ranks raise RemoteRankError in the handshake
                 raise

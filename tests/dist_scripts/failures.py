@@ -60,8 +60,8 @@ def layer_parallel_case(case, bad):
     if dist.get_rank() == bad:
         bind = lp.kernel.bind
 
-        def patched():
-            kp = bind()
+        def patched(*args, **kwargs):
+            kp = bind(*args, **kwargs)
             if case == "step":
                 kp.step = kp.stepper = raiser("a layer of the forward solve")
             else:

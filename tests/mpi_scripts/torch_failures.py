@@ -95,8 +95,8 @@ def inject(lp, case):
     elif case in ("forward", "adjoint"):
         bind = lp.kernel.bind
 
-        def patched():
-            kp = bind()
+        def patched(*args, **kwargs):
+            kp = bind(*args, **kwargs)
             if case == "forward":
                 kp.step = kp.stepper = raiser("a layer of the forward solve")
             else:
