@@ -29,8 +29,8 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_agreed_uid, _check_output_gradient, _eager_under_compile, _functorch_active, _iterations,
-                     _no_transforms, _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _agreed_uid, _check_output_gradient, _differing_inputs, _eager_under_compile,
+                     _functorch_active, _input_sums, _iterations, _no_transforms, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -284,6 +284,26 @@ class _Layout:
         self.steps = np.arange(max(self.lo - 1, 0), self.hi, dtype=np.int64)  # steps whose end point it owns
 
 
+def _tensor_sums(*tensors) -> tuple:
+    """:func:`_input_sums` of every tensor (None for None), compared between the ranks."""
+    return tuple(None if t is None else _input_sums(t) for t in tensors)
+
+
+def _differing_parts(shared, names, hint: str = "") -> ValueError | None:
+    """The error when the ranks' :func:`_tensor_sums` (``shared``) differ, naming the part."""
+    for k, name in enumerate(names):
+        parts = [sh[k] for sh in shared]
+        if any(p is None for p in parts):
+            if all(p is None for p in parts):
+                continue
+            return ValueError(f"the {name} is given on some ranks and not on others: every rank must pass the "
+                              "same (" + (hint or "the same input, and the same loss from the same output") + ")")
+        differ = _differing_inputs(parts, name, hint)
+        if differ is not None:
+            return differ
+    return None
+
+
 class _GRULayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gru, layer, want_seq, anchor, x, h0, *weights):
@@ -314,11 +334,15 @@ class _GRULayerFunction(torch.autograd.Function):
                 if g is not None:
                     _check_output_gradient(g, "a ParallelGRU output", "the GRU")
             setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
+            share = _tensor_sums(g_out, g_hL) if gru._comm.size > 1 else None
         except BaseException as exc:
             if gru._comm.size > 1:
                 gru._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
             raise
-        gx, gh0, gw = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5])
+        got = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
+        if isinstance(got, Exception):
+            raise got
+        gx, gh0, gw = got
         return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
@@ -495,10 +519,10 @@ class ParallelGRU(nn.Module):
         return gru
 
     # -- helpers ---------------------------------------------------------------------
-    def _session(self, signature=None):
+    def _session(self, signature=None, share=None):
         """A failure-aware communicator session on several ranks; nothing on one."""
         if self._comm.size > 1:
-            return self._comm.session(signature=(self._uid, signature))
+            return self._comm.session(signature=(self._uid, signature), share=share)
         return contextlib.nullcontext()
 
     def _layout(self, L: int) -> _Layout:
@@ -558,8 +582,18 @@ class ParallelGRU(nn.Module):
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
                                               "the serial GRU, `model.to_gru()`"))
         P = self._comm.size
-        with self._session():  # a bad input on one rank raises on every rank
+        try:  # a bad input on one rank raises on every rank (in the handshake below)
             x, h0, batched = self._check(input, hx)
+            share = _tensor_sums(x, h0) if P > 1 else None
+        except BaseException as exc:
+            if P > 1:
+                self._comm.open(failure=exc)
+            raise
+        session = self._session(share=share)
+        with session:  # the ranks compare their inputs: every rank holds the whole sequence
+            differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
+        if differ is not None:
+            raise differ
         params = list(self.parameters())
         track = torch.is_grad_enabled() and (
             P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
@@ -661,7 +695,7 @@ class ParallelGRU(nn.Module):
             need_h0)
         return w_ih, zeros, terminal, GH, adj, opts, sig
 
-    def _layer_backward(self, l, saved, x, setup, need_x: bool, need_h0: bool):
+    def _layer_backward(self, l, saved, x, setup, need_x: bool, need_h0: bool, share=None):
         prop, U, g0, L, B, exact = saved
         P, r = self._comm.size, self._comm.rank
         lay = self._layout(L)
@@ -669,7 +703,13 @@ class ParallelGRU(nn.Module):
         # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
         # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
         # handshake compares what the solve and the reductions need every rank to agree on
-        with self._session(signature=sig):
+        session = self._session(signature=sig, share=share)
+        with session:
+            if share is not None:
+                differ = _differing_parts(session.shared, ("gradient of the output sequence",
+                                                           "gradient of the last hidden state"), _DIFFERENT_LOSS)
+                if differ is not None:
+                    return differ  # every rank found it: raised after the session (no one waits)
             with torch.no_grad():
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
                                   comm=ReversedInSession(self._comm) if P > 1 else self._comm,

@@ -8,7 +8,8 @@ sequences shorter than the number of ranks, eval mode (exact stepping), and afte
 optimizer steps (the weights stay equal on every rank); a bad input on one rank
 makes every rank raise, and so does a failing step of the adjoint solve, with the
 failed rank numbered as on the module's communicator, and so do two GRUs called in
-another order on one rank and GRUs built differently. Prints "rank r OK" on
+another order on one rank, GRUs built differently, and another input or another loss
+on one rank (every rank holds the whole sequence). Prints "rank r OK" on
 success and exits 1 otherwise.
 """
 
@@ -22,6 +23,11 @@ torch.set_default_dtype(torch.float64)
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
 TOL = 1e-10
 
+
+
+def same_randn(*shape, requires_grad=False):
+    """The same random tensor on every rank (every rank passes the whole sequence)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(11)).requires_grad_(requires_grad)
 
 
 def check(name, a, b, tol=TOL):
@@ -102,14 +108,14 @@ def raises_everywhere(par, x, error, text: str, what: str) -> None:
             fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
     else:
         fail(f"{what}: no rank raised")
-    y, _ = par(torch.randn(x.shape[0], 2, 3))  # the communicator is still usable
+    y, _ = par(same_randn(x.shape[0], 2, 3))  # the communicator is still usable
     if y.shape != (x.shape[0], 2, 4):
         fail(f"{what}: output shape {tuple(y.shape)} after the failure")
 
 
 def bad_input_raises_everywhere():
     par = ParallelGRU(3, 4, comm=world, **TIGHT)
-    x = torch.randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
+    x = same_randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
     raises_everywhere(par, x, ValueError, "input_size", "a bad input")
 
 
@@ -137,7 +143,7 @@ def solve_failure_raises_everywhere():
             finally:
                 gru_module.GRUPropagator.step_batch = original
 
-    raises_everywhere(Restoring(), torch.randn(9, 2, 3), RuntimeError, "injected step failure", "a failing step")
+    raises_everywhere(Restoring(), same_randn(9, 2, 3), RuntimeError, "injected step failure", "a failing step")
 
 
 def settings_mismatch_raises_everywhere():
@@ -147,14 +153,14 @@ def settings_mismatch_raises_everywhere():
     if rank == size - 1:
         par.fwd_iters = 3
     try:
-        par(torch.randn(9, 2, 3))
+        par(same_randn(9, 2, 3))
     except ValueError as exc:
         if "differ between ranks" not in str(exc):
             fail(f"a settings mismatch: unexpected ValueError: {exc}")
     else:
         fail("a settings mismatch: no error")
     par.fwd_iters = 2
-    y, _ = par(torch.randn(9, 2, 3))
+    y, _ = par(same_randn(9, 2, 3))
     if y.shape != (9, 2, 4):
         fail(f"a settings mismatch: output shape {tuple(y.shape)} afterwards")
 
@@ -164,7 +170,7 @@ def order_and_build_mismatches_raise_everywhere():
     which module it is for, so every rank raises ValueError (no pairing of one rank's GRU with another's);
     GRUs built with another hidden size on the last rank: every rank raises while building."""
     a, b = ParallelGRU(3, 4, comm=world), ParallelGRU(3, 4, comm=world)
-    x = torch.randn(9, 2, 3)
+    x = same_randn(9, 2, 3)
     try:
         for g in ((b, a) if rank == size - 1 else (a, b)):
             g(x)
@@ -181,6 +187,19 @@ def order_and_build_mismatches_raise_everywhere():
     else:
         fail("GRUs built differently: no error")
     still_trains(a, "after calls in another order")
+    # every rank holds the whole sequence: another input, or another loss, on the last rank raises everywhere
+    for what, scale_x, scale_loss, text in (("input", 2.0, 1.0, "the input of rank"),
+                                            ("loss", 1.0, 2.0, "gradient of the output sequence")):
+        z = same_randn(9, 2, 3, requires_grad=True)
+        try:
+            y, _ = a(z * (scale_x if rank == size - 1 else 1.0))
+            (y.square().sum() * (scale_loss if rank == size - 1 else 1.0)).backward()
+        except ValueError as exc:
+            if text not in str(exc):
+                fail(f"another {what} on one rank: unexpected ValueError: {exc}")
+        else:
+            fail(f"another {what} on one rank: no error")
+        still_trains(a, f"after another {what} on one rank")
 
 
 def backward_failure_raises_everywhere():
@@ -206,7 +225,7 @@ def backward_failure_raises_everywhere():
              ("a failing adjoint set-up", (gru_module.GRUPropagator, "hidden", failing_hidden), RuntimeError,
               "injected set-up failure")]
     for what, patch, error, text in cases:
-        y, _ = par(torch.randn(9, 2, 3, requires_grad=True))
+        y, _ = par(same_randn(9, 2, 3, requires_grad=True))
         g = torch.ones_like(y)
         original = None if patch is None else getattr(patch[0], patch[1])
         if rank == size - 1 and patch is None:
@@ -233,7 +252,7 @@ def backward_failure_raises_everywhere():
 
 def still_trains(par, what: str) -> None:
     """Forward and backward work after a failure: a finite input gradient."""
-    x = torch.randn(9, 2, 3, requires_grad=True)
+    x = same_randn(9, 2, 3, requires_grad=True)
     y, _ = par(x)
     y.square().sum().backward()
     if x.grad is None or not bool(torch.isfinite(x.grad).all()):
