@@ -26,6 +26,13 @@ import mgrit
 from propagators.torch import LayerParallel
 
 
+def say(line: str) -> None:
+    """One line in one write: the processes share the launcher's pipe (print writes the line and its
+    newline separately without buffering, and another process's line can come in between)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def grid(rank):
     from propagators.torch import allreduce_gradients
 
@@ -40,11 +47,11 @@ def grid(rank):
         y.sum().backward()
         allreduce_gradients(lp, data_group)
     except mgrit.RemoteRankError as exc:
-        print(f"rank {rank} raised RemoteRankError: {str(exc)[:300]}", flush=True)
+        say(f"rank {rank} raised RemoteRankError: {str(exc)[:300]}")
         if rank == 1:
             raise  # (uncaught: this process dies of it)
         sys.exit(3)
-    print(f"rank {rank} was not stopped", flush=True)
+    say(f"rank {rank} was not stopped")
 
 
 def retry(rank, last):
@@ -58,10 +65,10 @@ def retry(rank, last):
     for step in (2, 3, 4):
         try:
             lp(x).sum().backward()
-            print(f"rank {rank} was not stopped", flush=True)
+            say(f"rank {rank} was not stopped")
         except mgrit.RemoteRankError as exc:
-            print(f"rank {rank} step {step} raised RemoteRankError: {str(exc)[:100]}", flush=True)
-    print(f"rank {rank} done", flush=True)
+            say(f"rank {rank} step {step} raised RemoteRankError: {str(exc)[:100]}")
+    say(f"rank {rank} done")
 
 
 def main():
@@ -86,9 +93,9 @@ def main():
             if last:
                 raise RuntimeError(f"user code failed on rank {rank}")
             y.sum().backward()
-        print(f"rank {rank} was not stopped", flush=True)
+        say(f"rank {rank} was not stopped")
     except mgrit.RemoteRankError as exc:
-        print(f"rank {rank} raised RemoteRankError: {str(exc)[:120]}", flush=True)
+        say(f"rank {rank} raised RemoteRankError: {str(exc)[:120]}")
         sys.exit(3)
 
 
