@@ -35,8 +35,11 @@ def launch(n: int, script: str | Path, *args: str, timeout: float = 240, timed: 
     exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
+    # stdout buffered (PYTHONUNBUFFERED empty): the scripts print with flush=True, so each line leaves in
+    # one write and lines of different ranks do not interleave (unbuffered, print writes a line and its
+    # newline separately); stderr (tracebacks) is line-buffered anyway
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="")
     if script == "--python":
         cmd = [exe, "-n", str(n), sys.executable, *args]
     else:

@@ -23,7 +23,7 @@ def launch(n: int, argv: list, env: dict | None = None, stdout=None) -> list:
     """Start ``n`` processes of ``python argv...`` (output to ``stdout``, stderr with it when
     given); return the Popen objects."""
     base = dict(os.environ if env is None else env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                WORLD_SIZE=str(n), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                WORLD_SIZE=str(n), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="")  # (see tests/launch.py)
     err = None if stdout is None else subprocess.STDOUT
     return [subprocess.Popen([sys.executable, *argv], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                              stdout=stdout, stderr=err) for r in range(n)]
