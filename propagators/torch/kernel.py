@@ -728,10 +728,10 @@ class KernelPass:
                 return hit
             # (no version counter tells autograd of such a change either)
             raise LayerError(
-                f"a parameter of layer {j} got new data during this pass, between its forward and its backward "
-                "(p.data = ..., .to() or .double()): the backward pass would mix "
-                "the old and the new values. Change parameters after loss.backward() (as optimizer.step() does), "
-                "or run the forward pass again")
+                f"a parameter of layer {j} got new data during this pass (p.data = ..., .to() or .double(), in a "
+                "layer's forward or between the forward pass and its backward): the backward pass would mix the "
+                "old and the new values. Layers must not change their parameters in forward; change parameters "
+                "after loss.backward() (as optimizer.step() does), or run the forward pass again")
         return hit
 
     def _bound_one(self, c: LayerClass, j, p):
