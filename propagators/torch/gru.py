@@ -29,8 +29,9 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_DIFFERENT_LOSS, _agreed_uid, _check_output_gradient, _differing_inputs, _eager_under_compile,
-                     _functorch_active, _input_sums, _iterations, _no_transforms, _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _agreed_build, _announced, _check_output_gradient, _differing_inputs,
+                     _eager_under_compile, _functorch_active, _input_sums, _iterations, _no_transforms,
+                     _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -323,7 +324,7 @@ class _GRULayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_hL):
         gru, needs = ctx.gru, ctx.needs_input_grad
-        try:  # everything local before the layer's session: a failure on one rank reaches every rank in its handshake
+        with _announced(gru._comm):  # everything local before the layer's session (a failure reaches every rank)
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "ParallelGRU does not support double backward (backward with create_graph=True): its "
@@ -335,10 +336,6 @@ class _GRULayerFunction(torch.autograd.Function):
                     _check_output_gradient(g, "a ParallelGRU output", "the GRU")
             setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
             share = _tensor_sums(g_out, g_hL) if gru._comm.size > 1 else None
-        except BaseException as exc:
-            if gru._comm.size > 1:
-                gru._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
-            raise
         got = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
         if isinstance(got, Exception):
             raise got
@@ -430,7 +427,7 @@ class ParallelGRU(nn.Module):
                  return_sequence: bool = True, comm=None):
         super().__init__()
         self._comm = as_communicator(comm)
-        try:  # a bad argument on one rank: the others raise in the building handshake below
+        with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
             for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
                                  ("num_layers", num_layers, 1)):
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
@@ -468,10 +465,6 @@ class ParallelGRU(nn.Module):
                     self.register_parameter(f"bias_ih_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
                     self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
             self.reset_parameters()
-        except BaseException as exc:
-            if self._comm.size > 1:
-                self._comm.open(failure=exc)
-            raise
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
         if self._comm.size > 1:
             self._agree_on_ranks()
@@ -483,18 +476,13 @@ class ParallelGRU(nn.Module):
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks
         calling two GRUs in different orders raise) and raise alike when they built different GRUs."""
-        shape = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
-                 self.coarse)
-        session = self._comm.session(share=(_uids[0], shape))
+        settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
+                    self.coarse)
+        session = self._comm.session(share=(_uids[0], *settings))
         with session:
             pass
-        self._uid = _agreed_uid([u for u, _ in session.shared])
-        for r, (_, theirs) in enumerate(session.shared):
-            if theirs != shape:
-                raise ValueError(
-                    f"ParallelGRU was built differently on rank {r} and this rank (input_size, hidden_size, "
-                    f"num_layers, bias, MGRIT settings, cycle, coarse: {theirs} against {shape}): every rank of "
-                    "its communicator must build the same GRU")
+        self._uid = _agreed_build(session.shared, "ParallelGRU", ("input_size", "hidden_size", "num_layers", "bias",
+                                                                  "MGRIT settings", "cycle", "coarse"))
 
     def reset_parameters(self):
         """``nn.GRU``'s initialisation: every parameter uniform in ``(-1/sqrt(H), 1/sqrt(H))``."""
@@ -582,13 +570,9 @@ class ParallelGRU(nn.Module):
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
                                               "the serial GRU, `model.to_gru()`"))
         P = self._comm.size
-        try:  # a bad input on one rank raises on every rank (in the handshake below)
+        with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
             x, h0, batched = self._check(input, hx)
             share = _tensor_sums(x, h0) if P > 1 else None
-        except BaseException as exc:
-            if P > 1:
-                self._comm.open(failure=exc)
-            raise
         session = self._session(share=share)
         with session:  # the ranks compare their inputs: every rank holds the whole sequence
             differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))

@@ -642,9 +642,7 @@ class LayerKernel:
     def bind(self, one_pass: bool = False) -> "KernelPass":
         """Bind to the current parameter values (with ``one_pass``: one forward pass and its backward,
         during which no parameter may get new data)."""
-        kp = KernelPass(self)
-        kp.one_pass = one_pass
-        return kp
+        return KernelPass(self, one_pass)
 
     def describe(self) -> list:
         """One line per layer class: members, mode, template type (for diagnostics)."""
@@ -665,7 +663,7 @@ class KernelPass:
     class's mode.
     """
 
-    def __init__(self, kernel: LayerKernel):
+    def __init__(self, kernel: LayerKernel, one_pass: bool = False):
         self.k = kernel
         #: the parameter and buffer tensors of every layer at bind time (flat, layer by layer)
         self.params = [d[a] for d, a in kernel._pflat]
@@ -674,7 +672,7 @@ class KernelPass:
         self._detached_values: dict = {}
         #: bound for one forward pass and its backward (LayerParallel): parameters whose data is replaced
         #: in between raise (an ODEPropagator's kernel follows such changes instead)
-        self.one_pass = False
+        self.one_pass = one_pass
         self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
         self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
         self._req = None

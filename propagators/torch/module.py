@@ -135,7 +135,7 @@ class _LayerParallelFunction(torch.autograd.Function):
     def backward(ctx, gy):
         lp = ctx.lp
         try:
-            try:  # the local checks first: a rank that fails here tells the others in the handshake
+            with _announced(lp._comm):  # the local checks first: a rank that fails tells the others
                 _backward_checks(ctx)
                 try:
                     _check_output_gradient(gy)
@@ -147,10 +147,6 @@ class _LayerParallelFunction(torch.autograd.Function):
                              "torch.autograd.grad(is_grads_batched=True))")) from exc
                 sig = lp._adjoint_signature(gy)
                 share = _input_sums(gy) if lp._comm.size > 1 else None
-            except BaseException as exc:
-                if lp._comm.size > 1:
-                    lp._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
-                raise
             # one session around the whole backward pass on the module's communicator (so that it hears
             # a session the user has open there), the adjoint solve inside it in reverse rank order
             # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
@@ -216,6 +212,18 @@ def _eager_under_compile(forward):
 
 def _no_transforms(what: str, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> str:
     return _NO_TRANSFORMS.format(what=what, cls=cls, serial=serial)
+
+
+@contextlib.contextmanager
+def _announced(comm):
+    """Local work before a collective handshake on ``comm``: a failure in it is announced to the other
+    ranks (they raise RemoteRankError in that handshake instead of waiting), then raised here."""
+    try:
+        yield
+    except BaseException as exc:
+        if comm.size > 1:
+            comm.open(failure=exc)
+        raise
 
 
 def _functorch_active() -> bool:
@@ -448,7 +456,7 @@ class LayerParallel(nn.Module):
         super().__init__()
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
-        try:  # a bad argument on one rank: the others raise in the building handshake below
+        with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
             factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
             if factory:
                 if n_layers is None:
@@ -489,23 +497,19 @@ class LayerParallel(nn.Module):
             self.spatial = self._checked_spatial(spatial)
             P, r = self._comm.size, self._comm.rank
             self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
-        except BaseException as exc:
-            if self._comm.size > 1:
-                self._comm.open(failure=exc)
-            raise
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
         session = self._session(share=(_uids[0], N, self.T, repr(self.options)))
         with session:  # a failure while building the layers on one rank reaches every rank
             if P > 1:
-                _check_same_block(session.shared)
+                self._uid = _agreed_build(session.shared, "LayerParallel", (
+                    "n_layers (the number of layers)", "T",
+                    "MGRIT settings (cf, max_levels, min_coarse, relax, cycle)"))
             held = sorted(self.plan.needed[r])
             modules = {j: _checked_layer(j, layers(j) if factory else layers[j]) for j in held}
             if P > 1:
                 # tied parameters: over the whole list when given one (every rank sees the same ties)
                 self._check_sharing(modules if factory else dict(enumerate(layers)))
                 self._check_structure(modules)
-        if P > 1:
-            self._uid = _agreed_uid([u for u, *_ in session.shared])
         self.owned_layers = self.plan.owned[r]
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
@@ -840,12 +844,9 @@ class LayerParallel(nn.Module):
                 return out
             # a halo copy took its owner's training flags (every rank returned None): regroup the layers
             # and run the pass again (collective; the synced flags belong to the copies alone, so once)
-            try:
+            with _announced(self._comm):
                 self._build_kernel()
                 kp = self.kernel.bind(one_pass=True)
-            except BaseException as exc:
-                self._comm.open(failure=exc)  # the other ranks raise RemoteRankError in the handshake
-                raise
         raise LayerError(  # every rank decides alike (from the flags all of them shared): no one waits
             "the training flags of the layers' halo copies (kept by the neighbouring ranks) do not settle on "
             "their owners' flags; set train/eval the same way on every rank (lp.train() / lp.eval())")
@@ -881,7 +882,7 @@ class LayerParallel(nn.Module):
     def _forward_solve_in_modes(self, kp, x):
         P, r = self._comm.size, self._comm.rank
         exact = self.exact_eval and not self.training  # inference: the serial network's output
-        try:  # the local checks first: a rank that fails here tells the others in the handshake
+        with _announced(self._comm):  # the local checks first: a rank that fails tells the others
             self._check_input(x)
             self._check_layers()
             guess = None if exact else self._initial_guess(x)
@@ -894,10 +895,6 @@ class LayerParallel(nn.Module):
             pairs = self._halo_pairs(kp) if P > 1 else None
             share = (note, self._halo_flags(), _input_sums(x), changed,
                      {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}) if P > 1 else None
-        except BaseException as exc:
-            if P > 1:
-                self._comm.open(failure=exc)  # the other ranks raise RemoteRankError there
-            raise
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
@@ -1289,16 +1286,16 @@ def _agreed_uid(proposals) -> int:
     return uid
 
 
-def _check_same_block(shared) -> None:
-    """Raise on every rank alike when the ranks built blocks of different depth, final time or MGRIT settings
-    (``shared``: every rank's (id proposal, n_layers, T, settings))."""
-    for r, (_, N, T, opts) in enumerate(shared):
-        _, N0, T0, opts0 = shared[0]
-        for name, a, b in (("n_layers (the number of layers)", N, N0), ("T", T, T0),
-                           ("MGRIT settings (cf, max_levels, min_coarse, relax, cycle)", opts, opts0)):
+def _agreed_build(shared, what: str, names) -> int:
+    """The id of a module built on several ranks (:func:`_agreed_uid`); ``shared``: every rank's
+    ``(id proposal, *settings)``, ``names`` the settings'. Raises alike on every rank, naming the
+    setting, when the ranks built different modules."""
+    for r, (_, *theirs) in enumerate(shared):
+        for name, a, b in zip(names, theirs, shared[0][1:]):
             if a != b:
-                raise ValueError(f"LayerParallel was built with different {name} on rank {r} ({a}) and rank 0 "
-                                 f"({b}): every rank of the layer communicator must build the same block")
+                raise ValueError(f"{what} was built differently on rank {r} and rank 0: different {name} ({a} "
+                                 f"against {b}); every rank of its communicator must build the same {what}")
+    return _agreed_uid([u for u, *_ in shared])
 
 
 def _check_T(T) -> float:
