@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -108,6 +108,15 @@ class Result:
         if self._local is None:  # (set only on a rank with a left neighbour and points of its own)
             return self.u, self.index.start
         return self._local, self.index.start - 1
+
+    def without_states(self) -> "Result":
+        """This result with no states (:attr:`u` has zero rows): its statistics alone.
+
+        For keeping a solve's residuals, counts and hierarchy after its states are no
+        longer needed (a training loop's diagnostics) without holding the trajectory.
+        """
+        u = self.u[:0]
+        return replace(self, u=u.clone() if hasattr(u, "clone") else u.copy(), _local=None)
 
     @property
     def factors(self) -> list:

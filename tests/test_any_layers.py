@@ -1253,6 +1253,19 @@ def test_a_solve_that_stops_short_of_its_tolerance_warns():
         loss_fn(y).backward()
 
 
+def test_a_tolerance_below_the_rounding_floor_says_so():
+    """float32 cannot resolve 1e-14: the residual stalls and the warning says why instead of asking for
+    more cycles."""
+    from propagators.torch import ConvergenceWarning
+
+    torch.manual_seed(3)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).float() for _ in range(16)]
+    lp = LayerParallel(layers, cf=2, max_levels=3, relax="FCF", fwd_iters=30, fwd_tol=1e-14)
+    with pytest.warns(ConvergenceWarning, match="stopped decreasing.*float64"):
+        with torch.no_grad():
+            lp(torch.randn(3, 4, dtype=torch.float32))
+
+
 def test_inference_mode_gives_what_no_grad_gives():
     torch.manual_seed(1)
     layers = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(8)]
@@ -1389,3 +1402,158 @@ def test_parameter_data_replaced_between_forward_and_backward_is_a_clear_error()
     loss_fn(ref(x.detach().clone())).backward()
     for g, gs in zip(_grads(lp), _grads(ref)):
         assert rel(g, gs) < REL
+
+
+class StraightThrough(torch.autograd.Function):
+    """tanh forward, identity backward (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return torch.tanh(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class HalfGradient(torch.autograd.Function):
+    """tanh forward, half tanh's derivative backward; vmappable (generate_vmap_rule)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(z):
+        return torch.tanh(z)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 0.5 * g * (1 - y * y)
+
+
+class CustomBackward(nn.Module):
+    def __init__(self, function, width=4):
+        super().__init__()
+        self.lin, self.function = nn.Linear(width, width), function
+
+    def forward(self, u):
+        return self.function.apply(self.lin(u))
+
+
+@pytest.mark.parametrize("function", [StraightThrough, HalfGradient])
+def test_a_custom_autograd_function_keeps_its_own_backward(function):
+    """fx traces through a Function's forward (tanh here): such a layer must not take the dense path,
+    whose closed-form derivative would replace the Function's backward."""
+    torch.manual_seed(5)
+    layers = [CustomBackward(function) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    assert all(c.mode != "dense" for c in lp.kernel.classes)
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(4, 1), nn.Tanh()), lambda: nn.Linear(4, 1)])
+def test_a_layer_whose_output_broadcasts_against_the_state_equals_serial(make):
+    """``u + h f(u)`` with ``f(u)`` of shape (batch, 1), as in the serial network."""
+    torch.manual_seed(6)
+    layers = [make() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    check_equals_serial(lp, layers, torch.randn(3, 4), 1.0)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal"])
+def test_parametrizations_under_parametrize_cached_equal_serial(kind):
+    """torch.nn.utils.parametrize.cached() around the step: the block evaluates its layers uncached
+    (with its own parameter values) and leaves nothing of its own in the cache."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(7)
+    layers = [nn.Sequential(getattr(parametrizations, kind)(nn.Linear(4, 4)), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    with parametrize.cached():
+        check_equals_serial(lp, layers, x, 1.0)
+        assert parametrize._cache_enabled == 1
+        mine = {id(m) for m in lp.modules()}
+        assert not [key for key in parametrize._cache if key[0] in mine]  # (the serial reference's are there)
+        with torch.no_grad():
+            y = lp(x)
+    with torch.no_grad():
+        assert rel(y, ODENet(copy.deepcopy(layers), T=1.0)(x)) < REL
+
+
+class HookedOutput(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u):
+        z = torch.tanh(self.lin(u))
+        z.register_hook(lambda g: g)
+        return z
+
+
+def test_a_layer_that_needs_a_graph_in_forward_is_told_to_guard_it():
+    lp = LayerParallel([HookedOutput() for _ in range(4)], cf=2)
+    with pytest.raises(LayerError, match=r"layer 0 \(HookedOutput\).*if z.requires_grad"):
+        loss_fn(lp(torch.randn(3, 4, requires_grad=True))).backward()
+
+
+@pytest.mark.parametrize("name", ["dense", "vmapped", "looped"])
+def test_a_training_step_leaves_no_cyclic_garbage_holding_tensors(name):
+    """What a pass binds (gathered parameters, step functions, derivatives) is freed by reference
+    counting when the pass ends, not at Python's next cyclic collection (which could keep many steps'
+    worth of tensors alive); and the module keeps no trajectory between passes."""
+    import gc
+
+    torch.manual_seed(8)
+    layers = {"dense": lambda: [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)],
+              "vmapped": lambda: [nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh()) for _ in range(16)],
+              "looped": lambda: [Branchy(4) for _ in range(16)]}[name]()
+    lp = LayerParallel(layers, cf=2, max_levels=3)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step():
+        lp.zero_grad(set_to_none=True)
+        loss_fn(lp(x)).backward()
+
+    step()
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step()
+        gc.collect()
+        held = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
+    assert not held, f"{len(held)} tensors freed only by the cyclic collector"
+    assert lp.last_forward.u.numel() == 0 and lp.last_backward.u.numel() == 0
+    assert lp.last_forward.iterations == 2 and lp.last_forward.counts[0] > 0
+
+
+def test_dense_sweeps_read_their_layers_parameters_as_views_of_one_stack():
+    """A sweep's layers form an arithmetic progression (upward in the forward solve, downward in the
+    adjoint's): its gathered parameters are views of the pass's stacked (or reversed) parameters,
+    not copies per sweep."""
+    torch.manual_seed(9)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(64)], cf=4, max_levels=3)
+    kp = lp.kernel.bind(one_pass=True)
+    stacks = {}
+    for idx in (np.arange(0, 64, 4), np.arange(3, 64, 4), np.arange(60, -1, -4), np.arange(48, -1, -16)):
+        p, _ = kp._gather(0, idx, torch.device("cpu"))
+        W = p["0.weight"]
+        stacks.setdefault(W.untyped_storage().data_ptr(), []).append(idx)
+        assert W._base is not None  # a view
+        assert torch.equal(W, torch.stack([lp.kernel.modules[int(j)][0].weight.detach() for j in idx]))
+    assert len(stacks) == 2  # the stack and its reverse
+    odd = np.array([0, 1, 5])
+    p, _ = kp._gather(0, odd, torch.device("cpu"))
+    assert torch.equal(p["0.weight"], torch.stack([lp.kernel.modules[j][0].weight.detach() for j in odd]))

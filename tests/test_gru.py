@@ -284,6 +284,7 @@ def test_double_backward_raises():
     (lambda: torch.randn(2, 5, B, I), None, ValueError, "3-D"),
     (lambda: torch.randn(I), None, ValueError, "3-D"),
     (lambda: torch.randn(0, B, I), None, ValueError, "empty"),
+    (lambda: torch.randn(29, 0, I), None, ValueError, "empty batch"),  # (29 positions: coarse levels)
     (lambda: torch.ones(5, B, I, dtype=torch.int64), None, TypeError, "floating-point"),
     (lambda: np.ones((5, B, I)), None, TypeError, "torch.Tensor"),
     (lambda: torch.randn(5, B, I, dtype=torch.float32), None, TypeError, "parameters"),

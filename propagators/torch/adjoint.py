@@ -16,6 +16,7 @@ import torch
 
 import mgrit
 
+from .kernel import take_rows
 from .propagator import ODEPropagator, cached_plan
 
 
@@ -95,7 +96,7 @@ class AdjointPropagator(mgrit.Propagator):
 
         def make(a, b):
             ia, layers, dt = self.plan(a, b, V)
-            return self.fwd.kernel.vjp_stepper(layers, dt, D.index_select(0, torch.as_tensor(ia - i0, device=D.device)))
+            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(ia - i0, D.device)(D))  # (a view: no copy)
 
         return cached_plan(held[2], tau0, tau1, V, make)(V)
 

@@ -469,7 +469,8 @@ class ParallelGRU(nn.Module):
         if self._comm.size > 1:
             self._agree_on_ranks()
         self._layouts: dict = {}
-        #: mgrit.Result of the last forward and adjoint solve of every layer
+        #: mgrit.Result of the last forward and adjoint solve of every layer, without their states
+        #: (Result.without_states): statistics only, no trajectory held between passes
         self.last_forward: list = [None] * self.num_layers
         self.last_backward: list = [None] * self.num_layers
 
@@ -544,6 +545,9 @@ class ParallelGRU(nn.Module):
         L, B = int(x.shape[0]), int(x.shape[1])
         if L < 1:
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
+        if B < 1:
+            raise ValueError(f"ParallelGRU got an empty batch (shape {tuple(input.shape)}): a solve needs states with "
+                             "at least one element; skip empty batches before the module (e.g. `if x.shape[0]: ...`)")
         p = self.weight_ih_l0
         if x.dtype != p.dtype or x.device != p.device:
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
@@ -638,7 +642,7 @@ class ParallelGRU(nn.Module):
                                           max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
                 root = lay.plan.owner_of_point(L)
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
-        self.last_forward[l] = res
+        self.last_forward[l] = res.without_states()  # (statistics only: no trajectory held between passes)
         _warn_solve(res, f"forward (GRU layer {l})", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
@@ -698,7 +702,7 @@ class ParallelGRU(nn.Module):
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
                                   comm=ReversedInSession(self._comm) if P > 1 else self._comm,
                                   partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
-            self.last_backward[l] = res
+            self.last_backward[l] = res.without_states()
             _warn_solve(res, f"adjoint (GRU layer {l})", "bwd_iters", self.bwd_tol, self.tol_type)
             lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)

@@ -31,6 +31,7 @@ import contextlib
 import enum
 import operator
 import random
+import weakref
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -67,6 +68,24 @@ def own_saved_tensors():
     finally:
         for pack, unpack in reversed(held):
             push(pack, unpack)
+
+
+@contextlib.contextmanager
+def uncached_parametrizations():
+    """``torch.nn.utils.parametrize.cached()`` suspended while the block runs: the block evaluates
+    every layer many times, with its own (stacked, vmapped) parameter values, which a cached weight
+    would ignore, and its values must not enter the cache of the surrounding code."""
+    from torch.nn.utils import parametrize
+
+    held = getattr(parametrize, "_cache_enabled", 0)
+    if not held:
+        yield
+        return
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = held
 
 
 def _no_recompute():
@@ -187,6 +206,8 @@ class DenseRHS:
     @classmethod
     def of(cls, module: nn.Module):
         if type(module) is nn.Linear:
+            if module.in_features != module.out_features:
+                return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
             return cls("weight", "bias" if module.bias is not None else None)
         return _trace_dense(module)
 
@@ -355,6 +376,23 @@ def _derivative(ops):
     return None
 
 
+@contextlib.contextmanager
+def _functions_called():
+    """A list that collects the ``torch.autograd.Function`` classes applied inside the block."""
+    Function = torch.autograd.Function
+    original, called = Function.__dict__["apply"], []
+
+    def apply(cls, *args, **kwargs):
+        called.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    Function.apply = classmethod(apply)
+    try:
+        yield called
+    finally:
+        Function.apply = original
+
+
 def _trace_dense(module: nn.Module):
     """A :class:`DenseRHS` for a module whose traced graph is linear -> element-wise ops, or None."""
     np_state = np.random.get_state()
@@ -363,7 +401,10 @@ def _trace_dense(module: nn.Module):
     contents = [(v, list(v)) if isinstance(v, list) else (v, dict(v)) for _, d in attrs for k, v in d.items()
                 if type(v) in (list, dict) and k not in _REGISTRIES]
     try:
-        graph = fx.symbolic_trace(module).graph
+        with _functions_called() as functions:
+            graph = fx.symbolic_trace(module).graph
+        if functions:  # a custom autograd.Function: the trace inlines its forward and loses its backward
+            return None
     except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
         return None
     finally:  # a forward that stores what it computed (self.last = out, self.hist.append(out)) must not
@@ -394,6 +435,8 @@ def _trace_dense(module: nn.Module):
         k += 1
     lin = nodes[k]
     if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
+        if subs[lin.target].in_features != subs[lin.target].out_features:
+            return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
         weight = f"{lin.target}.weight"
         bias = f"{lin.target}.bias" if subs[lin.target].bias is not None else None
     elif lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
@@ -404,6 +447,8 @@ def _trace_dense(module: nn.Module):
         bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
         if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
             return None
+        if params[weight].shape[0] != params[weight].shape[1]:
+            return None  # (as for nn.Linear above)
     else:
         return None
     prev = lin
@@ -654,6 +699,27 @@ class LayerKernel:
         return out
 
 
+def _progression(pos: np.ndarray):
+    """``(first, step)`` when ``pos`` is an arithmetic progression (one entry: step 1), else None."""
+    n = len(pos)
+    step = int(pos[1] - pos[0]) if n > 1 else 1
+    if n and step != 0 and (n < 3 or (np.diff(pos) == step).all()):
+        return int(pos[0]), step
+    return None
+
+
+def take_rows(pos: np.ndarray, device):
+    """``X -> X[pos]`` along the first dimension: a view (no copy) when ``pos`` is an increasing
+    arithmetic progression, as a sweep's layers are on a uniform grid (a residue class, the layers
+    a coarse level injects), else ``index_select``."""
+    prog = _progression(pos)
+    if prog is not None and prog[1] > 0:
+        (a, step), n = prog, len(pos)
+        return lambda X: X[a: a + (n - 1) * step + 1: step]
+    pos = torch.as_tensor(pos, device=device)
+    return lambda X: X.index_select(0, pos)
+
+
 class KernelPass:
     """A :class:`LayerKernel` bound to the parameter values of one forward pass.
 
@@ -749,7 +815,18 @@ class KernelPass:
             hit = self._dt_one[key] = torch.full((1,) * U.dim(), dt, dtype=U.dtype, device=U.device)
         return hit
 
-    def _stack(self, cid: int):
+    def _stack(self, cid: int, reverse: bool = False):
+        """The parameters and buffers of class ``cid`` stacked in member order (``reverse``: in
+        reverse order, for the adjoint's sweeps, which run down the layers: there its patterns are
+        views too)."""
+        if reverse:
+            hit = self._stacked.get((cid, True))
+            if hit is None:
+                p, b = self._stack(cid)
+                hit = self._stacked[cid, True] = (
+                    {n: v.flip(0) for n, v in p.items()},
+                    {n: (tuple(m.flip(0) for m in v) if n == MASKS else v.flip(0)) for n, v in b.items()})
+            return hit
         hit = self._stacked.get(cid)
         if hit is None:
             c = self.k.classes[cid]
@@ -774,11 +851,14 @@ class KernelPass:
         key = (cid, idx.tobytes())
         hit = self._gathered.get(key)
         if hit is None:
-            p, b = self._stack(cid)
-            pos = torch.as_tensor(self.k.position[idx], device=device)
-            hit = self._gathered[key] = ({n: v.index_select(0, pos) for n, v in p.items()},
-                                         {n: (tuple(m.index_select(0, pos) for m in v) if n == MASKS
-                                              else v.index_select(0, pos)) for n, v in b.items()})
+            pos = self.k.position[idx]
+            prog = _progression(pos)
+            reverse = prog is not None and prog[1] < 0 and len(pos) > 1
+            p, b = self._stack(cid, reverse)
+            take = take_rows(len(self.k.classes[cid].members) - 1 - pos if reverse else pos, device)
+            hit = self._gathered[key] = ({n: take(v) for n, v in p.items()},
+                                         {n: (tuple(take(m) for m in v) if n == MASKS else take(v))
+                                          for n, v in b.items()})
         return hit
 
     # -- grouping --------------------------------------------------------------
@@ -893,6 +973,9 @@ class KernelPass:
             if "in-place" in str(exc) or "inplace" in str(exc):
                 hint = (" (a layer must not modify its input in place, e.g. with nn.ReLU(inplace=True) "
                         "as its first operation)")
+            if "doesn't require grad" in str(exc) or "does not require grad" in str(exc):
+                hint = (" (the forward solve evaluates the layers without autograd, under torch.no_grad: "
+                        "guard what needs a graph, e.g. `if z.requires_grad: z.register_hook(...)`)")
             raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}{hint}") from exc
 
     # -- forward steps ----------------------------------------------------------
@@ -971,9 +1054,10 @@ class KernelPass:
         through :meth:`step`.
         """
         idx = np.asarray(idx)
+        this = weakref.ref(self)  # (the step functions live in this pass's dict: no cycle through it)
 
         def general(U):
-            return self.step(U, idx, dt)
+            return this().step(U, idx, dt)
 
         cid = self._sole_class(idx)
         if cid is None or self.k.classes[cid].mode != "dense" or self.k.scheme is not forward_euler:
@@ -998,9 +1082,10 @@ class KernelPass:
         class the closed-form product with the gathered weights bound (the operations of
         :meth:`DenseRHS.euler_vjp`, so the same bits)."""
         idx = np.asarray(idx)
+        this = weakref.ref(self)
 
         def general(V):
-            return self.vjp_state(None, V, idx, dt, D)
+            return this().vjp_state(None, V, idx, dt, D)
 
         cid = self._sole_class(idx)
         if cid is None or not self._closed_form(self.k.classes[cid], D):

@@ -33,7 +33,8 @@ from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_com
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors
+from .kernel import (DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors,
+                     uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -118,7 +119,7 @@ def _rng_digest(device) -> int:
 class _LayerParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, kp, anchor, x, *params):
-        with own_saved_tensors():
+        with own_saved_tensors(), uncached_parametrizations():
             y, saved = lp._forward_solve(kp, x)
         ctx.lp, ctx.saved = lp, saved
         ctx.save_for_backward(*params)  # autograd's own check: no in-place change before backward
@@ -158,7 +159,8 @@ class _LayerParallelFunction(torch.autograd.Function):
                     session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
                 if differ is None:
                     kp = ctx.saved[0].kernel
-                    with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors():
+                    with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
+                            uncached_parametrizations():
                         gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
             if differ is not None:
                 raise differ  # every rank found it in the handshake: raised after the session (no one waits)
@@ -517,7 +519,8 @@ class LayerParallel(nn.Module):
         self._owner_flags: dict = {}  # mode -> {halo layer: its owner's flags at the last pass}
         self._build_kernel()
         self._warm: tuple | None = None
-        #: mgrit.Result of the last forward and adjoint solve
+        #: mgrit.Result of the last forward and adjoint solve, without their states (Result.without_states:
+        #: residuals, counts, hierarchy), so that the module holds no trajectory between passes
         self.last_forward: mgrit.Result | None = None
         self.last_backward: mgrit.Result | None = None
 
@@ -766,7 +769,8 @@ class LayerParallel(nn.Module):
                 # every rank takes the autograd path (and so joins the adjoint solve in backward)
                 anchor = torch.zeros((), requires_grad=self._comm.size > 1)
                 return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
-            return self._forward_solve(kp, x)[0]
+            with uncached_parametrizations():
+                return self._forward_solve(kp, x)[0]
         except BaseException as exc:
             self._alarm(exc)
             raise
@@ -935,7 +939,7 @@ class LayerParallel(nn.Module):
                                       tol_type=self.tol_type, max_iter=self.fwd_iters,
                                       skip=self.skip and guess is None, initial_guess=guess, comm=self._solve_comm(),
                                       callback=self.callback, final_residual=True, spatial=transfers)
-            self.last_forward = res
+            self.last_forward = res.without_states()
             U, g0 = res.u, self.lo
             if rng is not None:
                 self._check_side_effects(kp, versions, rng)
@@ -1104,7 +1108,7 @@ class LayerParallel(nn.Module):
                               tol_type=self.tol_type, max_iter=self.bwd_iters, skip=self.skip, comm=self._adjoint_comm(),
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
-        self.last_backward = res
+        self.last_backward = res.without_states()
         _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type)
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
         grads = self._parameter_gradients(prop, U, g0, W, param_ids, D, record)
@@ -1332,11 +1336,18 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs") ->
         bound = tol if tol_type == "abs" else None if first is None else tol * first
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
+            seen = [r for r in res.residuals if r is not None]
+            if len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]:  # three cycles that did not halve it: a floor
+                what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
+                        "below what the arithmetic resolves (float32 rounds at about 1e-7 of the states): raise "
+                        "the tolerance or compute in float64")
+            else:
+                what = (f"raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset "
+                        f"for up to {TOL_ITERS})")
             warnings.warn(
                 f"the {which} MGRIT solve stopped after {res.iterations} cycle(s) short of its tolerance ({got}; "
                 f"tol_type={tol_type!r}): its output and gradients are not the serial network's to that tolerance. "
-                f"Raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset for up "
-                f"to {TOL_ITERS})", ConvergenceWarning, stacklevel=4)
+                f"{what[0].upper()}{what[1:]}", ConvergenceWarning, stacklevel=4)
             return
     if res.converged or first is None or last is None or not first > 0 or last < first:
         return
