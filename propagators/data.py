@@ -23,17 +23,22 @@ def read_idx(path) -> np.ndarray:
     big-endian 32-bit size per dimension.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
+    with open(path, "rb") as fh:
+        compressed = fh.read(2) == b"\x1f\x8b"  # gzip's signature, whatever the file's name
+    with (gzip.open if compressed else open)(path, "rb") as fh:
         data = fh.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
         raise ValueError(f"{path} is not an idx file (bad magic number)")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: the header is cut short ({len(data)} bytes for {ndim} dimensions)")
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     dtype = np.dtype(_IDX_TYPES[data[2]])
+    nbytes = len(data) - 4 - 4 * ndim
+    if nbytes != int(np.prod(shape)) * dtype.itemsize:
+        raise ValueError(f"{path}: header says {shape} values of {dtype.itemsize} byte(s) but the file holds "
+                         f"{nbytes} bytes of data (a truncated or corrupt file?)")
     body = np.frombuffer(data, dtype=dtype, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: header says {shape} but holds {body.size} values")
     return body.reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -53,9 +58,13 @@ def load_mnist(directory, kind: str = "train"):
 
     images = read_idx(find(f"{kind}-images-idx3-ubyte"))
     labels = read_idx(find(f"{kind}-labels-idx1-ubyte"))
+    if images.ndim != 3 or labels.ndim != 1:
+        raise ValueError(f"MNIST in {d}: images must be 3-dimensional (n, rows, cols) and labels 1-dimensional "
+                         f"(n,); got {images.shape} and {labels.shape}")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
-    return images.reshape(images.shape[0], -1).astype(np.float32) / 255.0, labels.astype(np.int64)
+    n, rows, cols = images.shape
+    return images.reshape(n, rows * cols).astype(np.float32) / 255.0, labels.astype(np.int64)
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):

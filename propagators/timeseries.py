@@ -168,14 +168,14 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     with open(path, encoding="utf-8") as fh:
         for lineno, raw in enumerate(fh, start=1):
             line = raw.strip()
-            if not line or line.startswith("#"):
+            if not line or line.startswith(("#", "%")):  # comments (UnitTest's start with '%#')
                 continue
             where = f"{path.name}, line {lineno}"
             if not in_data:
                 if not line.startswith("@"):
                     raise ValueError(f"{where}: expected a header tag (@...) or @data before the cases, "
                                      f"got {line[:40]!r}")
-                tag, _, value = line[1:].partition(" ")
+                tag, value = (line[1:].split(None, 1) + [""])[:2]  # tag, then any whitespace
                 tag = tag.lower()
                 if tag == "data":
                     in_data = True
@@ -183,7 +183,10 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                     labelled = _flag(header.get("classlabel", "false"), "classLabel", where)
                     regression = _flag(header.get("targetlabel", "false"), "targetLabel", where)
                     dims = header.get("dimensions", header.get("dimension"))
-                    n_dims = int(dims) if dims is not None else None
+                    try:
+                        n_dims = int(dims) if dims is not None else None
+                    except ValueError:
+                        raise ValueError(f"{where}: @dimensions must be a whole number, got {dims!r}") from None
                     if n_dims is None and _flag(header.get("univariate", "false"), "univariate", where):
                         n_dims = 1
                     classes = tuple(header.get("classlabel", "").split()[1:]) if labelled else ()

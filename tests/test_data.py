@@ -52,3 +52,25 @@ def test_digits_split_is_stratified_and_standardised():
     assert abs(float(X_train.mean())) < 1e-5
     counts = np.bincount(y_test, minlength=10) / np.bincount(np.concatenate([y_train, y_test]), minlength=10)
     assert np.all(np.abs(counts - 0.2) < 0.02)
+
+
+def test_idx_files_cut_short_compressed_without_suffix_or_empty(tmp_path):
+    images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / "ok", images, 0x08)
+    raw = (tmp_path / "ok").read_bytes()
+    (tmp_path / "zipped").write_bytes(gzip.compress(raw))  # gzip's signature decides, not the name
+    np.testing.assert_array_equal(read_idx(tmp_path / "zipped"), images)
+    (tmp_path / "header").write_bytes(raw[:9])
+    with pytest.raises(ValueError, match="header is cut short"):
+        read_idx(tmp_path / "header")
+    write_idx(tmp_path / "f", np.ones(3, np.float32), 0x0D)
+    (tmp_path / "f").write_bytes((tmp_path / "f").read_bytes()[:-1])  # not a whole number of floats
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_idx(tmp_path / "f")
+    write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((0, 28, 28), np.uint8), 0x08)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(0, np.uint8), 0x08)
+    X, y = load_mnist(tmp_path)
+    assert X.shape == (0, 784) and y.shape == (0,)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros((0, 2), np.uint8), 0x08)
+    with pytest.raises(ValueError, match="labels 1-dimensional"):
+        load_mnist(tmp_path)

@@ -166,6 +166,27 @@ def test_japanese_vowels_from_aeon_without_importing_it():
     assert tr.X.shape == (270, 12, 29) and (tr.X[:, :, 26:] == tr.X[:, :, 25:26]).all()
 
 
+def test_comment_lines_tab_separated_tags_and_a_bad_dimension_count(tmp_path):
+    text = "%# a comment in UnitTest's style\n# and one in the usual style\n@problemName\tTabs\n" \
+           "@classLabel\ttrue a b\n@data\n1,2,3:a\n4,5,6:b\n"
+    ds = load_ts(write(tmp_path, text))
+    assert ds.name == "Tabs" and ds.classes == ("a", "b") and ds.X.shape == (2, 1, 3)
+    np.testing.assert_array_equal(ds.y, [0, 1])
+    with pytest.raises(ValueError, match=r"t.ts, line 2: @dimensions must be a whole number, got 'two'"):
+        load_ts(write(tmp_path, "@dimensions two\n@data\n1,2:3,4\n"))
+
+
+@needs_aeon
+def test_every_set_listed_as_shipped_loads():
+    root = timeseries.aeon_data_dir()
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_TRAIN.ts")))
+    assert "UnitTest" in names  # (its header starts with '%#' comment lines)
+    for name in names:
+        for split in ("train", "test"):
+            ds = load_aeon_dataset(name, split)
+            assert ds.X.shape[0] == len(ds.y) > 0 and not np.isnan(ds.X).any()
+
+
 @needs_aeon
 def test_basic_motions_and_unknown_names():
     ds = load_aeon_dataset("BasicMotions", "TEST")

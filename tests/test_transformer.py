@@ -129,6 +129,10 @@ def test_bad_arguments_are_clear_errors():
         TransformerBlock(8, 2, form="halves")
     with pytest.raises(ValueError, match="divide"):
         make_vit(2, 8, 2, patch=3)
+    with pytest.raises(ValueError, match="positive whole numbers"):
+        make_vit(2, 8, 2, patch=0)
+    with pytest.raises(ValueError, match=r"1 channel\(s\) x 8 x 8 = 64 values.*side=28"):
+        make_vit(2, 8, 2, seed=0)(torch.randn(3, 784))
     with pytest.raises(TypeError, match="Switchable wraps"):
         Switchable(nn.Linear(2, 2))
 

@@ -172,6 +172,9 @@ class PatchEmbedding(nn.Module):
 
     def __init__(self, side: int, patch: int, dim: int, channels: int = 1, cls_token: bool = True):
         super().__init__()
+        if not (int(patch) == patch >= 1 and int(side) == side >= 1):
+            raise ValueError(f"the image side and the patch size must be positive whole numbers, got side {side} "
+                             f"and patch {patch}")
         if side % patch:
             raise ValueError(f"the patch size {patch} must divide the image side {side}")
         self.side, self.patch, self.channels = int(side), int(patch), int(channels)
@@ -183,6 +186,10 @@ class PatchEmbedding(nn.Module):
 
     def forward(self, x):
         B, s, p, c = x.shape[0], self.side, self.patch, self.channels
+        if x.shape[1:].numel() != c * s * s:
+            raise ValueError(f"the patch embedding expects images of {c} channel(s) x {s} x {s} = {c * s * s} values "
+                             f"per sample, got input of shape {tuple(x.shape)}; build the model for this size "
+                             f"(e.g. make_vit(..., side=28) for MNIST's 784 pixels, channels=... for colour)")
         img = x.reshape(B, c, s // p, p, s // p, p)
         patches = img.permute(0, 2, 4, 1, 3, 5).reshape(B, self.n_patches, c * p * p)
         tok = self.proj(patches)
