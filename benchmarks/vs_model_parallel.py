@@ -17,12 +17,16 @@ torch.distributed (gloo; with ``--device cuda`` NCCL, one GPU per rank), one eng
 Per method it prints the wall time of one step (the slowest rank's, median of
 ``--repeat`` interleaved repetitions: A B C D A B C D ...), the gradient error
 against serial autograd (max over all parameters of |g - g_serial|, divided by
-max |g_serial|; float32) and the memory per rank, *counted* (not measured):
-bytes of parameters the rank holds plus the peak bytes kept for the backward pass
-(for the autograd methods: the live tensors saved by autograd, tracked with
+max |g_serial|; float32) and the memory per rank, twice: *counted*, bytes of
+parameters the rank holds plus the peak bytes kept for the backward pass (for the
+autograd methods: the live tensors saved by autograd, tracked with
 ``torch.autograd.graph.saved_tensors_hooks``, unique storages; for LayerParallel:
 its stored states, one per point it owns on every level, forward and adjoint,
-plus owned and halo parameters).
+plus owned and halo parameters); and *measured*, the parameters plus the most
+bytes of tensors alive at once during the first two steps after construction
+(everything: saved tensors, gradients, work arrays, the solver's stacks and caches;
+on the CPU from torch's allocation events, ``torch.profiler`` with
+``profile_memory=True``, on a GPU the CUDA allocator's peak).
 
 Then a critical-path model predicts all of them for P = 8 .. 512 from measured
 per-layer forward/backward costs and the measured message time. Its probes run
@@ -192,6 +196,34 @@ def worker(a):
 
         def hooks(self):
             return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pbytes(mods):
+        return sum(p.numel() * p.element_size() for mm in mods for p in mm.parameters())
+
+    def peak_bytes(fn, steps=2):
+        """Largest number of bytes of tensors alive at once during ``steps`` calls of ``fn``, counted from
+        the start: the CUDA allocator's peak on a GPU; on the CPU torch's own allocation events
+        (``torch.profiler`` with ``profile_memory=True``: every op's allocations net of its frees, and those
+        outside ops, in the order the ops started)."""
+        if cuda:
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            for _ in range(steps):
+                fn()
+            sync()
+            return torch.cuda.max_memory_allocated() - base
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for _ in range(steps):
+                fn()
+        live = top = 0
+        for _, b in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                           if e.self_cpu_memory_usage):
+            live += b
+            top = max(top, live)
+        return top
 
     def timed(fns, repeat):
         for fn in fns:
@@ -399,6 +431,12 @@ def worker(a):
                 if rank == r:
                     ref_step()
 
+        # peak memory per rank, measured: each method's first two steps after construction (nothing held but
+        # its parameters), the largest bytes of tensors alive at once on top of the parameters
+        peak = [allmax(pbytes(mods) + peak_bytes(fn)) for mods, fn in
+                (([mp], mp_step_ordered), ([gp_blk], gp_step), ([fb_blk], fb_step),
+                 (list(lp.layers) + list(lp._halo.values()), lp_step))]
+
         # (6) on P > 1 the reference in turn
         extra = [ref_alone_step] if P > 1 else []
         times = timed([mp_step_ordered, gp_step, fb_step, lp_step, ref_step, *probe_steps, lp_probe_step,
@@ -418,9 +456,6 @@ def worker(a):
                error(lp_pairs)]
 
         # memory per rank (counted), max over ranks
-        def pbytes(mods):
-            return sum(p.numel() * p.element_size() for mm in mods for p in mm.parameters())
-
         state = B * w * 4
         n_pts = 0
         n_lvl = N
@@ -440,6 +475,7 @@ def worker(a):
                 msg[n] = pingpong(n)
             lpmsg = lp_pingpong(B * w)
         row = {"N": N, "w": w, "B": B, "P": P, "m": m, "time": [t_mp, t_gp, t_fb, t_lp], "err": err, "mem": mem,
+               "peak": peak,
                "costs": costs, "msg": msg, "lpmsg": lpmsg,
                "probe": probe, "lp_probe": lp_probe, "ref": t_ref, "lp_half": t_lp_half, "probe_half": t_probe_half,
                "alone": t_alone}
@@ -717,6 +753,14 @@ def main(argv=None):
             r = res[P][(N, w, B)]
             print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{e:>12.1e} /{mm / 1024:>7.0f}"
                                                          for e, mm in zip(r["err"], r["mem"])))
+    print("\npeak memory per rank, measured [KiB]: parameters + the most bytes of tensors alive at once in the "
+          "first two steps after construction (" + ("the CUDA allocator's peak" if a.device == "cuda" else
+                                                    "torch.profiler's allocation events") + "), largest rank")
+    print(f"{'N':>5}{'w':>4}{'B':>5}{'P':>3}  " + "".join(f"{m:>18}" for m in METHODS))
+    for (N, w, B) in a.configs:
+        for P in ranks:
+            r = res[P][(N, w, B)]
+            print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{mm / 1024:>18.0f}" for mm in r["peak"]))
     models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs} if 1 in ranks else {}
     per = round_check(a, runs) if 1 in ranks and 2 in ranks else None  # (None: no model check)
     if per is not None:
@@ -793,7 +837,7 @@ def main(argv=None):
         data = {"settings": {k: v for k, v in vars(a).items() if k != "configs"}, "configs": []}
         for c in a.configs:
             d = {"N": c[0], "w": c[1], "B": c[2], "methods": METHODS,
-                 "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem")} for P in ranks},
+                 "measured": {P: {k: res[P][c][k] for k in ("time", "err", "mem", "peak")} for P in ranks},
                  "probes": {P: res[P][c] for P in ranks},
                  "launches": {P: [run[c]["time"] for run in runs[P]] for P in ranks}}
             if per is not None:

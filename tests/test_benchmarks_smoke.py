@@ -77,7 +77,12 @@ def test_vs_model_parallel_quick_run_prints_the_table():
     assert re.search(r"\d+/4 within 15%", out.split("the same check launch by launch")[1]), out
     rows = [line.split() for line in out.splitlines() if line.split()[:4] in (["64", "16", "16", "1"],
                                                                              ["64", "16", "16", "2"])]
-    assert len(rows) == 4  # P 1 and 2, in the time table and in the error / memory table
+    assert len(rows) == 6  # P 1 and 2, in the time table, the error / memory table and the measured peaks
+    peaks = out.split("peak memory per rank, measured")[1].splitlines()
+    for line in peaks[2:4]:  # every method's measured peak is at least its parameters (64 layers of 16 x 16 + 16)
+        assert line.split()[:4] in (["64", "16", "16", "1"], ["64", "16", "16", "2"]), line
+        P = int(line.split()[3])
+        assert all(float(v) >= 64 * 272 * 4 / P / 1024 for v in line.split()[4:8]), line
     errors = [float(v) for v in rows[2][4::3]] + [float(v) for v in rows[3][4::3]]
     assert max(errors[0:3] + errors[4:7]) < 1e-5  # model parallel and both pipelines match serial autograd
 

@@ -1039,6 +1039,11 @@ class KernelPass:
             d = self._steppers[id(owner)] = (owner, {})
         return d[1]
 
+    def drop_steppers(self) -> None:
+        """Forget the step functions kept for this pass (:meth:`steppers`; made again on demand): frees
+        what they bound (the adjoint's gathered derivatives) once the solves that used them are over."""
+        self._steppers.clear()
+
     def _sole_class(self, idx: np.ndarray):
         """The class id of the intervals ``idx`` when they all belong to one class, else None."""
         groups = self._groups(idx)

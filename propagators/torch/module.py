@@ -1111,6 +1111,10 @@ class LayerParallel(nn.Module):
         self.last_backward = res.without_states()
         _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type)
         W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
+        # what the gradients below no longer need, freed before they allocate theirs: the adjoint
+        # solve's own stack (W holds the adjoints) and what its sweeps bound
+        del res, adjs
+        prop.kernel.drop_steppers()
         grads = self._parameter_gradients(prop, U, g0, W, param_ids, D, record)
         if P == 1:
             return W[0].reshape(xshape), grads
