@@ -25,7 +25,7 @@ its stored states, one per point it owns on every level, forward and adjoint,
 plus owned and halo parameters); and *measured*, the parameters plus the most
 bytes of tensors alive at once during the first two steps after construction
 (everything: saved tensors, gradients, work arrays, the solver's stacks and caches;
-on the CPU from torch's allocation events, ``torch.profiler`` with
+on the CPU from torch's allocation and free events, ``torch.profiler`` with
 ``profile_memory=True``, on a GPU the CUDA allocator's peak).
 
 Then a critical-path model predicts all of them for P = 8 .. 512 from measured
@@ -122,6 +122,7 @@ def parse(argv=None):
                    help="cuda: one GPU per rank, NCCL for every method (benchmarks/gpu.py runs it this way)")
     p.add_argument("--quick", action="store_true", help="N 64, width 16, batch 16, P 1 and 2, 2 repetitions")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-peak", action="store_true", help=argparse.SUPPRESS)  # (launches after the first)
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.widths, a.batches, a.repeat, a.levels = "64", "16", "16", 2, 3
@@ -202,9 +203,8 @@ def worker(a):
 
     def peak_bytes(fn, steps=2):
         """Largest number of bytes of tensors alive at once during ``steps`` calls of ``fn``, counted from
-        the start: the CUDA allocator's peak on a GPU; on the CPU torch's own allocation events
-        (``torch.profiler`` with ``profile_memory=True``: every op's allocations net of its frees, and those
-        outside ops, in the order the ops started)."""
+        the start: the CUDA allocator's peak on a GPU; on the CPU the running sum of torch's allocation
+        and free events (``torch.profiler`` with ``profile_memory=True``) in time order."""
         if cuda:
             sync()
             torch.cuda.reset_peak_memory_stats()
@@ -218,9 +218,19 @@ def worker(a):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             for _ in range(steps):
                 fn()
+        # every allocation and free at its own time (an op's net memory at its start would miss what it
+        # allocates and frees again, and so the peak); None where this torch has no such event tree
+        try:
+            nodes, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+        except AttributeError:
+            return None
+        while nodes:
+            n = nodes.pop()
+            if type(n.extra_fields).__name__ == "_ExtraFields_Allocation":
+                events.append((n.start_time_ns, n.extra_fields.alloc_size))
+            nodes.extend(n.children)
         live = top = 0
-        for _, b in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                           if e.self_cpu_memory_usage):
+        for _, b in sorted(events):
             live += b
             top = max(top, live)
         return top
@@ -433,9 +443,12 @@ def worker(a):
 
         # peak memory per rank, measured: each method's first two steps after construction (nothing held but
         # its parameters), the largest bytes of tensors alive at once on top of the parameters
-        peak = [allmax(pbytes(mods) + peak_bytes(fn)) for mods, fn in
-                (([mp], mp_step_ordered), ([gp_blk], gp_step), ([fb_blk], fb_step),
-                 (list(lp.layers) + list(lp._halo.values()), lp_step))]
+        # (the same in every launch: measured in the first only, the profiler being slow on large steps)
+        peak = None
+        if not a.no_peak:
+            peak = [peak_bytes(fn) for fn in (mp_step_ordered, gp_step, fb_step, lp_step)]
+            peak = None if None in peak else [allmax(pbytes(mods) + b) for mods, b in zip(
+                ([mp], [gp_blk], [fb_blk], list(lp.layers) + list(lp._halo.values())), peak)]
 
         # (6) on P > 1 the reference in turn
         extra = [ref_alone_step] if P > 1 else []
@@ -673,6 +686,7 @@ class Model:
 def merge(rows):
     """Medians over launches of every measured number (nested lists and dicts alike)."""
     def med(vals):
+        vals = [v for v in vals if v is not None] or [None]  # (measured in some launches only)
         v0 = vals[0]
         if isinstance(v0, dict):
             return {k: med([v[k] for v in vals]) for k in v0}
@@ -727,9 +741,9 @@ def main(argv=None):
             raise SystemExit(f"--device cuda needs one GPU per rank: {n_gpu} GPU(s) here, --ranks {a.ranks}")
     t_start = time.perf_counter()
     runs = {P: [] for P in ranks}
-    for _ in range(a.rounds):
+    for k in range(a.rounds):
         for P in ranks:
-            runs[P].append(launch(a, P, argv))
+            runs[P].append(launch(a, P, argv + (["--no-peak"] if k else [])))
     res = {P: with_probes({c: merge([run[c] for run in runs[P]]) for c in a.configs}, runs[P], a.configs)
            for P in ranks}
     engine = "NCCL, one GPU per rank" if a.device == "cuda" else "gloo"
@@ -755,12 +769,13 @@ def main(argv=None):
                                                          for e, mm in zip(r["err"], r["mem"])))
     print("\npeak memory per rank, measured [KiB]: parameters + the most bytes of tensors alive at once in the "
           "first two steps after construction (" + ("the CUDA allocator's peak" if a.device == "cuda" else
-                                                    "torch.profiler's allocation events") + "), largest rank")
+                                                    "torch.profiler's allocation and free events") + "), largest rank")
     print(f"{'N':>5}{'w':>4}{'B':>5}{'P':>3}  " + "".join(f"{m:>18}" for m in METHODS))
     for (N, w, B) in a.configs:
         for P in ranks:
             r = res[P][(N, w, B)]
-            print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + "".join(f"{mm / 1024:>18.0f}" for mm in r["peak"]))
+            print(f"{N:>5}{w:>4}{B:>5}{P:>3}  " + ("".join(f"{mm / 1024:>18.0f}" for mm in r["peak"])
+                                                  if r.get("peak") else f"{'(not measured)':>18}"))
     models = {c: Model(a, res[1][c], res.get(2, {}).get(c)) for c in a.configs} if 1 in ranks else {}
     per = round_check(a, runs) if 1 in ranks and 2 in ranks else None  # (None: no model check)
     if per is not None:

@@ -1557,3 +1557,21 @@ def test_dense_sweeps_read_their_layers_parameters_as_views_of_one_stack():
     odd = np.array([0, 1, 5])
     p, _ = kp._gather(0, odd, torch.device("cpu"))
     assert torch.equal(p["0.weight"], torch.stack([lp.kernel.modules[j][0].weight.detach() for j in odd]))
+
+
+def test_autocast_output_equals_serial_and_gradients_differ_by_its_precision():
+    """Under torch.autocast the forward solve evaluates the layers as autocast makes them (converged:
+    the serial network's output under autocast); the adjoint solve runs in float32, so the gradients
+    differ from serial autocast's by about bfloat16's precision, not more."""
+    torch.manual_seed(10)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).float() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, relax="FCF", fwd_iters=8, bwd_iters=8)
+    net = ODENet(copy.deepcopy(layers), T=1.0)
+    x = torch.randn(3, 4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ys = lp(x), net(x)
+        assert y.dtype == ys.dtype and rel(y.detach().float(), ys.detach().float()) < 1e-6
+    y.float().square().sum().backward()
+    ys.float().square().sum().backward()
+    for p, q in zip(lp.parameters(), net.parameters()):
+        assert rel(p.grad, q.grad) < 5e-2
