@@ -96,7 +96,7 @@ class AdjointPropagator(mgrit.Propagator):
 
         def make(a, b):
             ia, layers, dt = self.plan(a, b, V)
-            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(ia - i0, D.device)(D))  # (a view: no copy)
+            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(ia - i0, D.device)(D))  # (a view where the rows increase)
 
         return cached_plan(held[2], tau0, tau1, V, make)(V)
 

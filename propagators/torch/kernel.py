@@ -435,9 +435,7 @@ def _trace_dense(module: nn.Module):
         k += 1
     lin = nodes[k]
     if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
-        if subs[lin.target].in_features != subs[lin.target].out_features:
-            return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
-        weight = f"{lin.target}.weight"
+        weight, W = f"{lin.target}.weight", subs[lin.target].weight
         bias = f"{lin.target}.bias" if subs[lin.target].bias is not None else None
     elif lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
         args = list(lin.args[1:]) + [lin.kwargs.get(a) for a in ("weight", "bias") if a in lin.kwargs]
@@ -447,10 +445,11 @@ def _trace_dense(module: nn.Module):
         bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
         if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
             return None
-        if params[weight].shape[0] != params[weight].shape[1]:
-            return None  # (as for nn.Linear above)
+        W = params[weight]
     else:
         return None
+    if W.shape[0] != W.shape[1]:
+        return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
     prev = lin
     for node in nodes[k + 1: -1]:
         op = _elementwise(node, prev, subs)

@@ -119,7 +119,7 @@ def _rng_digest(device) -> int:
 class _LayerParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, kp, anchor, x, *params):
-        with own_saved_tensors(), uncached_parametrizations():
+        with own_saved_tensors():
             y, saved = lp._forward_solve(kp, x)
         ctx.lp, ctx.saved = lp, saved
         ctx.save_for_backward(*params)  # autograd's own check: no in-place change before backward
@@ -765,11 +765,11 @@ class LayerParallel(nn.Module):
                 kp = self.kernel.bind(one_pass=True)
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
-            if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
-                # every rank takes the autograd path (and so joins the adjoint solve in backward)
-                anchor = torch.zeros((), requires_grad=self._comm.size > 1)
-                return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
-            with uncached_parametrizations():
+            with uncached_parametrizations():  # (the backward pass suspends it again)
+                if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
+                    # every rank takes the autograd path (and so joins the adjoint solve in backward)
+                    anchor = torch.zeros((), requires_grad=self._comm.size > 1)
+                    return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
                 return self._forward_solve(kp, x)[0]
         except BaseException as exc:
             self._alarm(exc)
