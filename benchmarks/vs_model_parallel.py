@@ -213,27 +213,7 @@ def worker(a):
                 fn()
             sync()
             return torch.cuda.max_memory_allocated() - base
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            for _ in range(steps):
-                fn()
-        # every allocation and free at its own time (an op's net memory at its start would miss what it
-        # allocates and frees again, and so the peak); None where this torch has no such event tree
-        try:
-            nodes, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
-        except AttributeError:
-            return None
-        while nodes:
-            n = nodes.pop()
-            if type(n.extra_fields).__name__ == "_ExtraFields_Allocation":
-                events.append((n.start_time_ns, n.extra_fields.alloc_size))
-            nodes.extend(n.children)
-        live = top = 0
-        for _, b in sorted(events):
-            live += b
-            top = max(top, live)
-        return top
+        return cpu_peak_bytes(fn, steps)
 
     def timed(fns, repeat):
         for fn in fns:
@@ -502,6 +482,33 @@ def worker(a):
         dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def cpu_peak_bytes(fn, steps=1):
+    """Largest number of bytes of torch's CPU tensors alive at once during ``steps`` calls of ``fn``,
+    counted from the start: the running sum of the allocation and free events of ``torch.profiler``
+    (``profile_memory=True``) in time order; None where this torch has no such event tree."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            fn()
+    # every allocation and free at its own time (an op's net memory at its start would miss what it
+    # allocates and frees again, and so the peak)
+    try:
+        nodes, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    except AttributeError:
+        return None
+    while nodes:
+        n = nodes.pop()
+        if type(n.extra_fields).__name__ == "_ExtraFields_Allocation":
+            events.append((n.start_time_ns, n.extra_fields.alloc_size))
+        nodes.extend(n.children)
+    live = top = 0
+    for _, b in sorted(events):
+        live += b
+        top = max(top, live)
+    return top
 
 
 def layer_costs(torch, Block, layers, h, w, sizes, reps=5, sync=lambda: None):

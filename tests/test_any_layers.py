@@ -805,7 +805,7 @@ def test_pattern_steppers_give_the_general_paths_bits(make, dtype):
         return
     states = torch.randn(10, 2, 5, dtype=dtype)
     D = kp.linearize(states[:8], np.arange(8))  # the dense layers (the last one, ELU, has no closed form)
-    adj = AdjointPropagator(prop, lambda ia: states[torch.as_tensor(ia)], 9, (D, 0))
+    adj = AdjointPropagator(prop, lambda ia: states[torch.as_tensor(ia)], 9, (D.flip(0), 7))  # (rows of layers 7..0)
     plain = AdjointPropagator(prop, lambda ia: states[torch.as_tensor(ia)], 9)
     tau0, tau1 = np.array([0.0, 0.375]), np.array([0.25, 0.5])
     V = torch.randn(2, 2, 5, dtype=dtype)
@@ -823,7 +823,7 @@ def test_reused_adjoint_propagator_follows_its_linearization_and_the_refreshed_p
     prop = ODEPropagator(layers, h=0.125)
     U = torch.randn(9, 4, 5, dtype=torch.float64)
     D = prop.kernel.linearize(U[:8], np.arange(8))
-    adj = AdjointPropagator(prop, lambda ia: U[torch.as_tensor(ia)], 8, (D, 0))
+    adj = AdjointPropagator(prop, lambda ia: U[torch.as_tensor(ia)], 8, (D.flip(0), 7))
     V = torch.randn(2, 4, 5, dtype=torch.float64)
     tau0, tau1 = np.array([0.0, 0.5]), np.array([0.25, 0.75])
     before = adj.step_batch(V, tau0, tau1)
@@ -834,14 +834,15 @@ def test_reused_adjoint_propagator_follows_its_linearization_and_the_refreshed_p
     prop.refresh()
     U2 = torch.randn(9, 4, 5, dtype=torch.float64)
     D2 = prop.kernel.linearize(U2[:8], np.arange(8))
-    adj.linearization = (D2, 0)
-    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2, 0))
+    D2 = D2.flip(0)
+    adj.linearization = (D2, 7)
+    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2, 7))
     after = adj.step_batch(V, tau0, tau1)
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh.step_batch(V, tau0, tau1))
     with torch.no_grad():
         D2.mul_(2.0)  # the derivatives changed in place
-    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2.clone(), 0))
+    fresh = AdjointPropagator(prop, lambda ia: U2[torch.as_tensor(ia)], 8, (D2.clone(), 7))
     assert torch.equal(adj.step_batch(V, tau0, tau1), fresh.step_batch(V, tau0, tau1))
 
 
@@ -1196,7 +1197,8 @@ def test_rows_of_states_are_views_when_consecutive():
     from propagators.torch.module import _rows
 
     X = torch.arange(40.0).reshape(10, 4)
-    for r in ([], [3], [3, 4], [2, 3, 4, 5], [0, 2, 1, 3], [5, 4], [-1, 0], [1, 1, 2], [0, 1, 3]):
+    for r in ([], [3], [3, 4], [2, 3, 4, 5], [0, 2, 1, 3], [5, 4], [-1, 0], [1, 1, 2], [0, 1, 3],
+              [9, 8, 7, 6], [-1, -2], [2, 1, 0], [-3, -2, -1]):
         rows = np.asarray(r, dtype=np.int64)
         got = _rows(X, rows)
         assert torch.equal(got, X[rows]), r
@@ -1557,6 +1559,13 @@ def test_dense_sweeps_read_their_layers_parameters_as_views_of_one_stack():
     odd = np.array([0, 1, 5])
     p, _ = kp._gather(0, odd, torch.device("cpu"))
     assert torch.equal(p["0.weight"], torch.stack([lp.kernel.modules[j][0].weight.detach() for j in odd]))
+    # the backward pass keeps the reversed stack only: its patterns, and single layers, are views of it
+    kp.drop_forward_stacks()
+    for idx in (np.arange(60, -1, -4), np.array([7]), np.arange(63, -1, -1)):
+        p, _ = kp._gather(0, idx, torch.device("cpu"))
+        assert p["0.weight"]._base is not None
+        assert torch.equal(p["0.weight"], torch.stack([lp.kernel.modules[int(j)][0].weight.detach() for j in idx]))
+    assert list(kp._stacked) == [(0, True)]
 
 
 def test_autocast_output_equals_serial_and_gradients_differ_by_its_precision():
@@ -1575,3 +1584,45 @@ def test_autocast_output_equals_serial_and_gradients_differ_by_its_precision():
     ys.float().square().sum().backward()
     for p, q in zip(lp.parameters(), net.parameters()):
         assert rel(p.grad, q.grad) < 5e-2
+
+
+def test_a_training_steps_peak_memory_is_what_the_backward_must_hold(monkeypatch):
+    """The most bytes alive at once in a training step stay within what its backward pass must hold:
+    the forward trajectory, the derivatives and the adjoint's fine level (N + 1 states each), one copy
+    of the parameters and the gradients, and temporaries: the adjoint solve's coarse levels (three
+    arrays per coarse point) and a quarter of the layers' states in its sweeps, or two arrays of a
+    piece of the layers in the parameter gradients. That holds when the sweeps read the derivatives
+    and the parameters as views in reverse layer order (not copies per pattern) and one stack of the
+    parameters is kept, not two. Taken in pieces (as for large states: PIECE_BYTES) the gradients
+    have the same bits as taken whole."""
+    import propagators.torch.module as lp_module
+    from mgrit import build_hierarchy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from vs_model_parallel import cpu_peak_bytes  # (the benchmark's measured peak)
+
+    N, w, B = 256, 16, 16
+    torch.manual_seed(12)
+    layers = [nn.Sequential(nn.Linear(w, w), nn.Tanh()).double() for _ in range(N)]
+    x = torch.randn(B, w, dtype=torch.float64)
+    grads = []
+    for cut in (False, True):
+        if cut:
+            monkeypatch.setattr(lp_module, "PIECE_BYTES", 1)  # (8 pieces of 32 layers)
+        lp = LayerParallel(copy.deepcopy(layers), cf=4, max_levels=4)
+
+        def step():
+            lp.zero_grad(set_to_none=True)
+            loss_fn(lp(x)).backward()
+
+        step()
+        if cut:
+            peak = cpu_peak_bytes(step)
+        grads.append([p.grad for p in lp.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    state = B * w * 8
+    coarse = sum(lev.n + 1 for lev in build_hierarchy(np.linspace(0, 1, N + 1), cf=4, max_levels=4)[1:])
+    params = sum(p.numel() * 8 for p in lp.parameters())
+    held = 3 * (N + 1) * state + 2 * params
+    temporaries = max(3 * coarse + N // 2, 2 * (N // 8)) * state
+    assert 0.9 * held <= peak <= held + temporaries, (peak / state, held / state, temporaries / state)

@@ -35,11 +35,12 @@ class AdjointPropagator(mgrit.Propagator):
         ``states(ia)`` returns the stacked forward states at fine indices ``ia``.
     n_layers : int
     linearization : (tensor, int), optional
-        ``(D, i0)``: ``D[k]`` holds the derivatives that
+        ``(D, i_top)``: ``D[k]`` holds the derivatives that
         :meth:`~propagators.torch.kernel.KernelPass.linearize` gave for the state and layer at
-        fine index ``i0 + k`` (valid when every interval ``[ia, ib]`` steps with layer ``ia``, the
-        default parameter injection). Every step then reuses them instead of re-evaluating the
-        layer at its stored state.
+        fine index ``i_top - k``, in reverse layer order as the adjoint's sweeps run, so that a
+        sweep reads its rows as a view (valid when every interval ``[ia, ib]`` steps with layer
+        ``ia``, the default parameter injection). Every step then reuses them instead of
+        re-evaluating the layer at its stored state.
     record : list, optional
         When given (and without ``linearization``), every batched sweep of fine steps also takes
         the parameter VJPs of its layers from the same vector-Jacobian product, where the layers
@@ -65,8 +66,8 @@ class AdjointPropagator(mgrit.Propagator):
         ia, ib = N - round(float(tau1) / h), N - round(float(tau0) / h)
         j = self.fwd.layer_of(ia, ib)
         if self.linearization is not None:
-            D, i0 = self.linearization
-            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[ia - i0])
+            D, top = self.linearization
+            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[top - ia])
         return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
     def plan(self, tau0, tau1, like):
@@ -86,17 +87,18 @@ class AdjointPropagator(mgrit.Propagator):
                     self.record.append((np.asarray(layers), V.detach().clone(), both[1]))
                     return both[0]
             return self.fwd.kernel.vjp_state(self.states(ia), V, layers, dt)
-        D, i0 = self.linearization
+        D, top = self.linearization
         # the step functions are kept by the forward's pass (its parameter values), afresh for a new or
         # changed linearization
         per_pass = self.fwd.kernel.steppers(self._plans)
         held = per_pass.get("linearization")
-        if held is None or held[0] is not D or held[1] != (D._version, i0):
-            held = per_pass["linearization"] = (D, (D._version, i0), {})
+        if held is None or held[0] is not D or held[1] != (D._version, top):
+            held = per_pass["linearization"] = (D, (D._version, top), {})
 
         def make(a, b):
             ia, layers, dt = self.plan(a, b, V)
-            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(ia - i0, D.device)(D))  # (a view where the rows increase)
+            # (the sweep runs down the layers, up D's rows: a view)
+            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(top - ia, D.device)(D))
 
         return cached_plan(held[2], tau0, tau1, V, make)(V)
 

@@ -817,33 +817,27 @@ class KernelPass:
     def _stack(self, cid: int, reverse: bool = False):
         """The parameters and buffers of class ``cid`` stacked in member order (``reverse``: in
         reverse order, for the adjoint's sweeps, which run down the layers: there its patterns are
-        views too)."""
-        if reverse:
-            hit = self._stacked.get((cid, True))
-            if hit is None:
-                p, b = self._stack(cid)
-                hit = self._stacked[cid, True] = (
-                    {n: v.flip(0) for n, v in p.items()},
-                    {n: (tuple(m.flip(0) for m in v) if n == MASKS else v.flip(0)) for n, v in b.items()})
-            return hit
-        hit = self._stacked.get(cid)
+        views too). Either order is stacked from the layers' own tensors where the other is not held
+        (:meth:`drop_forward_stacks` flips the forward one)."""
+        hit = self._stacked.get((cid, reverse))
         if hit is None:
             c = self.k.classes[cid]
-            spans = [self.k._span[int(j)] for j in c.members]
+            members = c.members[::-1] if reverse else c.members
+            spans = [self.k._span[int(j)] for j in members]
             P, B = self.params, self.buffers
             try:
                 with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
                     hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
                            {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
+                    if self.masks is not None and int(c.members[0]) in self.masks:
+                        ms = [self.masks[int(j)] for j in members]
+                        hit[1][MASKS] = tuple(torch.stack([m[q] for m in ms]) for q in range(len(ms[0])))
             except RuntimeError as exc:
                 raise LayerError(
                     f"the parameters of layers {c.members.tolist()} no longer have equal shapes, dtypes "
                     f"or devices ({exc}); rebuild the LayerParallel module after changing layer structure"
                 ) from exc
-            if self.masks is not None and int(c.members[0]) in self.masks:
-                ms = [self.masks[int(j)] for j in c.members]
-                hit[1][MASKS] = tuple(torch.stack([m[q] for m in ms]) for q in range(len(ms[0])))
-            self._stacked[cid] = hit
+            self._stacked[cid, reverse] = hit
         return hit
 
     def _gather(self, cid: int, idx: np.ndarray, device):
@@ -852,13 +846,32 @@ class KernelPass:
         if hit is None:
             pos = self.k.position[idx]
             prog = _progression(pos)
-            reverse = prog is not None and prog[1] < 0 and len(pos) > 1
+            if prog is not None and len(pos) > 1:
+                reverse = prog[1] < 0  # (a view of the stack in the pattern's direction)
+            else:  # one layer or no progression: the stack this pass holds (the reversed one only after
+                reverse = (cid, False) not in self._stacked and (cid, True) in self._stacked  # drop_forward_stacks)
             p, b = self._stack(cid, reverse)
             take = take_rows(len(self.k.classes[cid].members) - 1 - pos if reverse else pos, device)
             hit = self._gathered[key] = ({n: take(v) for n, v in p.items()},
                                          {n: (tuple(take(m) for m in v) if n == MASKS else take(v))
-                                          for n, v in b.items()})
-        return hit
+                                          for n, v in b.items()}, reverse)
+        return hit[:2]
+
+    def drop_forward_stacks(self) -> None:
+        """Forget the parameters stacked in layer order and what is bound to them (gathered views, the
+        step functions of :meth:`steppers`): the backward pass's sweeps and parameter gradients run down
+        the layers, on the reversed stacks, so that one copy of the parameters is held, not two
+        (anything that asks for the forward order again stacks it again)."""
+        self._steppers.clear()
+        self._gathered = {k: v for k, v in self._gathered.items() if v[2]}
+        for cid, rev in list(self._stacked):
+            if not rev:
+                if (cid, True) not in self._stacked:  # (a flip is quicker than stacking the layers again)
+                    p, b = self._stacked[cid, False]
+                    self._stacked[cid, True] = (
+                        {n: v.flip(0) for n, v in p.items()},
+                        {n: (tuple(m.flip(0) for m in v) if n == MASKS else v.flip(0)) for n, v in b.items()})
+                del self._stacked[cid, False]
 
     # -- grouping --------------------------------------------------------------
     def _groups(self, idx: np.ndarray):

@@ -352,12 +352,28 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     return list(map(_TRAINING, subs)), hid, hooks
 
 
+#: the least bytes of states a piece of the backward pass's per-layer work takes (:func:`_chunks`)
+PIECE_BYTES = 2 << 20
+
+
+def _chunks(rows: np.ndarray, row_bytes: int, parts: int = 8):
+    """``rows`` in consecutive pieces: ``parts`` of them, or fewer of at least :data:`PIECE_BYTES`
+    (``row_bytes`` a row's states): the backward pass's per-layer work a piece at a time, so that its
+    temporaries are a piece's, not every layer's, where that matters, and few calls where it does not."""
+    step = max(-(-rows.size // parts), -(-PIECE_BYTES // max(row_bytes, 1)), 1)
+    return [rows[a: a + step] for a in range(0, rows.size, step)]
+
+
 def _rows(X, rows: np.ndarray):
-    """``X[rows]``: a view (no copy of the states) when ``rows`` is a run of consecutive indices."""
-    if (rows.size and rows[0] >= 0 and int(rows[-1]) - int(rows[0]) == rows.size - 1
-            and (rows.size < 3 or (np.diff(rows) == 1).all())):
-        return X[int(rows[0]): int(rows[-1]) + 1]
-    return X[rows]
+    """``X[rows]``: a view (no copy of the states) when ``rows`` is a run of consecutive increasing
+    indices; one flipped copy of the run when they decrease (as the backward pass reads the layers)."""
+    if rows.size and rows.min() < 0:
+        rows = np.where(rows < 0, rows + X.shape[0], rows)  # (counted from the end, as X[rows])
+    if rows.size:
+        a, b = int(rows[0]), int(rows[-1])
+        if abs(b - a) == rows.size - 1 and (rows.size < 3 or (np.diff(rows) == (1 if b >= a else -1)).all()):
+            return X[a: b + 1] if b >= a else X[b: a + 1].flip(0)
+    return X.index_select(0, torch.as_tensor(rows, device=X.device, dtype=torch.int64))
 
 
 class LayerParallel(nn.Module):
@@ -1091,6 +1107,8 @@ class LayerParallel(nn.Module):
         def states(ia):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
 
+        # the backward pass reads the parameters in reverse layer order only: one stacked copy of them
+        prop.kernel.drop_forward_stacks()
         # a failure here on one rank reaches the others through the backward pass's session
         D = self._linearize(prop, U, g0)
         # without closed-form derivatives, the fine sweeps also take the parameter VJPs of their layers
@@ -1099,7 +1117,7 @@ class LayerParallel(nn.Module):
         # the coarse correction: the separate parameter pass is left with nothing to do
         fuse = D is None and self.layer_index is inject_layer and self.bwd_iters == 1 and self.skip
         record = [] if fuse else None
-        adj = AdjointPropagator(prop, states, N, None if D is None else (D, g0), record=record)
+        adj = AdjointPropagator(prop, states, N, D, record=record)
         adjs, transfers = self._spatial_adjoint(prop, adj, states)  # (adj, None) without spatial coarsening
         if transfers is not None:
             adj.record = record = None
@@ -1110,46 +1128,66 @@ class LayerParallel(nn.Module):
                               final_residual=True, spatial=transfers)
         self.last_backward = res.without_states()
         _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type)
-        W = torch.flip(res.u, dims=[0])  # adjoints at forward points lo..hi
+        A = res.u  # A[s]: the adjoint at forward point hi - s
         # what the gradients below no longer need, freed before they allocate theirs: the adjoint
-        # solve's own stack (W holds the adjoints) and what its sweeps bound
+        # solve's coarse levels and what its sweeps bound
         del res, adjs
         prop.kernel.drop_steppers()
-        grads = self._parameter_gradients(prop, U, g0, W, param_ids, D, record)
+        grads = self._parameter_gradients(prop, U, g0, A, param_ids, D, record)
+        # the adjoint at point 0 (A's last row where this rank holds it), a copy: the input's gradient
+        # must not hold every adjoint
         if P == 1:
-            return W[0].reshape(xshape), grads
+            return A[-1].clone().reshape(xshape), grads
         root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
-        gx = self._comm.bcast_state(W[0].clone() if r == root else None, gy, root=root)
+        gx = self._comm.bcast_state(A[-1].clone() if r == root else None, gy, root=root)
         return gx.reshape(xshape), grads
 
     def _linearize(self, prop, U, g0):
-        """The derivatives of every held layer at its stored input state (rows of ``U``), computed
-        once for the whole backward pass (see KernelPass.linearize); None where the layers, the
-        coarse parameters or spatial coarsening need the states themselves."""
+        """``(D, i_top)``: the derivatives of every held layer at its stored input state (rows of
+        ``U``), computed once for the whole backward pass (see KernelPass.linearize), in reverse
+        layer order (``D[k]`` for layer ``i_top - k``, as AdjointPropagator reads them); None where
+        the layers, the coarse parameters or spatial coarsening need the states themselves."""
         if self.layer_index is not inject_layer or self.spatial is not None:
             return None
         rows = np.arange(g0, g0 + U.shape[0])
         rows = rows[rows < self.n_layers]  # the last point enters no layer
         class_of = prop.kernel.k.class_of  # -1 (or beyond its end): a layer this process does not hold
-        if rows.size and (rows[-1] >= class_of.size or (class_of[rows] < 0).any()):
+        if not rows.size or rows[-1] >= class_of.size or (class_of[rows] < 0).any():
             return None
+        down, D = rows[::-1], None
         with torch.no_grad():
-            return prop.kernel.linearize(U[: rows.size], rows)
+            for part in _chunks(down, U[0].numel() * U.element_size()):  # (a piece's temporaries at a time)
+                Dc = prop.kernel.linearize(_rows(U, part - g0), part)
+                if Dc is None:
+                    return None
+                if D is None:
+                    D = Dc.new_empty((down.size,) + tuple(Dc.shape[1:]))
+                k = int(rows[-1] - part[0])
+                D[k: k + part.size] = Dc
+        return D, int(rows[-1])
 
-    def _parameter_gradients(self, prop, U, g0, W, param_ids, D=None, record=None):
-        layers = np.asarray(list(self.owned_layers), dtype=np.int64)
+    def _parameter_gradients(self, prop, U, g0, A, param_ids, D=None, record=None):
+        """The parameter gradients from the forward states ``U`` (row ``k``: point ``g0 + k``), the
+        adjoints ``A`` (row ``s``: point ``hi - s``) and the derivatives ``D`` of :meth:`_linearize`,
+        in the order of ``param_ids``; the layers are taken in reverse order, a chunk at a time, so
+        that the adjoints, the derivatives and the reversed parameter stack are read as views."""
+        layers = np.asarray(list(self.owned_layers), dtype=np.int64)[::-1]
         if not len(layers) or not param_ids:
             return [None] * len(param_ids)
+
+        def after(js):  # rows of A: the adjoints after layers js (at points js + 1)
+            return self.hi - 1 - js
+
         positions, grads = [], []
         if record:  # the adjoint sweeps' own parameter VJPs, where they used the final adjoint
             positions, grads, layers = recorded_gradients(
-                record, layers, lambda js: W.index_select(0, torch.as_tensor(js + 1 - self.lo, device=W.device)))
-        if len(layers):
-            with torch.no_grad():
-                ps, gs = parameter_vjp(prop, layers, _rows(U, layers - g0), _rows(W, layers + 1 - self.lo),
-                                       None if D is None else _rows(D, layers - g0))
-            positions += ps
-            grads += gs
+                record, layers, lambda js: A.index_select(0, torch.as_tensor(after(js), device=A.device)))
+        with torch.no_grad():
+            for part in _chunks(layers, U[0].numel() * U.element_size()):
+                ps, gs = parameter_vjp(prop, part, _rows(U, part - g0), _rows(A, after(part)),
+                                       None if D is None else _rows(D[0], D[1] - part))
+                positions += ps
+                grads += gs
         flat = prop.kernel.params
         ids = list(map(id, map(flat.__getitem__, positions)))
         if len(set(ids)) == len(ids):  # every gradient belongs to its own parameter (C-level maps)
