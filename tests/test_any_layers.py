@@ -1068,9 +1068,9 @@ def _gradients(layers, x, monkeypatch, fused: bool, after=None, **kw):
     asked = []
     plain = module.parameter_vjp
 
-    def counted(fwd, layers_, *args):
+    def counted(fwd, layers_, *args, **kwargs):
         asked.extend(np.asarray(layers_).tolist())
-        return plain(fwd, layers_, *args)
+        return plain(fwd, layers_, *args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(module, "parameter_vjp", counted)

@@ -134,16 +134,17 @@ def recorded_gradients(record: list, layers: np.ndarray, final):
     return positions, grads, rest
 
 
-def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None):
+def parameter_vjp(fwd: ODEPropagator, layers: np.ndarray, U, W, D=None, overwrite: bool = False):
     """``(d Phi_j / d theta_j)^T w_{j+1}`` for the fine steps of the given layers.
 
     ``U[k]`` is the state entering layer ``layers[k]``, ``W[k]`` the adjoint
     at the state it produces (``D``: optional derivatives of
-    :meth:`~propagators.torch.kernel.KernelPass.linearize` for ``U``). Returns
+    :meth:`~propagators.torch.kernel.KernelPass.linearize` for ``U``; ``overwrite``: they are
+    not read again, and their memory may be reused). Returns
     ``(positions, grads)``: the gradient ``grads[i]`` (or None) belongs to the
     parameter ``fwd.kernel.params[positions[i]]`` (see
     :meth:`~propagators.torch.kernel.KernelPass.vjp_params`).
     """
     layers = np.asarray(layers, dtype=np.int64)
     dt = torch.full((len(layers),), fwd.h, dtype=U.dtype, device=U.device)
-    return fwd.kernel.vjp_params(U, W, layers, dt, D)
+    return fwd.kernel.vjp_params(U, W, layers, dt, D, overwrite)

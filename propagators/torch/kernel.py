@@ -228,7 +228,7 @@ class DenseRHS:
         """``act'(W_k x + b_k)`` of every interval, shape ``(n, rows, out)``: what the adjoint of a
         forward Euler step needs of the forward state ``U[k]`` (its linearization)."""
         Z = self._z(params, U)
-        return self.derivative(Z).expand(Z.shape)  # (a linear layer's derivative is a scalar one)
+        return self.derivative(Z).expand(Z.shape)  # (a linear layer's derivative is a scalar one; Z overwritten)
 
     def _behind(self, params, U, V, D=None):
         """``act'(z) * V`` per interval, shape ``(n, rows, out)``: the adjoint behind the activation
@@ -257,12 +257,18 @@ class DenseRHS:
             return torch.baddbmm(V3, G, W * dt3).reshape(V.shape)
         return torch.baddbmm(V3, G.mul_(dt3), W).reshape(V.shape)
 
-    def euler_param_vjp(self, params, U, W, dt, D=None) -> dict:
+    def euler_param_vjp(self, params, U, W, dt, D=None, overwrite: bool = False) -> dict:
         """Weight and bias gradients of a forward Euler step for every interval, in closed form:
         ``dt (act'(z) * w) x^T`` and ``dt sum(act'(z) * w)`` over the batch rows (``dt`` multiplies
-        the batch-sized factor or the per-layer sums, as :meth:`scale_weights` decides)."""
+        the batch-sized factor or the per-layer sums, as :meth:`scale_weights` decides).
+        ``overwrite``: ``D`` is not read again, its memory may hold ``act'(z) * w`` (same bits)."""
         n = U.shape[0]
-        G, dt3 = self._behind(params, U, W, D), dt.reshape(-1, 1, 1)
+        dt3 = dt.reshape(-1, 1, 1)
+        W3 = W.reshape(W.shape[0], -1, W.shape[-1])
+        if overwrite and D is not None and D.is_contiguous() and D.shape == W3.shape and D.dtype == W3.dtype:
+            G = D.mul_(W3)
+        else:
+            G = self._behind(params, U, W, D)
         late = self.scale_weights(G.shape[1], params[self.weight])
         if not late:
             G.mul_(dt3)
@@ -321,18 +327,21 @@ def _ones_like(z):
     return torch.ones((), dtype=z.dtype, device=z.device)
 
 
+# the derivatives below overwrite ``z`` (their callers pass pre-activations they do not read again),
+# so that the backward pass's linearization holds one array of its layers, not three; the same bits as
+# ``1 - tanh(z)**2``, ``s * (1 - s)`` and ``(z > 0)`` in z's dtype
 def _tanh_derivative(z):
-    a = torch.tanh(z)
-    return 1.0 - a * a
+    a = z.tanh_()
+    return a.mul_(a).neg_().add_(1.0)
 
 
 def _sigmoid_derivative(z):
-    s = torch.sigmoid(z)
-    return s * (1.0 - s)
+    s = z.sigmoid_()
+    return s.mul_(1.0 - s)
 
 
 def _relu_derivative(z):
-    return (z > 0).to(z.dtype)
+    return z.gt_(0)
 
 
 #: closed-form derivatives of the single activations that are recognised (module types, functions,
@@ -1281,9 +1290,10 @@ class KernelPass:
         return out, blocks
 
     # -- parameter VJPs ----------------------------------------------------------
-    def vjp_params(self, U, W, idx: np.ndarray, dt, D=None):
+    def vjp_params(self, U, W, idx: np.ndarray, dt, D=None, overwrite: bool = False):
         """``(d step_k / d theta)^T W[k]`` for every interval ``k`` (``D``: optional derivatives
-        from :meth:`linearize` for ``U`` and ``idx``).
+        from :meth:`linearize` for ``U`` and ``idx``; ``overwrite``: they are not read again, and
+        their memory may hold products of the closed-form gradients).
 
         Returns ``(positions, grads)``: flat lists, ``grads[i]`` belongs to the
         parameter ``self.params[positions[i]]``; None for parameters that do not
@@ -1302,7 +1312,7 @@ class KernelPass:
                 t = torch.as_tensor(pos, device=U.device)
                 Up, Wp, dtp = U.index_select(0, t), W.index_select(0, t), dt.index_select(0, t)
                 Dp = None if D is None else D.index_select(0, t)
-            ps, gs = self._vjp_params_class(cid, part, Up, Wp, dtp, Dp)
+            ps, gs = self._vjp_params_class(cid, part, Up, Wp, dtp, Dp, overwrite)
             positions += ps
             grads += gs
         return positions, grads
@@ -1313,7 +1323,7 @@ class KernelPass:
             self._req = np.fromiter(map(_REQUIRES_GRAD, self.params), dtype=bool, count=len(self.params))
         return self._req
 
-    def _vjp_params_class(self, cid, idx, U, W, dt, D=None):
+    def _vjp_params_class(self, cid, idx, U, W, dt, D=None, overwrite=False):
         c = self.k.classes[cid]
         nq = len(c.param_names)
         cols = self.k.p_start[idx][:, None] + np.arange(nq)  # flat positions, (intervals, parameters)
@@ -1328,7 +1338,7 @@ class KernelPass:
             return ps, gs
         p, b = self._gather(cid, idx, U.device)
         if self._closed_form(c, U):
-            G = c.dense.euler_param_vjp(p, U, W, dt, D)
+            G = c.dense.euler_param_vjp(p, U, W, dt, D, overwrite)
             G = {n: G.get(n) for n in need}
         elif c.mode == "dense":
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}

@@ -1184,8 +1184,9 @@ class LayerParallel(nn.Module):
                 record, layers, lambda js: A.index_select(0, torch.as_tensor(after(js), device=A.device)))
         with torch.no_grad():
             for part in _chunks(layers, U[0].numel() * U.element_size()):
+                # (the derivatives' last use: their memory takes the adjoints behind the activations)
                 ps, gs = parameter_vjp(prop, part, _rows(U, part - g0), _rows(A, after(part)),
-                                       None if D is None else _rows(D[0], D[1] - part))
+                                       None if D is None else _rows(D[0], D[1] - part), overwrite=True)
                 positions += ps
                 grads += gs
         flat = prop.kernel.params
