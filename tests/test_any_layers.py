@@ -846,6 +846,34 @@ def test_reused_adjoint_propagator_follows_its_linearization_and_the_refreshed_p
     assert torch.equal(adj.step_batch(V, tau0, tau1), fresh.step_batch(V, tau0, tau1))
 
 
+def test_adjoint_linearization_in_forward_order_is_a_clear_error():
+    """The linearization ``(D, i_top)`` holds the derivatives in reverse layer order; derivatives given
+    in forward order with their first index (``(D, 0)``, the form before) would read other layers'
+    rows: an error that says how to pass them, on the batched and the one-step paths, and the reversed
+    form gives the adjoint of the plain (state-reading) propagator."""
+    import mgrit
+    from propagators.torch import AdjointPropagator, ODEPropagator
+
+    torch.manual_seed(4)
+    N, w = 8, 4
+    layers = [nn.Sequential(nn.Linear(w, w), nn.Tanh()).double() for _ in range(N)]
+    prop = ODEPropagator(layers, h=1.0 / N)
+    t = np.linspace(0.0, 1.0, N + 1)
+    U = mgrit.solve(prop, torch.randn(3, w, dtype=torch.float64), t, max_levels=1).u
+
+    def states(ia):
+        return U[torch.as_tensor(ia)]
+
+    gy = torch.randn(3, w, dtype=torch.float64)
+    plain = mgrit.solve(AdjointPropagator(prop, states, N), gy, t, max_levels=1).u
+    D = prop.kernel.linearize(U[:N], np.arange(N))
+    good = mgrit.solve(AdjointPropagator(prop, states, N, (D.flip(0), N - 1)), gy, t, max_levels=1).u
+    assert rel(good, plain) < 1e-14
+    for kw in ({"max_levels": 1}, {"cf": 2, "max_levels": 3, "tol": 1e-12}):
+        with pytest.raises(ValueError, match="reverse order"):
+            mgrit.solve(AdjointPropagator(prop, states, N, (D, 0)), gy, t, **kw)
+
+
 def test_halo_packing_round_trips_every_kind_of_tensor():
     """The halo exchange packs the tensors of a layer into one byte message: every dtype, 0-d and
     empty tensors, non-contiguous and offset views, and lazily conjugated or negated views come

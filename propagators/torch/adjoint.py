@@ -40,7 +40,9 @@ class AdjointPropagator(mgrit.Propagator):
         fine index ``i_top - k``, in reverse layer order as the adjoint's sweeps run, so that a
         sweep reads its rows as a view (valid when every interval ``[ia, ib]`` steps with layer
         ``ia``, the default parameter injection). Every step then reuses them instead of
-        re-evaluating the layer at its stored state.
+        re-evaluating the layer at its stored state. Derivatives ``D`` of fine indices
+        ``i0, i0 + 1, ...`` (forward order) are passed as ``(D.flip(0), i0 + len(D) - 1)``; a step
+        outside the rows raises ValueError.
     record : list, optional
         When given (and without ``linearization``), every batched sweep of fine steps also takes
         the parameter VJPs of its layers from the same vector-Jacobian product, where the layers
@@ -67,7 +69,7 @@ class AdjointPropagator(mgrit.Propagator):
         j = self.fwd.layer_of(ia, ib)
         if self.linearization is not None:
             D, top = self.linearization
-            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[top - ia])
+            return self.fwd.kernel.vjp_state_one(None, v, j, (ib - ia) * h, D[_rows_of(D, top, ia)])
         return self.fwd.kernel.vjp_state_one(self.states(np.array([ia]))[0], v, j, (ib - ia) * h)
 
     def plan(self, tau0, tau1, like):
@@ -98,9 +100,23 @@ class AdjointPropagator(mgrit.Propagator):
         def make(a, b):
             ia, layers, dt = self.plan(a, b, V)
             # (the sweep runs down the layers, up D's rows: a view)
-            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(top - ia, D.device)(D))
+            return self.fwd.kernel.vjp_stepper(layers, dt, take_rows(_rows_of(D, top, ia), D.device)(D))
 
         return cached_plan(held[2], tau0, tau1, V, make)(V)
+
+
+def _rows_of(D, top: int, ia):
+    """The rows of a reversed linearization ``(D, top)`` that hold fine indices ``ia``: ``top - ia``,
+    checked (a row outside ``D`` would wrap around to another layer's derivatives)."""
+    rows = top - np.asarray(ia)
+    if rows.size and (rows.min() < 0 or rows.max() >= D.shape[0]):
+        raise ValueError(
+            f"AdjointPropagator's linearization (D, i_top) holds fine indices {top - D.shape[0] + 1} to {top} "
+            f"(D[k] for fine index i_top - k, in reverse layer order), but a step needs fine indices "
+            f"{int(np.min(ia))} to {int(np.max(ia))}. Pass the derivatives of KernelPass.linearize in reverse "
+            "order with the last fine index: (D.flip(0), i0 + len(D) - 1) for derivatives D of fine indices "
+            "i0, i0 + 1, ... (the forward-order form (D, i0) is no longer accepted)")
+    return rows
 
 
 def recorded_gradients(record: list, layers: np.ndarray, final):
