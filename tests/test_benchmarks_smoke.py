@@ -43,6 +43,18 @@ def test_memory_per_rank_quick_run_splits_the_layers():
         assert int(owned) <= -(-64 // int(P)) + 1 and int(halo) <= 4
 
 
+def test_step_memory_quick_run_prints_both_networks():
+    """One row per network, each with a measured peak for the serial and the parallel step."""
+    pytest.importorskip("torch")
+    out = run_benchmark("step_memory.py", "--quick")
+    rows = [line.split() for line in out.splitlines() if line.startswith(("LayerParallel", "ParallelGRU"))]
+    assert len(rows) == 2, out
+    for row in rows:
+        serial, parallel, ratio = float(row[-3]), float(row[-2]), float(row[-1])
+        assert serial > 0 and parallel > 0  # (KiB rounded to whole numbers, the ratio to 2 decimals)
+        assert (parallel - 0.5) / (serial + 0.5) - 0.005 <= ratio <= (parallel + 0.5) / (serial - 0.5) + 0.005
+
+
 def test_warm_start_quick_run_exits_cleanly():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")

@@ -74,6 +74,10 @@ def _affine_compose(a, b):
     return a[:, 0], b[:, 0]
 
 
+#: the least steps of a piece of the weight gradients (ParallelGRU._step_gradients)
+_PIECE_STEPS = 64
+
+
 def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
     """``x[i0[j] + 0..k-1 - offset]`` stacked: shape ``(len(i0), k) + x.shape[1:]``.
 
@@ -724,8 +728,10 @@ class ParallelGRU(nn.Module):
         """Weight gradients (this rank's steps) and the input gradient at their positions.
 
         For every fine step ``t`` this rank owns (the step ending at its point
-        ``t + 1``), the cell's vector-Jacobian product with ``lam_{t+1}``, all
-        steps at once: three matrix products in all.
+        ``t + 1``), the cell's vector-Jacobian product with ``lam_{t+1}``: three
+        matrix products per piece of at least 64 steps, at most eight pieces (so
+        that the gates' temporaries are a piece's, not every step's), the weight
+        gradients summed over the pieces.
         """
         H = self.hidden_size
         t = lay.steps
@@ -733,22 +739,27 @@ class ParallelGRU(nn.Module):
         if not len(t):
             gw = [torch.zeros_like(w) for w in self._detached_weights(prop, w_ih)]
             return gw, x[:0]
-        h, gh = _windows(U, t, 1, g0)[:, 0], _windows(GH, t, 1, g0)[:, 0]
-        gi = _windows(prop.gi, t, 1, prop.offset)[:, 0]
-        lm = _windows(lam, t + 1, 1, lay.lo)[:, 0]
-        rr, z, n = prop.gates(gi, gh)
-        dz = lm * (h - n) * z * (1.0 - z)
-        dn = lm * (1.0 - z) * (1.0 - n * n)
-        dr = dn * gh[..., 2 * H:] * rr * (1.0 - rr)
-        dgi = torch.cat([dr, dz, dn], dim=-1)  # (T, B, 3H)
-        dgh = torch.cat([dr, dz, dn * rr], dim=-1)
-        dgi2, dgh2 = dgi.reshape(-1, 3 * H), dgh.reshape(-1, 3 * H)
-        g_wih = dgi2.t() @ _windows(x, t, 1, 0)[:, 0].reshape(-1, n_in)
-        g_whh = dgh2.t() @ h.reshape(-1, H)
-        gw = [g_wih, g_whh]
-        if self.bias:
-            gw += [dgi2.sum(0), dgh2.sum(0)]
-        gx = torch.matmul(dgi, w_ih) if need_x else x[:0]
+        step = max(-(-len(t) // 8), _PIECE_STEPS)
+        gw = None
+        gx = x.new_empty((len(t),) + tuple(x.shape[1:-1]) + (w_ih.shape[1],)) if need_x else x[:0]
+        for a in range(0, len(t), step):
+            tp = t[a: a + step]
+            h, gh = _windows(U, tp, 1, g0)[:, 0], _windows(GH, tp, 1, g0)[:, 0]
+            gi = _windows(prop.gi, tp, 1, prop.offset)[:, 0]
+            lm = _windows(lam, tp + 1, 1, lay.lo)[:, 0]
+            rr, z, n = prop.gates(gi, gh)
+            dz = lm * (h - n) * z * (1.0 - z)
+            dn = lm * (1.0 - z) * (1.0 - n * n)
+            dr = dn * gh[..., 2 * H:] * rr * (1.0 - rr)
+            dgi = torch.cat([dr, dz, dn], dim=-1)  # (steps, B, 3H)
+            dgh = torch.cat([dr, dz, dn * rr], dim=-1)
+            dgi2, dgh2 = dgi.reshape(-1, 3 * H), dgh.reshape(-1, 3 * H)
+            part = [dgi2.t() @ _windows(x, tp, 1, 0)[:, 0].reshape(-1, n_in), dgh2.t() @ h.reshape(-1, H)]
+            if self.bias:
+                part += [dgi2.sum(0), dgh2.sum(0)]
+            gw = part if gw is None else [g.add_(q) for g, q in zip(gw, part)]
+            if need_x:
+                torch.matmul(dgi, w_ih, out=gx[a: a + len(tp)])
         return gw, gx
 
     def _detached_weights(self, prop, w_ih):
