@@ -29,9 +29,9 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_DIFFERENT_LOSS, _agreed_build, _announced, _check_output_gradient, _differing_inputs,
-                     _eager_under_compile, _functorch_active, _input_sums, _iterations, _no_transforms,
-                     _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _agreed_build, _announced, _check_output_gradient, _chunks,
+                     _differing_inputs, _eager_under_compile, _functorch_active, _input_sums, _iterations,
+                     _no_transforms, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -739,11 +739,9 @@ class ParallelGRU(nn.Module):
         if not len(t):
             gw = [torch.zeros_like(w) for w in self._detached_weights(prop, w_ih)]
             return gw, x[:0]
-        step = max(-(-len(t) // 8), _PIECE_STEPS)
-        gw = None
+        gw, a = None, 0
         gx = x.new_empty((len(t),) + tuple(x.shape[1:-1]) + (w_ih.shape[1],)) if need_x else x[:0]
-        for a in range(0, len(t), step):
-            tp = t[a: a + step]
+        for tp in _chunks(t, _PIECE_STEPS):
             h, gh = _windows(U, tp, 1, g0)[:, 0], _windows(GH, tp, 1, g0)[:, 0]
             gi = _windows(prop.gi, tp, 1, prop.offset)[:, 0]
             lm = _windows(lam, tp + 1, 1, lay.lo)[:, 0]
@@ -760,6 +758,7 @@ class ParallelGRU(nn.Module):
             gw = part if gw is None else [g.add_(q) for g, q in zip(gw, part)]
             if need_x:
                 torch.matmul(dgi, w_ih, out=gx[a: a + len(tp)])
+            a += len(tp)
         return gw, gx
 
     def _detached_weights(self, prop, w_ih):

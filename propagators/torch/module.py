@@ -34,7 +34,7 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import (DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors,
-                     uncached_parametrizations)
+                     take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -352,28 +352,33 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     return list(map(_TRAINING, subs)), hid, hooks
 
 
-#: the least bytes of states a piece of the backward pass's per-layer work takes (:func:`_chunks`)
+#: the least bytes of states a piece of LayerParallel's backward per-layer work takes (:func:`_pieces_of`)
 PIECE_BYTES = 2 << 20
 
 
-def _chunks(rows: np.ndarray, row_bytes: int, parts: int = 8):
-    """``rows`` in consecutive pieces: ``parts`` of them, or fewer of at least :data:`PIECE_BYTES`
-    (``row_bytes`` a row's states): the backward pass's per-layer work a piece at a time, so that its
-    temporaries are a piece's, not every layer's, where that matters, and few calls where it does not."""
-    step = max(-(-rows.size // parts), -(-PIECE_BYTES // max(row_bytes, 1)), 1)
+def _chunks(rows: np.ndarray, least: int, parts: int = 8):
+    """``rows`` in consecutive pieces: ``parts`` of them, or fewer of at least ``least`` rows: the
+    backward passes' per-step work a piece at a time, so that its temporaries are a piece's, not
+    every step's, where that matters, and few calls where it does not."""
+    step = max(-(-rows.size // parts), least, 1)
     return [rows[a: a + step] for a in range(0, rows.size, step)]
 
 
+def _pieces_of(rows: np.ndarray, U):
+    """:func:`_chunks` of ``rows`` with pieces of at least :data:`PIECE_BYTES` of states (rows of ``U``)."""
+    return _chunks(rows, -(-PIECE_BYTES // max(U[0].numel() * U.element_size(), 1)))
+
+
 def _rows(X, rows: np.ndarray):
-    """``X[rows]``: a view (no copy of the states) when ``rows`` is a run of consecutive increasing
-    indices; one flipped copy of the run when they decrease (as the backward pass reads the layers)."""
+    """``X[rows]``: a view (no copy of the states) where ``rows`` increase evenly (``take_rows``);
+    one flipped copy of the run when they are consecutive and decrease (as the backward pass reads
+    the layers)."""
     if rows.size and rows.min() < 0:
         rows = np.where(rows < 0, rows + X.shape[0], rows)  # (counted from the end, as X[rows])
-    if rows.size:
-        a, b = int(rows[0]), int(rows[-1])
-        if abs(b - a) == rows.size - 1 and (rows.size < 3 or (np.diff(rows) == (1 if b >= a else -1)).all()):
-            return X[a: b + 1] if b >= a else X[b: a + 1].flip(0)
-    return X.index_select(0, torch.as_tensor(rows, device=X.device, dtype=torch.int64))
+    a, b = (int(rows[0]), int(rows[-1])) if rows.size else (0, 0)
+    if b < a and a - b == rows.size - 1 and (rows.size < 3 or (np.diff(rows) == -1).all()):
+        return X[b: a + 1].flip(0)
+    return take_rows(rows, X.device)(X)
 
 
 class LayerParallel(nn.Module):
@@ -1156,7 +1161,7 @@ class LayerParallel(nn.Module):
             return None
         down, D = rows[::-1], None
         with torch.no_grad():
-            for part in _chunks(down, U[0].numel() * U.element_size()):  # (a piece's temporaries at a time)
+            for part in _pieces_of(down, U):  # (a piece's temporaries at a time)
                 Dc = prop.kernel.linearize(_rows(U, part - g0), part)
                 if Dc is None:
                     return None
@@ -1181,9 +1186,9 @@ class LayerParallel(nn.Module):
         positions, grads = [], []
         if record:  # the adjoint sweeps' own parameter VJPs, where they used the final adjoint
             positions, grads, layers = recorded_gradients(
-                record, layers, lambda js: A.index_select(0, torch.as_tensor(after(js), device=A.device)))
+                record, layers, lambda js: _rows(A, after(js)))
         with torch.no_grad():
-            for part in _chunks(layers, U[0].numel() * U.element_size()):
+            for part in _pieces_of(layers, U):
                 # (the derivatives' last use: their memory takes the adjoints behind the activations)
                 ps, gs = parameter_vjp(prop, part, _rows(U, part - g0), _rows(A, after(part)),
                                        None if D is None else _rows(D[0], D[1] - part), overwrite=True)
