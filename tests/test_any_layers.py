@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import sys
 from pathlib import Path
 
@@ -590,6 +591,51 @@ def test_attribute_changes_take_effect_after_refresh():
         m.s = 2.0
     lp.refresh()
     check_equals_serial(lp, layers, x, 1.0)
+
+
+def _replace_activation(layers, j):
+    layers[j][1] = nn.ReLU()
+
+
+def _replace_layer(layers, j):
+    torch.manual_seed(40 + j)
+    new = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())
+    if isinstance(layers, list):
+        layers[j] = new
+    else:  # the LayerParallel's own registry of layers (what set_submodule("layers.j", ...) does)
+        setattr(layers, str(j), new)
+
+
+def _delete_and_append(layers, j):
+    del layers[j][1]
+    layers[j].append(nn.Softsign())
+
+
+@pytest.mark.parametrize("change", [
+    lambda ls, j: setattr(ls[j], "s", 2.0),  # a plain attribute of a dense layer
+    lambda ls, j: setattr(ls[j], "lin", nn.Linear(4, 4)),  # a submodule replaced
+    _replace_activation, _replace_layer, _delete_and_append])
+@pytest.mark.parametrize("batched", [True, False])
+def test_layers_changed_after_a_pass_are_inspected_again_without_refresh(change, batched):
+    """An attribute set, a submodule replaced or deleted, a layer replaced: the next pass steps the layers
+    as they are now (it used to step them as the first pass found them, and a new layer got no gradient)."""
+    torch.manual_seed(14)
+    sequential = change not in (_replace_activation, _replace_layer, _delete_and_append)
+    make = (lambda: Scaled(4, 0.5)) if sequential else (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    layers = [make() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", batched=batched, **TIGHT)
+    x = torch.randn(3, 4)
+    check_equals_serial(lp, layers, x, 1.0)
+    lp.zero_grad(set_to_none=True)
+    for j in (0, 3, 7):
+        torch.manual_seed(j)
+        change(layers, j)
+        torch.manual_seed(j)
+        change(lp.layers, j)
+    check_equals_serial(lp, layers, x, 1.0)
+    lp.zero_grad(set_to_none=True)
+    x2 = torch.randn(5, 4)  # and passes after that (the layers are inspected once per change)
+    check_equals_serial(lp, layers, x2, 1.0)
 
 
 def test_borrowed_tensors_that_require_grad_are_a_clear_error():
@@ -1312,16 +1358,53 @@ def test_inference_mode_gives_what_no_grad_gives():
             assert torch.equal(ba, bb), mode
 
 
-def test_torch_compile_runs_the_block_eagerly_with_serial_gradients():
+def _step(m):
+    def run(v):
+        loss = loss_fn(m(v))
+        loss.backward()
+        return loss.detach()
+    return run
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_torch_compile_runs_the_block_eagerly_with_eager_gradients(whole_step):
+    """torch.compile(model): a graph break around the block; a training step compiled as a whole
+    (loss.backward() inside it): the adjoint pass runs eagerly too (dynamo used to trace its frame)."""
     torch.manual_seed(2)
     lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], cf=2)
     model = nn.Sequential(nn.Linear(4, 5), lp, nn.Linear(5, 2))
     twin = copy.deepcopy(model)
     x = torch.randn(3, 4)
-    loss_fn(model(x)).backward()
-    loss_fn(torch.compile(twin, backend="eager")(x)).backward()  # a graph break around the block
+    _step(model)(x)
+    if whole_step:
+        torch.compile(_step(twin), backend="eager")(x)
+    else:
+        _step(torch.compile(twin, backend="eager"))(x)
     for g, gt in zip(_grads(model), _grads(twin)):
         assert torch.allclose(g, gt, rtol=1e-12, atol=1e-14)
+
+
+def test_tracing_and_export_are_a_clear_error_naming_the_serial_network():
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], cf=2)
+    model = nn.Sequential(nn.Linear(4, 5), lp, nn.Linear(5, 2)).eval()
+    x = torch.randn(3, 4)
+    for export in (lambda: torch.jit.trace(model, x),
+                   lambda: torch.onnx.export(model, (x,), io.BytesIO(), dynamo=False)):
+        with pytest.raises(RuntimeError, match="cannot be traced or exported.*lp.to_serial"):
+            export()
+    # what the message proposes: the serial network traces and gives the block's eval output
+    serial = nn.Sequential(model[0], lp.to_serial(), model[2])
+    assert torch.allclose(torch.jit.trace(serial, x)(x), model(x), rtol=1e-6, atol=1e-7)
+
+
+def test_the_time_grid_is_read_only():
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], T=2.0)
+    assert lp.T == 2.0 and lp.h == 0.25
+    for name in ("T", "h"):
+        with pytest.raises(AttributeError, match=f"LayerParallel.{name} is fixed at construction"):
+            setattr(lp, name, 1.0)
+    assert lp.T == 2.0 and lp.h == 0.25
+    assert pickle.loads(pickle.dumps(lp)).h == 0.25
 
 
 def test_torch_func_transforms_and_forward_mode_are_clear_errors():
@@ -1654,3 +1737,31 @@ def test_a_training_steps_peak_memory_is_what_the_backward_must_hold(monkeypatch
     held = 3 * (N + 1) * state + 2 * params
     temporaries = max(3 * coarse + N // 2, 2 * (N // 8)) * state
     assert 0.9 * held <= peak <= held + temporaries, (peak / state, held / state, temporaries / state)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, float("inf")])
+def test_clip_grad_norm_of_a_model_around_a_block_is_torchs(p):
+    """One process: grad_norm / clip_grad_norm_ equal torch.nn.utils.clip_grad_norm_ (on several ranks
+    every rank gets the serial norm: tests/mpi_scripts/torch_any_layers.py)."""
+    from propagators.torch import clip_grad_norm_, grad_norm
+
+    torch.manual_seed(42)
+    head = nn.Linear(3, 4)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2)
+    model = nn.Sequential(head, lp, nn.Linear(4, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(5, 3)
+    for net in (model, twin):
+        (loss_fn(net(x)) * 50).backward()
+    norm = grad_norm(model, p)
+    total = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1, norm_type=p)
+    got = clip_grad_norm_(model, 0.1, norm_type=p)
+    assert abs(norm - float(total)) <= 1e-12 * float(total) and float(got) == norm
+    assert float(total) > 1.0  # (so that the gradients were clipped)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="norm_type"):
+        grad_norm(model, 0)
+    head.weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        clip_grad_norm_(model, 0.1, error_if_nonfinite=True)

@@ -461,3 +461,19 @@ def test_torch_func_transforms_are_a_clear_error_and_compile_runs_eagerly():
         torch.func.grad(lambda v: par(v)[1].sum())(x)
     compiled = torch.compile(par, backend="eager")
     assert maxdiff(compiled(x)[1], ref(x)[1]) < 1e-10
+    with pytest.raises(RuntimeError, match="ParallelGRU cannot be traced or exported.*to_gru"):
+        torch.jit.trace(par, x)
+    # a training step compiled as a whole (backward inside it): the adjoint runs eagerly too
+    x.requires_grad_(True)
+
+    def step(v):
+        loss = par(v)[1].square().sum()
+        loss.backward()
+        return loss.detach()
+
+    torch.compile(step, backend="eager")(x)
+    gx = x.grad.clone()
+    x.grad = None
+    ref(x)[1].square().sum().backward()
+    assert maxdiff(gx, x.grad) < 1e-10
+    assert all(maxdiff(p.grad, q.grad) < 1e-10 for p, q in zip(par.parameters(), ref.parameters()))

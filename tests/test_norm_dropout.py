@@ -190,14 +190,26 @@ def test_unsupported_randomness_is_a_clear_error():
             z = F.dropout(self.lin(u), 0.2, self.training)
             return F.dropout(z, 0.2, self.training) if self.twice else z
 
-    lp = LayerParallel([Changing() for _ in range(6)], cf=2, batched=False)
-    x = torch.randn(3, 4)
-    lp(x)  # masks recorded: one dropout call per layer
-    lp.layers[2].twice = True  # an attribute changed without refresh(): more calls than masks
+    lp, serial = pair(Changing, 6, batched=False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert_step_equal(lp, serial, x, seed=0)  # masks recorded: one dropout call per layer
+    for net in (lp, serial):  # an attribute changed without refresh(): found at the next pass, which
+        net.layers[2].twice = True  # records two calls of that layer
+    assert_step_equal(lp, serial, x, seed=1)
+
+    class Drifting(nn.Module):  # its dropout calls change from one evaluation to the next
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = nn.Linear(4, 4), 0
+
+        def forward(self, u):
+            self.calls += 1
+            z = F.dropout(self.lin(u), 0.2, self.training)
+            return F.dropout(z, 0.2, self.training) if self.calls > 1 else z
+
+    lp = LayerParallel([Drifting() for _ in range(6)], cf=2, batched=False)
     with pytest.raises(LayerError, match="calls dropout more often"):
-        lp(x)
-    lp.refresh()
-    lp(x)
+        lp(torch.randn(3, 4))
 
 
 def test_sync_batch_norm_in_training_is_a_clear_error():

@@ -12,6 +12,8 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.plan` -- :class:`DistributionPlan`: which layers a rank owns and needs;
 * :mod:`~propagators.torch.module` -- :class:`LayerParallel` (the ``nn.Module``), :class:`ODENet`;
 * :mod:`~propagators.torch.data_parallel` -- :func:`allreduce_gradients` over data ranks;
+* :mod:`~propagators.torch.grad_norm` -- :func:`grad_norm`, :func:`clip_grad_norm_`: the serial network's
+  gradient norm when blocks split their layers over ranks;
 * :mod:`~propagators.torch.coarsening` -- :class:`SpatialCoarsening`: coarse levels on coarser feature maps;
 * :mod:`~propagators.torch.multistage` -- :class:`MultiStage`: stages separated by shape-changing layers;
 * :mod:`~propagators.torch.transformer` -- transformer blocks as ODE steps, :func:`make_vit`;
@@ -22,6 +24,7 @@ an ODE, and its layers are time steps. One concept per module:
 from .adjoint import AdjointPropagator, parameter_vjp
 from .coarsening import FeatureMapTransfer, SpatialCoarsening, galerkin_weight, rediscretized_weight
 from .data_parallel import allreduce_gradients
+from .grad_norm import clip_grad_norm_, grad_norm
 from .gru import ParallelGRU
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
 from .module import ConvergenceWarning, LayerDict, LayerParallel, ODENet, serial_forward
@@ -37,7 +40,7 @@ __all__ = [
     "LayerKernel", "KernelPass", "LayerError", "DenseRHS", "layer_signature",
     "ODEPropagator", "LayerStack", "AdjointPropagator", "parameter_vjp",
     "DistributionPlan", "LayerParallel", "LayerDict", "ConvergenceWarning", "ODENet", "serial_forward",
-    "allreduce_gradients",
+    "allreduce_gradients", "grad_norm", "clip_grad_norm_",
     "ParallelGRU",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",

@@ -29,9 +29,9 @@ import mgrit
 from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_DIFFERENT_LOSS, _agreed_build, _announced, _check_output_gradient, _chunks,
-                     _differing_inputs, _eager_under_compile, _functorch_active, _input_sums, _iterations,
-                     _no_transforms, _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _check_output_gradient, _chunks,
+                     _differing_inputs, _eager_under_compile, _exporting, _functorch_active, _input_sums,
+                     _iterations, _no_transforms, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -327,24 +327,30 @@ class _GRULayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_out, g_hL):
-        gru, needs = ctx.gru, ctx.needs_input_grad
-        with _announced(gru._comm):  # everything local before the layer's session (a failure reaches every rank)
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    "ParallelGRU does not support double backward (backward with create_graph=True): its "
-                    "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
-                    "with the serial GRU (`model.to_gru()`)")
-            x, *weights = ctx.saved_tensors
-            for g in (g_out, g_hL):
-                if g is not None:
-                    _check_output_gradient(g, "a ParallelGRU output", "the GRU")
-            setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
-            share = _tensor_sums(g_out, g_hL) if gru._comm.size > 1 else None
-        got = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
-        if isinstance(got, Exception):
-            raise got
-        gx, gh0, gw = got
-        return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
+        return _layer_adjoint(ctx, g_out, g_hL)
+
+
+@_eager_under_compile
+def _layer_adjoint(ctx, g_out, g_hL):
+    """The backward pass of :class:`_GRULayerFunction` (eager under torch.compile, like the forward)."""
+    gru, needs = ctx.gru, ctx.needs_input_grad
+    with _announced(gru._comm):  # everything local before the layer's session (a failure reaches every rank)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "ParallelGRU does not support double backward (backward with create_graph=True): its "
+                "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
+                "with the serial GRU (`model.to_gru()`)")
+        x, *weights = ctx.saved_tensors
+        for g in (g_out, g_hL):
+            if g is not None:
+                _check_output_gradient(g, "a ParallelGRU output", "the GRU")
+        setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
+        share = _tensor_sums(g_out, g_hL) if gru._comm.size > 1 else None
+    got = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
+    if isinstance(got, Exception):
+        raise got
+    gx, gh0, gw = got
+    return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
 class ParallelGRU(nn.Module):
@@ -574,6 +580,10 @@ class ParallelGRU(nn.Module):
     # -- forward ---------------------------------------------------------------------
     @_eager_under_compile
     def forward(self, input, hx=None):
+        if _exporting():
+            raise RuntimeError(_NO_EXPORT.format(
+                cls="ParallelGRU", serial="model.to_gru() is the nn.GRU with the same weights (what the solves "
+                                          "converge to)"))
         if _functorch_active():
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
                                               "the serial GRU, `model.to_gru()`"))

@@ -33,8 +33,8 @@ from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_com
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks, own_saved_tensors,
-                     take_rows, uncached_parametrizations)
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks,
+                     own_saved_tensors, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -134,40 +134,7 @@ class _LayerParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        lp = ctx.lp
-        try:
-            with _announced(lp._comm):  # the local checks first: a rank that fails tells the others
-                _backward_checks(ctx)
-                try:
-                    _check_output_gradient(gy)
-                except RuntimeError as exc:  # the first operation on a gradient batched by torch's legacy vmap
-                    if "Batching rule" not in str(exc):
-                        raise
-                    raise RuntimeError(_no_transforms(
-                        what="vectorized Jacobians (torch.autograd.functional.jacobian(vectorize=True), "
-                             "torch.autograd.grad(is_grads_batched=True))")) from exc
-                sig = lp._adjoint_signature(gy)
-                share = _input_sums(gy) if lp._comm.size > 1 else None
-            # one session around the whole backward pass on the module's communicator (so that it hears
-            # a session the user has open there), the adjoint solve inside it in reverse rank order
-            # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
-            # the solve's arguments and the output gradients): a failure of the solve or of the gradients
-            # reaches every rank
-            session = lp._session(signature=sig, share=share)
-            with session:
-                differ = None if share is None else _differing_inputs(
-                    session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
-                if differ is None:
-                    kp = ctx.saved[0].kernel
-                    with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
-                            uncached_parametrizations():
-                        gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
-            if differ is not None:
-                raise differ  # every rank found it in the handshake: raised after the session (no one waits)
-        except BaseException as exc:
-            lp._alarm(exc)
-            raise
-        return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+        return _adjoint_pass(ctx, gy)
 
 
 _DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same output (the same targets, in the "
@@ -190,6 +157,18 @@ _NO_TRANSFORMS = ("{cls} does not support {what}: its derivative is an MGRIT sol
                   "({serial}) for such derivatives")
 
 
+#: why tracing and export stop at a LayerParallel
+_NO_EXPORT = ("{cls} cannot be traced or exported (torch.jit.trace / script, torch.onnx.export, "
+              "torch.export): its forward pass is an MGRIT solve with data-dependent control flow and, on "
+              "several ranks, messages. Export the serial network instead: {serial}")
+
+
+def _exporting() -> bool:
+    """Whether torch.jit.trace, torch.onnx.export or torch.export is running."""
+    export = getattr(torch.compiler, "is_exporting", None)
+    return bool(torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or (export is not None and export()))
+
+
 def _eager_under_compile(forward):
     """``forward`` of a module that torch.compile must not trace (an MGRIT solve with messages between
     ranks): under compilation it runs eagerly behind a graph break; otherwise it is called as it is,
@@ -210,6 +189,48 @@ def _eager_under_compile(forward):
         return forward(self, *args, **kwargs)
 
     return call
+
+
+@_eager_under_compile
+def _adjoint_pass(ctx, gy):
+    """The backward pass of :class:`_LayerParallelFunction` (eager under torch.compile: a training step
+    compiled as a whole calls it from a frame that dynamo would otherwise trace)."""
+    lp = ctx.lp
+    try:
+        with _announced(lp._comm):  # the local checks first: a rank that fails tells the others
+            _backward_checks(ctx)
+            try:
+                _check_output_gradient(gy)
+            except RuntimeError as exc:  # the first operation on a gradient batched by torch's legacy vmap
+                if "Batching rule" not in str(exc):
+                    raise
+                raise RuntimeError(_no_transforms(
+                    what="vectorized Jacobians (torch.autograd.functional.jacobian(vectorize=True), "
+                         "torch.autograd.grad(is_grads_batched=True))")) from exc
+            sig = lp._adjoint_signature(gy)
+            share = _input_sums(gy) if lp._comm.size > 1 else None
+        # one session around the whole backward pass on the module's communicator (so that it hears
+        # a session the user has open there), the adjoint solve inside it in reverse rank order
+        # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
+        # the solve's arguments and the output gradients): a failure of the solve or of the gradients
+        # reaches every rank
+        session = lp._session(signature=sig, share=share)
+        with session:
+            differ = None if share is None else _differing_inputs(
+                session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
+            if differ is None:
+                kp = ctx.saved[0].kernel
+                with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
+                        uncached_parametrizations():
+                    gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
+                if any(c.mode != "dense" for c in kp.k.classes):  # the adjoint called the layers
+                    lp._stamp = _attribute_values(lp._slots)
+        if differ is not None:
+            raise differ  # every rank found it in the handshake: raised after the session (no one waits)
+    except BaseException as exc:
+        lp._alarm(exc)
+        raise
+    return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
 
 
 def _no_transforms(what: str, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> str:
@@ -350,6 +371,39 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     else:
         hooks = (list(map(len, map(_FORWARD_HOOKS, subs))), list(map(len, map(_PRE_HOOKS, subs))), global_hooks())
     return list(map(_TRAINING, subs)), hid, hooks
+
+
+def _attribute_slots(modules) -> tuple:
+    """Where the plain attributes and the submodules of ``modules`` are kept, for :func:`_attribute_values`:
+    ``(dicts, keys, submodule registries)``."""
+    dicts, keys = [], []
+    for m in modules:
+        d = vars(m)
+        plain = [k for k in d if k not in _REGISTRIES]
+        dicts += [d] * len(plain) + [m._modules] * len(m._modules)
+        keys += plain + list(m._modules)
+    # submodules added to a module that had some (a container; a leaf's code uses none)
+    return dicts, keys, [m._modules for m in modules if m._modules]
+
+
+def _attribute_values(slots) -> tuple | None:
+    """The values in ``slots`` (:func:`_attribute_slots`) and the number of submodules of each module
+    that had some, read by C-level maps (about 0.1 ms for 1,000 layers of three modules); None when an
+    attribute or a submodule was deleted."""
+    dicts, keys, registries = slots
+    try:
+        return list(map(dict.__getitem__, dicts, keys)), list(map(len, registries))
+    except KeyError:
+        return None
+
+
+def _unchanged(slots, stamp) -> bool:
+    """Whether the attributes and submodules in ``slots`` are (identical or equal to) those of ``stamp``."""
+    now = _attribute_values(slots)
+    try:
+        return now is not None and bool(now == stamp)
+    except Exception:  # an attribute replaced by a tensor or an array of several elements: changed
+        return False
 
 
 #: the least bytes of states a piece of LayerParallel's backward per-layer work takes (:func:`_pieces_of`)
@@ -497,8 +551,8 @@ class LayerParallel(nn.Module):
             if N < 1:
                 raise ValueError("`layers` is empty")
             self.n_layers = N
-            self.T = _check_T(T)
-            self.h = self.T / N
+            self._T = _check_T(T)
+            self._h = self._T / N
             self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
@@ -547,7 +601,7 @@ class LayerParallel(nn.Module):
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
     _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_checked", "_dropout_key",
-                "_dropout_calls")
+                "_dropout_calls", "_slots", "_stamp")
 
     def __getstate__(self):
         if self._comm.size > 1 or (self._data_comm is not None and self._data_comm.size > 1):
@@ -565,8 +619,30 @@ class LayerParallel(nn.Module):
         return state
 
     def __setstate__(self, state):
+        for k in ("T", "h"):  # (pickled before they became read-only properties)
+            if k in state:
+                state["_" + k] = state.pop(k)
         super().__setstate__(state)
         self._build_kernel()
+
+    # -- the time grid: fixed at construction --------------------------------
+    @property
+    def T(self) -> float:
+        """The final time: the layers are steps of size ``h = T / n_layers`` (read-only)."""
+        return self._T
+
+    @T.setter
+    def T(self, value):
+        _grid_fixed("T")
+
+    @property
+    def h(self) -> float:
+        """The step size ``T / n_layers`` of every layer (read-only)."""
+        return self._h
+
+    @h.setter
+    def h(self, value):
+        _grid_fixed("h")
 
     # -- construction helpers -------------------------------------------------
     def _held(self) -> dict:
@@ -581,15 +657,21 @@ class LayerParallel(nn.Module):
                          if isinstance(s, _STATEFUL + _RANDOM)]
         held_in = collections.Counter(id(s) for m in modules.values() for s in m.modules())
         self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
+        # the layers' plain attributes and submodules as the kernel saw them: a change (an attribute set, a
+        # submodule replaced or deleted) is found at the next forward pass, which inspects the layers again
+        self._slots = _attribute_slots([self.layers, *self._subs])
+        self._stamp = _attribute_values(self._slots)
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._checked = None  # the lent layers are checked at the next pass (see _exchange_halo)
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
 
     def refresh(self):
-        """Re-inspect the layers: call after changing attributes or submodules of layers.
+        """Re-inspect the layers now.
 
-        (Training modes and hooks are re-inspected at every forward pass.) On several ranks
-        make such changes with :meth:`apply_to_layers`, which calls this.
+        Every forward pass re-inspects them by itself when a training mode, a hook, an attribute or
+        a submodule of a layer changed since the last pass; call this after changes that check cannot
+        see: a container attribute changed in place, or values a layer reads from outside itself (a
+        global, a closure). On several ranks make changes with :meth:`apply_to_layers`, which calls this.
         """
         self._build_kernel()
 
@@ -766,6 +848,10 @@ class LayerParallel(nn.Module):
     # -- forward --------------------------------------------------------------
     @_eager_under_compile
     def forward(self, x):
+        if _exporting():
+            raise RuntimeError(_NO_EXPORT.format(
+                cls="LayerParallel", serial="lp.to_serial() holds the same layers and computes what the block "
+                                            "computes in eval mode (exact stepping)"))
         if _functorch_active():
             raise RuntimeError(_no_transforms(what="torch.func transforms (grad, vmap, jacrev, jvp, ...)"))
         if torch.is_inference_mode_enabled():
@@ -775,8 +861,9 @@ class LayerParallel(nn.Module):
                 return self.forward(x.clone() if isinstance(x, torch.Tensor) else x)
         try:
             modes = _modes(self._subs, self._modes)
-            if modes != self._modes:
-                self._build_kernel()  # train/eval or hooks changed for some layers: regroup them
+            if modes != self._modes or not _unchanged(self._slots, self._stamp):
+                # train/eval, hooks, attributes or submodules changed for some layers: inspect them again
+                self._build_kernel()
             else:
                 self._modes = modes  # the new hook-handle counter
             try:
@@ -786,12 +873,17 @@ class LayerParallel(nn.Module):
                 kp = self.kernel.bind(one_pass=True)
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
+            self._called = True  # (the pass says when no code of the layers ran: see _forward_solve_in_modes)
             with uncached_parametrizations():  # (the backward pass suspends it again)
                 if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
                     # every rank takes the autograd path (and so joins the adjoint solve in backward)
                     anchor = torch.zeros((), requires_grad=self._comm.size > 1)
-                    return _LayerParallelFunction.apply(self, kp, anchor, x, *params)
-                return self._forward_solve(kp, x)[0]
+                    y = _LayerParallelFunction.apply(self, kp, anchor, x, *params)
+                else:
+                    y = self._forward_solve(kp, x)[0]
+            if self._called:  # what the layers set when the pass called them is not a change
+                self._stamp = _attribute_values(self._slots)
+            return y
         except BaseException as exc:
             self._alarm(exc)
             raise
@@ -942,12 +1034,14 @@ class LayerParallel(nn.Module):
                 spread = max(_input_gap(s, sums[0]) for s in sums)
                 self._exchange_halo(pairs, kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
                 self._checked = now
+            called = bool(calls) or (P > 1 and any(changed)) or not self._probed  # the layers' code ran
             if not self._probed:
                 self._probe(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
             # dense layers are stepped by the traced linear map and activations alone: no code of theirs
             # runs in the solve, so there is nothing to check for side effects
             pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
+            self._called = called or not pure
             versions = None if pure else self._buffer_versions(kp)
             rng = None if pure else (torch.random.get_rng_state(), np.random.get_state())
             with torch.no_grad():
@@ -1348,6 +1442,14 @@ def _agreed_build(shared, what: str, names) -> int:
                 raise ValueError(f"{what} was built differently on rank {r} and rank 0: different {name} ({a} "
                                  f"against {b}); every rank of its communicator must build the same {what}")
     return _agreed_uid([u for u, *_ in shared])
+
+
+def _grid_fixed(name: str):
+    raise AttributeError(
+        f"LayerParallel.{name} is fixed at construction (the time grid, the hierarchy and the layers' "
+        "distribution over ranks are built from it): build a new LayerParallel with the T you want over "
+        "the same layers, e.g. LayerParallel(list(lp.layers), T=...) on one process, or "
+        "load_state_dict(lp.state_dict()) into a new one")
 
 
 def _check_T(T) -> float:

@@ -14,8 +14,8 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
   saved with ``torch.save`` and read with ``torch.load(weights_only=True)``
   reproduces the output;
 * more ranks than layer points (idle ranks) work;
-* layers changed after construction (a forward hook, a plain attribute, a replaced
-  submodule): through ``lp.layers`` alone (the owned layers) every rank raises (a
+* layers changed after a first pass (a forward hook, a plain attribute, a replaced
+  submodule), without ``refresh()``: through ``lp.layers`` alone (the owned layers) every rank raises (a
   LayerError naming ``apply_to_layers`` where a copy of a neighbour's layer computes
   differently, RemoteRankError on the others);
   once the copies get the change too, and when it is made with ``apply_to_layers``,
@@ -28,7 +28,9 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
 * a parametrization registered on owned layers only raises on every rank (the lent
   layers' parameters differ in size: compared in the handshake);
 * inputs that differ between the ranks raise ValueError on every rank (rounding-level
-  differences do not).
+  differences do not);
+* ``clip_grad_norm_`` of a model around a block: every rank gets the serial network's norm
+  (norm types 1, 2, 3, inf) and the clipped gradients equal serial clipping.
 
 Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
@@ -42,7 +44,7 @@ from checks import TIGHT, check, fail, rank, size, world
 from mgrit import RemoteRankError
 from propagators.torch import LayerError
 from layer_zoo import Conv, Scaled, loss_fn
-from propagators.torch import LayerParallel, ODENet
+from propagators.torch import LayerParallel, ODENet, clip_grad_norm_
 
 torch.set_default_dtype(torch.float64)
 
@@ -235,9 +237,9 @@ def changed_after_construction():
         ref, xs = ODENet(serial, T=4.0), x.clone().requires_grad_(True)
         loss_fn(ref(xs)).backward()
         lp = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
-        for j, m in lp.layers.items():  # the owned layers only
+        lp(x)  # a first pass inspects the layers and checks the copies
+        for j, m in lp.layers.items():  # the owned layers only, no refresh(): found at the next pass
             change(m, kind)
-        lp.refresh()
         raises_naming_apply(f"{kind} changed through lp.layers", lambda: lp(x))
         lp.apply_to_layers(lambda j, m: None if j in lp.owned_layers else change(m, kind))  # the copies too
         fresh = LayerParallel(copy.deepcopy(layers), T=4.0, cf=2, max_levels=3, comm=world, **TIGHT)
@@ -395,7 +397,34 @@ def different_inputs():
             fail(f"inputs that differ by 1e-7 in float64: {exc}")
 
 
+def clipped_gradients():
+    """grad_norm / clip_grad_norm_ of a model with a block in the middle: the serial network's norm on
+    every rank, for several norm types, and the clipped gradients of the owned layers and of the
+    layers every rank holds equal serial clipping (torch.nn.utils.clip_grad_norm_)."""
+    for p in (2.0, 1.0, 3.0, float("inf")):
+        torch.manual_seed(41)
+        layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]
+        head, tail = nn.Linear(3, 4), nn.Linear(4, 2)
+        ref = nn.Sequential(copy.deepcopy(head), ODENet(copy.deepcopy(layers), T=2.0), copy.deepcopy(tail))
+        lp = LayerParallel(copy.deepcopy(layers), T=2.0, cf=2, max_levels=3, comm=world, **TIGHT)
+        model = nn.Sequential(copy.deepcopy(head), lp, copy.deepcopy(tail))
+        x = torch.randn(5, 3)
+        for net in (ref, model):
+            (loss_fn(net(x)) * 50).backward()
+        total = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=p))
+        got = float(clip_grad_norm_(model, 0.1, norm_type=p))
+        if not abs(got - total) <= 1e-12 * total:
+            fail(f"clip_grad_norm_ (p={p}): norm {got!r} on rank {rank}, serial {total!r}")
+        for a, b in ((model[0], ref[0]), (model[2], ref[2])):
+            check(f"clipped gradient of a layer every rank holds (p={p})", a.weight.grad, b.weight.grad)
+        for j, m in lp.layers.items():
+            check(f"clipped gradient of layer {j} (p={p})", m[0].weight.grad, ref[1].layers[j][0].weight.grad)
+        if len(set(world.allgather(got))) != 1:
+            fail(f"clip_grad_norm_ (p={p}): the norm differs between ranks")
+
+
 try:
+    clipped_gradients()
     changed_after_construction()
     harmless_changes()
     domain_and_unrefreshed_changes()
