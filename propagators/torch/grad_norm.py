@@ -53,10 +53,13 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
     parts = [_part(rest, p)]
     for b in blocks:
         own = [q.grad for q in b.parameters() if q.grad is not None]
-        if math.isinf(p):
-            parts.append(b.comm.max([_part(own, p)]))
-        else:
-            parts.append(b.comm.sum_exact([_part([g], p) for g in own]))
+        # in a session of the block: a rank that is in another call of the block (a pass) raises
+        # instead of waiting
+        with b._session(signature=("grad_norm", p)):
+            if math.isinf(p):
+                parts.append(b.comm.max([_part(own, p)]))
+            else:
+                parts.append(b.comm.sum_exact([_part([g], p) for g in own]))
     if math.isinf(p):
         return max(parts)
     return math.fsum(parts) ** (1.0 / p)
