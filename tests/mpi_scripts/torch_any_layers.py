@@ -421,6 +421,15 @@ def clipped_gradients():
             check(f"clipped gradient of layer {j} (p={p})", m[0].weight.grad, ref[1].layers[j][0].weight.grad)
         if len(set(world.allgather(got))) != 1:
             fail(f"clip_grad_norm_ (p={p}): the norm differs between ranks")
+    # one rank still in a pass of the block (an uneven loader) while the others clip: every rank raises
+    try:
+        if rank == 0:
+            lp(x)
+        else:
+            clip_grad_norm_(model, 0.1)
+        fail("clip_grad_norm_ on some ranks while one is in a pass: no error")
+    except ValueError:
+        pass
 
 
 try:
