@@ -30,7 +30,9 @@ so a solve reads::
    signature, the ids of its clean pooled channels)`` to rank 0 and waits for
    the verdict. If any rank failed, every other rank raises
    :class:`RemoteRankError` (the failed one re-raises its own exception); if
-   the signatures differ every rank raises ``ValueError``. Otherwise the
+   the signatures differ every rank raises ``ValueError`` (a :class:`Call`
+   signature names the collective call, so that the message can say which
+   call each rank is in). Otherwise the
    session gets a *channel*: a duplicate of the communicator on which all of
    its messages travel, so that nothing of one session can match a receive of
    another. A channel that every rank holds clean in its pool is reused
@@ -119,6 +121,7 @@ import weakref
 import zlib
 from abc import ABC, abstractmethod
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -856,6 +859,63 @@ def _byte_view(x):
     return x.reshape(-1).view(np.uint8)
 
 
+class Call(NamedTuple):
+    """A session signature that names its collective call.
+
+    ``what`` names the call for a person (``"the backward pass of LayerParallel
+    #0 (16 layers)"``), ``args`` is what every rank must agree on within the
+    call (compared, never shown: often an :func:`args_signature`), ``agree``
+    says in words what that is. When the ranks' handshakes carry different
+    ``what`` they are at different collective calls, and the error names the
+    call of every rank; with the same ``what`` and different ``args`` it names
+    the call and ``agree``.
+
+    >>> Call("mgrit.solve", 7, "the time grid") == Call("mgrit.solve", 7, "the time grid")
+    True
+    """
+
+    what: str
+    args: object = None
+    agree: str = ""
+
+
+def _rank_list(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def mismatch_message(signatures: list) -> str | None:
+    """The error of a handshake whose ranks' ``signatures`` (in rank order) differ; None when
+    they agree. Names each rank's call where the signatures are :class:`Call` values."""
+    first = signatures[0]
+    bad = [r for r, s in enumerate(signatures) if s != first]
+    if not bad:
+        return None
+    whats = [s.what if isinstance(s, Call) else None for s in signatures]
+    if isinstance(first, Call) and all(w == first.what for w in whats):
+        alike: dict = {}
+        for r, s in enumerate(signatures):
+            alike.setdefault(repr(s.args), []).append(r)
+        against = " against ".join(_rank_list(rs) for rs in alike.values())
+        return (f"the arguments of {first.what} differ between ranks ({against}): different "
+                f"{first.agree or 'arguments'}; every rank must pass the same")
+    if any(w is not None for w in whats):
+        groups: dict = {}
+        for r, w in enumerate(whats):
+            groups.setdefault(w or "another collective call (of a communicator session)", []).append(r)
+        where = "; ".join(f"{_rank_list(rs)} in {w}" for w, rs in groups.items())
+        return (f"the collective calls differ between ranks: {where}. Every rank must make the same collective "
+                "calls in the same order: one rank skipped a call the others made (a backward pass, an evaluation, "
+                "to_serial, a checkpoint) or called another block first. Build the LayerParallel and ParallelGRU "
+                "modules in the same order on every rank, keep train() / eval() alike on every rank, and call them "
+                "in the same order")
+    return ("the arguments of this collective call differ between ranks (for `solve`: time "
+            f"grid, hierarchy, state shape or stopping rule): rank 0 and {_rank_list(bad)}; every "
+            "rank must pass the same (or ranks are at different collective calls: one skipped a "
+            "call the others made, e.g. a backward pass, or called another block or module; every "
+            "rank must build its LayerParallel and ParallelGRU modules in the same order and call "
+            "them in the same order)")
+
+
 def args_signature(*items) -> int:
     """A checksum of the arguments that must be equal on every rank of a solve
     (``bytes`` items, such as a time grid's buffer, enter through their CRC)."""
@@ -906,8 +966,7 @@ class _SessionComm(Communicator):
     @staticmethod
     def _verdict(notes: list):
         failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
-        sigs = [s for _, s, *_ in notes]
-        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        bad = None if failed else mismatch_message([s for _, s, *_ in notes])
         common = set(notes[0][2]).intersection(*(set(p) for _, _, p, *_ in notes[1:]))
         reuse = max(common) if common else None
         return failed, bad, reuse, max(i for *_, i, _ in notes), [sh for *_, sh in notes]
@@ -948,14 +1007,7 @@ class _SessionComm(Communicator):
             more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
             raise self._remote(r, n, more)
         if bad:
-            raise ValueError(
-                "the arguments of this collective call differ between ranks (for `solve`: time "
-                f"grid, hierarchy, state shape or stopping rule): rank 0 and rank(s) {bad}; every "
-                "rank must pass the same (or ranks are at different collective calls: one skipped a "
-                "call the others made, e.g. a backward pass, or called another block or module; every "
-                "rank must build its LayerParallel and ParallelGRU modules in the same order and call "
-                "them in the same order)"
-            )
+            raise ValueError(bad)
         return reuse, new_id, shares
 
     def _after_handshake(self, ch) -> None:

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from .comm import Communicator, args_signature, as_communicator
+from .comm import Call, Communicator, args_signature, as_communicator
 from .cycle import DivergenceError, Levels, run
 from .hierarchy import per_level
 from .options import Options
@@ -222,10 +222,10 @@ def solve(
             if tr is not None and not isinstance(tr, SpatialTransfer):
                 raise TypeError(f"`spatial` entries must be mgrit.SpatialTransfer or None, got {type(tr).__name__}")
         states = _setup(hierarchy, props, transfers, u0, initial_guess, comm, opts.partition)
-        sig = args_signature(
+        sig = Call("mgrit.solve", args_signature(
             [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
             B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], *opts.signature(),
-        )
+        ), "time grids, hierarchies, state shapes or dtypes, spatial transfers or stopping rules")
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise

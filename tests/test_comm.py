@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 
 import mgrit
 from mgrit.comm import (
+    Call,
     RemoteRankError,
     SerialComm,
     Tag,
     as_communicator,
+    mismatch_message,
     square_bins,
     square_bins_root,
 )
@@ -247,6 +249,21 @@ def test_remote_rank_error_carries_the_ranks():
     f = pickle.loads(pickle.dumps(e))
     assert (str(f), f.rank, f.world_rank) == (str(e), 0, 3)
     assert RemoteRankError("plain").world_rank is None
+
+
+def test_a_handshake_mismatch_names_each_ranks_call_or_the_arguments_of_the_one_call():
+    fwd, bwd = Call("the forward pass of A", 1, "input shapes"), Call("the backward pass of A", 1, "gradients")
+    assert mismatch_message([fwd, fwd, fwd]) is None and mismatch_message([5, 5]) is None
+    msg = mismatch_message([fwd, bwd, fwd, bwd])
+    assert "the collective calls differ between ranks: ranks 0, 2 in the forward pass of A; " \
+           "ranks 1, 3 in the backward pass of A." in msg
+    other = Call("the forward pass of A", 2, "input shapes")
+    msg = mismatch_message([fwd, other, other])
+    assert msg.startswith("the arguments of the forward pass of A differ between ranks (rank 0 against ranks 1, 2): "
+                          "different input shapes")
+    assert "in another collective call" in mismatch_message([fwd, 7])  # a plain signature: its call is unnamed
+    assert "rank 0 and rank 1" in mismatch_message([6, 7])  # plain signatures: the generic message
+    assert pickle.loads(pickle.dumps(fwd)) == fwd
 
 
 def test_failure_notes_survive_a_broken_str_and_stay_small():

@@ -40,10 +40,21 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
-         "shuffled", "loss", "n_layers", "shard", "modules", "argument"]
-MISMATCH = ("settings", "eval", "batch", "bwd_settings")  # every rank raises ValueError, none waits
+         "shuffled", "loss", "n_layers", "shard", "modules", "argument", "calls", "skip"]
+#: ranks whose handshakes differ: every rank raises ValueError naming the call (the arguments of one call,
+#: or each rank's call), none waits
+MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "fwd_iters"],
+            "batch": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "input shapes"],
+            "bwd_settings": ["the arguments of the backward pass of LayerParallel #", "bwd_iters"],
+            "eval": ["the collective calls differ", "in the forward pass (an MGRIT solve) of LayerParallel #",
+                     "in the forward pass in eval mode (exact_eval: a serial sweep) of LayerParallel #"],
+            "calls": ["the collective calls differ", "in the forward pass (an MGRIT solve) of LayerParallel #",
+                      "in to_serial() of LayerParallel #"],
+            "skip": ["the collective calls differ", "in the forward pass (an MGRIT solve) of LayerParallel #",
+                     "in the backward pass of LayerParallel #"],
+            "order": ["the collective calls differ", "in the forward pass (an MGRIT solve) of LayerParallel #"]}
 #: ranks that disagree: every rank raises ValueError with this in its message
-DISAGREE = {"order": "differ between ranks", "shuffled": "input of rank", "loss": "gradient of the block's output",
+DISAGREE = {"shuffled": "input of rank", "loss": "gradient of the block's output",
             "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters"}
 
 
@@ -64,8 +75,12 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
             assert seconds < 10, f"{case}: rank {r} took {seconds} s\n{out[-4000:]}"
             if case == "tied":  # every rank sees the tie in the list it was given
                 assert kind == "ValueError" and "share a parameter" in msg, (r, kind, msg)
-            elif case in MISMATCH:  # the pass's handshake compares the solve's arguments
-                assert kind == "ValueError" and "differ between ranks" in msg, (case, r, kind, msg)
+            elif case in MISMATCH:  # the pass's handshake compares the call and the solve's arguments
+                assert kind == "ValueError" and all(part in msg for part in MISMATCH[case]), (case, r, kind, msg)
+                if case == "order":  # names the two blocks
+                    assert len(set(re.findall(r"LayerParallel #(\d+)", msg))) == 2, msg
+                else:  # with the rank(s) of the other call
+                    assert f"rank {bad}" in msg or f"ranks {bad}" in msg, (case, r, msg)
             elif case in DISAGREE:
                 assert kind == "ValueError" and DISAGREE[case] in msg, (case, r, kind, msg)
             elif case == "layout":  # ranks whose halo layer differs from its owner's raise ValueError

@@ -55,7 +55,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
         own = [q.grad for q in b.parameters() if q.grad is not None]
         # in a session of the block: a rank that is in another call of the block (a pass) raises
         # instead of waiting
-        with b._session(signature=("grad_norm", p)):
+        with b._session("grad_norm / clip_grad_norm_", p, agree="norm types"):
             if math.isinf(p):
                 parts.append(b.comm.max([_part(own, p)]))
             else:

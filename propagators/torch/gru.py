@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import InSession, ReversedInSession, args_signature, as_communicator
+from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _check_output_gradient, _chunks,
@@ -76,6 +76,9 @@ def _affine_compose(a, b):
 
 #: the least steps of a piece of the weight gradients (ParallelGRU._step_gradients)
 _PIECE_STEPS = 64
+#: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
+_SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, or solve settings (fwd_iters, "
+                "bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
 
 
 def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
@@ -489,7 +492,7 @@ class ParallelGRU(nn.Module):
         calling two GRUs in different orders raise) and raise alike when they built different GRUs."""
         settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
                     self.coarse)
-        session = self._comm.session(share=(_uids[0], *settings))
+        session = self._comm.session(Call("building a ParallelGRU"), share=(_uids[0], *settings))
         with session:
             pass
         self._uid = _agreed_build(session.shared, "ParallelGRU", ("input_size", "hidden_size", "num_layers", "bias",
@@ -518,10 +521,12 @@ class ParallelGRU(nn.Module):
         return gru
 
     # -- helpers ---------------------------------------------------------------------
-    def _session(self, signature=None, share=None):
-        """A failure-aware communicator session on several ranks; nothing on one."""
+    def _session(self, what: str, signature=None, share=None, agree: str = ""):
+        """A failure-aware communicator session on several ranks; nothing on one. Its handshake names
+        the call, ``what``, and compares the module's id: ranks in different calls raise naming each one's."""
         if self._comm.size > 1:
-            return self._comm.session(signature=(self._uid, signature), share=share)
+            name = f"{what} of ParallelGRU #{self._uid}"
+            return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
         return contextlib.nullcontext()
 
     def _layout(self, L: int) -> _Layout:
@@ -591,7 +596,7 @@ class ParallelGRU(nn.Module):
         with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
             x, h0, batched = self._check(input, hx)
             share = _tensor_sums(x, h0) if P > 1 else None
-        session = self._session(share=share)
+        session = self._session("the input check of a forward pass", share=share)
         with session:  # the ranks compare their inputs: every rank holds the whole sequence
             differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
         if differ is not None:
@@ -646,7 +651,7 @@ class ParallelGRU(nn.Module):
             # handshake compares what the solve needs every rank to agree on
             opts = self._mgrit_options(exact, True)
             sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes())
-            with self._comm.session(signature=sig):
+            with self._session(f"the forward solve of layer {l}", sig, agree=_SOLVE_AGREE):
                 res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **opts, comm=InSession(self._comm),
                                   final_residual=True)
                 U, g0 = res.u, lay.lo
@@ -705,7 +710,7 @@ class ParallelGRU(nn.Module):
         # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
         # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
         # handshake compares what the solve and the reductions need every rank to agree on
-        session = self._session(signature=sig, share=share)
+        session = self._session(f"the backward pass of layer {l}", sig, share, _SOLVE_AGREE)
         with session:
             if share is not None:
                 differ = _differing_parts(session.shared, ("gradient of the output sequence",

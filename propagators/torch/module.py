@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import InSession, ReversedInSession, Tag, args_signature, as_communicator
+from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -137,6 +137,19 @@ class _LayerParallelFunction(torch.autograd.Function):
         return _adjoint_pass(ctx, gy)
 
 
+#: what the ranks of a pass must agree on (named by the handshake's error when they do not)
+_FORWARD_AGREE = ("input shapes or dtypes, or settings of the forward solve (fwd_iters, fwd_tol, tol_type, skip, "
+                  "the MGRIT options: set them alike on every rank)")
+_BACKWARD_AGREE = ("output-gradient shapes or dtypes, or settings of the adjoint solve (bwd_iters, bwd_tol, tol_type, "
+                   "the MGRIT options: set them alike on every rank, before the forward pass)")
+
+
+def _pass_name(exact: bool) -> str:
+    """The forward pass, as a rank's handshake names it (the exact inference sweep and the MGRIT solve
+    are different calls: train() / eval() differ between ranks when they meet)."""
+    return "the forward pass in eval mode (exact_eval: a serial sweep)" if exact else "the forward pass (an MGRIT solve)"
+
+
 _DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same output (the same targets, in the "
                    "same order; the same random state for dropout and other randomness after the block): "
                    "the block's adjoint starts at one rank's gradient while the layers around it would train "
@@ -214,7 +227,7 @@ def _adjoint_pass(ctx, gy):
         # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
         # the solve's arguments and the output gradients): a failure of the solve or of the gradients
         # reaches every rank
-        session = lp._session(signature=sig, share=share)
+        session = lp._session("the backward pass", sig, share, _BACKWARD_AGREE)
         with session:
             differ = None if share is None else _differing_inputs(
                 session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
@@ -575,7 +588,7 @@ class LayerParallel(nn.Module):
             P, r = self._comm.size, self._comm.rank
             self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
-        session = self._session(share=(_uids[0], N, self.T, repr(self.options)))
+        session = self._session("building", share=(_uids[0], N, self.T, repr(self.options)))
         with session:  # a failure while building the layers on one rank reaches every rank
             if P > 1:
                 self._uid = _agreed_build(session.shared, "LayerParallel", (
@@ -888,11 +901,14 @@ class LayerParallel(nn.Module):
             self._alarm(exc)
             raise
 
-    def _session(self, signature=None, share=None):
+    def _session(self, what: str, signature=None, share=None, agree: str = ""):
         """A failure-aware communicator session on several ranks; nothing on one. Its handshake also
-        compares the module's id: ranks that call different blocks (another order) raise."""
+        compares the module's id (ranks that call different blocks, in another order, raise) and names
+        the call, ``what`` (ranks in different calls raise naming each one's)."""
         if self._comm.size > 1:
-            return self._comm.session(signature=(self._uid, signature), share=share)
+            name = "building a LayerParallel" if self._uid is None else \
+                f"{what} of LayerParallel #{self._uid} ({self.n_layers} layers)"
+            return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
         return contextlib.nullcontext()
 
     def _pass_signature(self, x, exact: bool, cold: bool):
@@ -1015,7 +1031,7 @@ class LayerParallel(nn.Module):
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
-        session = self._session(signature=sig, share=share)
+        session = self._session(_pass_name(exact), sig, share, _FORWARD_AGREE)
         with session:
             notes = None
             if P > 1:
@@ -1306,7 +1322,7 @@ class LayerParallel(nn.Module):
         Collective over the layer communicator. Returns the network on rank
         ``root`` (every layer, as a deep copy) and None on the other ranks.
         """
-        with self._session():
+        with self._session("to_serial()"):
             mine = {j: copy.deepcopy(m) for j, m in self.layers.items()}
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
         if parts is None:
@@ -1320,7 +1336,7 @@ class LayerParallel(nn.Module):
         Every rank takes the entries of the layers it holds (owned and halo);
         keys are ``layers.<global index>.<name>``.
         """
-        with self._session():  # collective: a missing entry on one rank raises on every rank
+        with self._session("load_serial()"):  # collective: a missing entry on one rank raises on every rank
             own = self.state_dict()
             missing = [k for k in own if k not in state_dict]
             if strict and missing:
@@ -1401,7 +1417,7 @@ class LayerParallel(nn.Module):
             return prop, None
         if getattr(self, "_coarse_layers", None) is None:
             self._coarse_layers = CoarseLayers()  # copies of the coarse-level layers, kept between passes
-        with self._session():  # a layer that cannot be coarsened on one rank raises on every rank
+        with self._session("coarsening the layers in space"):  # a layer that cannot be coarsened on one rank raises on every rank
             levels = spatial_levels(self.spatial, self._coarse_layers, prop, self._held(), self.hierarchy,
                                     self.n_layers, x, self.scheme, self.batched, self.streams)
         prop.spatial_levels = levels

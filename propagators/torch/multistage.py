@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from mgrit.comm import args_signature, as_communicator
+from mgrit.comm import Call, args_signature, as_communicator
 
 from .module import LayerParallel
 
@@ -189,9 +189,10 @@ class MultiStage(nn.Module):
         """The layer communicator (an :class:`mgrit.Communicator`)."""
         return self._comm
 
-    def _session(self, signature=None):
+    def _session(self, what: str, signature=None, agree: str = ""):
+        """A failure-aware session on several layer ranks (nothing on one) whose handshake names the call."""
         if self._comm.size > 1:
-            return self._comm.session(signature)
+            return self._comm.session(Call(f"{what} of a MultiStage", signature, agree))
         return contextlib.nullcontext()
 
     # -- forward ----------------------------------------------------------------
@@ -202,7 +203,7 @@ class MultiStage(nn.Module):
                 continue
             try:
                 sig = args_signature(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None
-                with self._session(sig):  # a failure on one rank raises on every rank
+                with self._session("the replicated pieces of a forward pass", sig, "input shapes or dtypes"):
                     for i in idx:
                         x = self[i](x)
             except BaseException as exc:
@@ -250,7 +251,7 @@ class MultiStage(nn.Module):
             if isinstance(p, LayerParallel):
                 p.load_serial(sub, strict=strict)
             else:
-                with self._session():
+                with self._session("load_serial()"):
                     p.load_state_dict(sub, strict=strict)
 
     def gather_gradients(self, root: int | None = 0) -> dict | None:
@@ -269,7 +270,7 @@ class MultiStage(nn.Module):
             if isinstance(p, LayerParallel) or self._comm.rank == first:
                 for n, q in p.named_parameters():
                     mine[f"{i}.{n}"] = None if q.grad is None else q.grad.detach().cpu().clone()
-        with self._session():
+        with self._session("gather_gradients()"):
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
         if parts is None:
             return None
@@ -300,7 +301,7 @@ class MultiStage(nn.Module):
                 sums.append((f"{i}.{n}", _crc(t)))
                 if grads and isinstance(t, nn.Parameter):
                     sums.append((f"{i}.{n}.grad", None if t.grad is None else _crc(t.grad)))
-        with self._session():
+        with self._session("check_replicas()"):
             every = self._comm.gather(sums, root=None) if self._comm.size > 1 else [sums]
         for r, part in enumerate(every):
             if part != every[0]:
@@ -316,7 +317,7 @@ class MultiStage(nn.Module):
         if self._comm.size == 1:
             return
         tensors = [t for _, p in self.replicated for t in list(p.parameters()) + list(p.buffers())]
-        with self._session():
+        with self._session("sync_replicas()"):
             values = self._comm.bcast([t.detach().cpu() for t in tensors] if self._comm.rank == root else None,
                                       root=root)
             with torch.no_grad():

@@ -35,6 +35,9 @@ CASE is the phase in which rank BAD_RANK fails:
   output gradients); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``shard``,
   ``allreduce_gradients`` with ``shard_size`` on that rank only; ``modules``, with a module
   of other parameters there.
+* Ranks at different calls of one block: ``calls``, that rank calls ``to_serial()`` where the
+  others make a training step; ``skip``, that rank skips the backward pass and runs another
+  forward pass. Every rank raises ValueError naming each rank's call.
 
 For every case every rank prints ``case NAME rank r: <TypeName>: <message> [after <s> s]``
 (or ``case NAME rank r: no error``). After the cases the ranks run one clean
@@ -181,7 +184,14 @@ def run_case(case, bad):
                 raise Injected("injected failure between forward and backward")
             y.square().sum().backward()
         return
+    if case == "calls" and rank == bad:
+        lp.to_serial()  # where the others make a training step
+        return
     y = lp(x)
+    if case == "skip" and rank == bad:
+        with torch.no_grad():
+            lp(x)  # another forward pass (a validation) where the others run the backward pass
+        return
     if case == "inplace" and rank == bad:
         with torch.no_grad():
             next(iter(lp.parameters())).add_(1.0)
