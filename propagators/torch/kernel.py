@@ -707,13 +707,22 @@ class LayerKernel:
         return out
 
 
+_PROGRESSIONS: dict = {}  # what _progression found, by the positions' bytes (a pass asks for the same few)
+
+
 def _progression(pos: np.ndarray):
     """``(first, step)`` when ``pos`` is an arithmetic progression (one entry: step 1), else None."""
+    key = (pos.dtype.char, pos.tobytes())
+    hit = _PROGRESSIONS.get(key, False)
+    if hit is not False:
+        return hit
     n = len(pos)
     step = int(pos[1] - pos[0]) if n > 1 else 1
-    if n and step != 0 and (n < 3 or (np.diff(pos) == step).all()):
-        return int(pos[0]), step
-    return None
+    found = (int(pos[0]), step) if n and step != 0 and (n < 3 or (np.diff(pos) == step).all()) else None
+    if len(_PROGRESSIONS) >= _CACHE_LIMIT:
+        _PROGRESSIONS.clear()
+    _PROGRESSIONS[key] = found
+    return found
 
 
 def take_rows(pos: np.ndarray, device):

@@ -237,7 +237,7 @@ def _adjoint_pass(ctx, gy):
                         uncached_parametrizations():
                     gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
                 if any(c.mode != "dense" for c in kp.k.classes):  # the adjoint called the layers
-                    lp._stamp = _attribute_values(lp._slots)
+                    lp._restamp()
         if differ is not None:
             raise differ  # every rank found it in the handshake: raised after the session (no one waits)
     except BaseException as exc:
@@ -673,7 +673,7 @@ class LayerParallel(nn.Module):
         # the layers' plain attributes and submodules as the kernel saw them: a change (an attribute set, a
         # submodule replaced or deleted) is found at the next forward pass, which inspects the layers again
         self._slots = _attribute_slots([self.layers, *self._subs])
-        self._stamp = _attribute_values(self._slots)
+        self._restamp()
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._checked = None  # the lent layers are checked at the next pass (see _exchange_halo)
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
@@ -895,11 +895,16 @@ class LayerParallel(nn.Module):
                 else:
                     y = self._forward_solve(kp, x)[0]
             if self._called:  # what the layers set when the pass called them is not a change
-                self._stamp = _attribute_values(self._slots)
+                self._restamp()
             return y
         except BaseException as exc:
             self._alarm(exc)
             raise
+
+    def _restamp(self) -> None:
+        """Record the layers' attributes and submodules as they are now: the next forward pass compares
+        them (``_unchanged``) and inspects the layers again on a change."""
+        self._stamp = _attribute_values(self._slots)
 
     def _session(self, what: str, signature=None, share=None, agree: str = ""):
         """A failure-aware communicator session on several ranks; nothing on one. Its handshake also
