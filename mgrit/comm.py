@@ -883,37 +883,72 @@ def _rank_list(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _same(a, b) -> bool:
+    """``a == b`` for any two signatures (numpy arrays, objects whose ``==`` raises: their pickles)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a user's signature may compare in any way
+        try:
+            return pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL) == pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001
+            return False
+
+
+def _text(x) -> str:
+    try:
+        return str(x)
+    except Exception:  # noqa: BLE001 - a user's object may fail to print
+        return object.__repr__(x)
+
+
+def _groups(values: list) -> list:
+    """``[(value, ranks holding it)]`` in order of first appearance (values need not be hashable)."""
+    out: list = []
+    for r, v in enumerate(values):
+        for u, rs in out:
+            if _same(u, v):
+                rs.append(r)
+                break
+        else:
+            out.append((v, [r]))
+    return out
+
+
 def mismatch_message(signatures: list) -> str | None:
     """The error of a handshake whose ranks' ``signatures`` (in rank order) differ; None when
-    they agree. Names each rank's call where the signatures are :class:`Call` values."""
-    first = signatures[0]
-    bad = [r for r, s in enumerate(signatures) if s != first]
-    if not bad:
+    they agree. Names each rank's call where the signatures are :class:`Call` values. Never
+    raises (rank 0 builds it for every rank: an exception there would leave the others waiting)."""
+    try:
+        return _mismatch_message(signatures)
+    except Exception:  # noqa: BLE001
+        return ("the arguments of this collective call differ between ranks (or ranks are at different "
+                "collective calls); every rank must make the same calls in the same order, with the same arguments")
+
+
+def _mismatch_message(signatures: list) -> str | None:
+    groups = _groups(signatures)
+    if len(groups) == 1:
         return None
-    whats = [s.what if isinstance(s, Call) else None for s in signatures]
-    if isinstance(first, Call) and all(w == first.what for w in whats):
-        alike: dict = {}
-        for r, s in enumerate(signatures):
-            alike.setdefault(repr(s.args), []).append(r)
-        against = " against ".join(_rank_list(rs) for rs in alike.values())
-        return (f"the arguments of {first.what} differ between ranks ({against}): different "
-                f"{first.agree or 'arguments'}; every rank must pass the same")
-    if any(w is not None for w in whats):
-        groups: dict = {}
-        for r, w in enumerate(whats):
-            groups.setdefault(w or "another collective call (of a communicator session)", []).append(r)
-        where = "; ".join(f"{_rank_list(rs)} in {w}" for w, rs in groups.items())
+    calls = all(isinstance(s, Call) for s in signatures)
+    whats = _groups([_text(s.what) if isinstance(s, Call) else None for s in signatures])
+    if calls and len(whats) == 1:
+        first = signatures[0]
+        against = " against ".join(_rank_list(rs) for _, rs in groups)
+        agree = _text(first.agree) if first.agree else "arguments"
+        return (f"the arguments of {_text(first.what)} differ between ranks ({against}): different "
+                f"{agree}; every rank must pass the same")
+    if any(w is not None for w, _ in whats):
+        where = "; ".join(f"{_rank_list(rs)} in {w or 'another collective call (a session of your own)'}"
+                          for w, rs in whats)
         return (f"the collective calls differ between ranks: {where}. Every rank must make the same collective "
                 "calls in the same order: one rank skipped a call the others made (a backward pass, an evaluation, "
                 "to_serial, a checkpoint) or called another block first. Build the LayerParallel and ParallelGRU "
                 "modules in the same order on every rank, keep train() / eval() alike on every rank, and call them "
                 "in the same order")
-    return ("the arguments of this collective call differ between ranks (for `solve`: time "
-            f"grid, hierarchy, state shape or stopping rule): rank 0 and {_rank_list(bad)}; every "
-            "rank must pass the same (or ranks are at different collective calls: one skipped a "
-            "call the others made, e.g. a backward pass, or called another block or module; every "
-            "rank must build its LayerParallel and ParallelGRU modules in the same order and call "
-            "them in the same order)")
+    against = " against ".join(_rank_list(rs) for _, rs in groups)
+    return (f"the signatures of this collective call differ between ranks ({against}): every rank must "
+            "pass the same signature to its session, or ranks are at different collective calls (one skipped a "
+            "call the others made)")
 
 
 def args_signature(*items) -> int:
@@ -966,7 +1001,7 @@ class _SessionComm(Communicator):
     @staticmethod
     def _verdict(notes: list):
         failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
-        bad = None if failed else mismatch_message([s for _, s, *_ in notes])
+        bad = None if failed else mismatch_message([s for _, s, *_ in notes])  # (never raises)
         common = set(notes[0][2]).intersection(*(set(p) for _, _, p, *_ in notes[1:]))
         reuse = max(common) if common else None
         return failed, bad, reuse, max(i for *_, i, _ in notes), [sh for *_, sh in notes]

@@ -262,8 +262,31 @@ def test_a_handshake_mismatch_names_each_ranks_call_or_the_arguments_of_the_one_
     assert msg.startswith("the arguments of the forward pass of A differ between ranks (rank 0 against ranks 1, 2): "
                           "different input shapes")
     assert "in another collective call" in mismatch_message([fwd, 7])  # a plain signature: its call is unnamed
-    assert "rank 0 and rank 1" in mismatch_message([6, 7])  # plain signatures: the generic message
+    assert "signatures of this collective call differ between ranks (rank 0 against rank 1)" in \
+        mismatch_message([6, 7])  # plain signatures: the generic message
+    assert "(rank 0 against rank 1): different input shapes" in mismatch_message(
+        [fwd, Call(fwd.what, fwd.args, "another wording")])
     assert pickle.loads(pickle.dumps(fwd)) == fwd
+
+
+class _Unprintable:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+    __str__ = __repr__
+
+
+def test_a_handshake_mismatch_message_never_raises_whatever_the_signatures():
+    """Rank 0 builds the message for every rank: an exception there would leave the others waiting."""
+    a, b = np.arange(3), np.arange(3) + 1
+    assert mismatch_message([a, a.copy()]) is None  # equal arrays agree (compared by their pickles)
+    assert "(rank 0 against rank 1)" in mismatch_message([a, b])
+    assert "ranks 0, 2 in ['step', 0]; rank 1 in ['step', 1]" in mismatch_message(
+        [Call(["step", 0]), Call(["step", 1]), Call(["step", 0])])  # an unhashable `what`
+    odd = Call("the pass", _Unprintable())
+    assert "the arguments of the pass differ between ranks (rank 0 against rank 1)" in \
+        mismatch_message([odd, Call("the pass", 2)])
+    assert "differ between ranks" in mismatch_message([Call(_Unprintable()), Call("x")])
 
 
 def test_failure_notes_survive_a_broken_str_and_stay_small():

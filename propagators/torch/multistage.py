@@ -192,7 +192,9 @@ class MultiStage(nn.Module):
     def _session(self, what: str, signature=None, agree: str = ""):
         """A failure-aware session on several layer ranks (nothing on one) whose handshake names the call."""
         if self._comm.size > 1:
-            return self._comm.session(Call(f"{what} of a MultiStage", signature, agree))
+            ids = tuple(p._uid for p in self.stages)  # (its stages' ids tell two MultiStages apart)
+            name = f"{what} of the MultiStage of LayerParallel " + ", ".join(f"#{u}" for u in ids)
+            return self._comm.session(Call(name, (ids, signature), agree))
         return contextlib.nullcontext()
 
     # -- forward ----------------------------------------------------------------
@@ -203,7 +205,7 @@ class MultiStage(nn.Module):
                 continue
             try:
                 sig = args_signature(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None
-                with self._session("the replicated pieces of a forward pass", sig, "input shapes or dtypes"):
+                with self._session(f"the replicated pieces {idx} of a forward pass", sig, "input shapes or dtypes"):
                     for i in idx:
                         x = self[i](x)
             except BaseException as exc:
