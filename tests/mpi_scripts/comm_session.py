@@ -36,7 +36,9 @@ rank), a session's ``share`` reaches every rank in rank order, a solve on
 :class:`ReversedInSession` (inside a session, ranks in reverse) equals the serial
 one bit for bit and a failure in it names the failed rank as the session's
 communicator does, ``exact_many`` equals the single reductions bit for bit, and
-a solve equals the serial one bit for bit: ``rank r: sessions OK``. With
+a solve equals the serial one bit for bit, and sessions whose signatures differ in odd
+ways (an unhashable ``what``, numpy arrays, an argument that cannot be printed) raise
+ValueError on every rank: ``rank r: sessions OK``. With
 ``--cost`` it times empty sessions,
 sessions with one reduction and, for comparison, ``MPI_Comm_dup`` + free and
 ``MPI_Barrier``: ``rank r: cost session <us> us, session+allreduce <us> us,
@@ -50,7 +52,7 @@ import time
 import numpy as np
 
 import mgrit
-from mgrit.comm import (InSession, MPIComm, RemoteRankError, ReversedInSession, Tag, abandoned_channels,
+from mgrit.comm import (Call, InSession, MPIComm, RemoteRankError, ReversedInSession, Tag, abandoned_channels,
                         as_communicator)
 from propagators import Dahlquist
 
@@ -249,6 +251,29 @@ def check_exact_many(c) -> list:
     return bad
 
 
+def check_odd_signatures(c, bad_lines: list) -> None:
+    """Signatures that differ in odd ways (an unhashable ``what``, numpy arrays, arguments that cannot be
+    printed) make every rank raise ValueError in the handshake: rank 0 builds the message for every rank,
+    and an exception there would leave the others waiting."""
+    r, P = c.rank, c.size
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    odd = {"unhashable what": (Call(["step", r]), "the collective calls differ"),
+           "numpy signature": (np.arange(3) + (r == P - 1), "differ between ranks (ranks"),
+           "unprintable argument": (Call("my call", Unprintable() if r == 0 else 1), "the arguments of my call")}
+    for name, (sig, part) in odd.items():
+        try:
+            with c.session(sig):
+                pass
+            bad_lines.append(f"{name}: no error")
+        except ValueError as exc:
+            if part not in str(exc):
+                bad_lines.append(f"{name}: {exc}")
+
+
 def check_clean(c, bad_lines: list) -> None:
     """Sessions, reductions and a solve work after the failures."""
     r, P = c.rank, c.size
@@ -362,6 +387,7 @@ def main() -> int:
                   f"abandoned={abandoned_channels() - before}", flush=True)
     c.cleanup_timeout = MPIComm.cleanup_timeout
     bad_lines: list = []
+    check_odd_signatures(c, bad_lines)
     check_clean(c, bad_lines)
     for line in bad_lines:
         print(f"rank {r}: MISMATCH {line}", flush=True)
