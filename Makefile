@@ -1,4 +1,6 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the pinned torch from that index first
+# (the CPU build, where pip's default on Linux is the multi-GB CUDA one).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,6 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements-dev.txt)")
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
