@@ -79,7 +79,8 @@ Run (do not run it under a launcher: it starts its own gloo ranks)::
     python3 benchmarks/vs_model_parallel.py --device cuda --ranks 1,2   # on 2 GPUs (benchmarks/gpu.py step 4)
 
 The ``--device cuda`` path (NCCL, states and layers on the GPUs, timings with
-``torch.cuda.synchronize``) has not run yet: no GPU was available here.
+``torch.cuda.synchronize``) has run on one GPU only (``--ranks 1``, an H200, through
+benchmarks/gpu.py, 2026-12-04); on 2 GPUs (NCCL between them) it has not run yet.
 """
 from __future__ import annotations
 
