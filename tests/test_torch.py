@@ -263,3 +263,30 @@ def test_cuda_streams_and_batched_match_cpu():
         gx, gp = grads_of(lp, x.cuda(), loss_fn)
         assert float((gx.cpu() - gx_ref).detach().abs().max()) < 1e-10
         assert max_diff([g.cpu() for g in gp], gp_ref) < 1e-10
+
+
+def test_progression_answers_as_its_definition_and_its_cache_stays_bounded(monkeypatch):
+    """``_progression`` (which sweeps take views of the parameter stacks) remembers its answers by
+    the positions' bytes: the remembered answer is the computed one, for progressions and for
+    everything that is not one, and the cache never holds more than its byte limit."""
+    from propagators.torch import kernel
+
+    def direct(pos):
+        n = len(pos)
+        step = int(pos[1] - pos[0]) if n > 1 else 1
+        ok = n and step != 0 and all(int(pos[k + 1] - pos[k]) == step for k in range(n - 1))
+        return (int(pos[0]), step) if ok else None
+
+    monkeypatch.setattr(kernel, "_PROGRESSIONS", {})
+    monkeypatch.setattr(kernel, "_PROGRESSION_BYTES", [0])
+    monkeypatch.setattr(kernel, "_PROGRESSION_LIMIT", 4000)
+    rng = np.random.default_rng(0)
+    cases = [np.array([], dtype=np.int64), np.array([7]), np.array([3, 3, 3]), np.arange(10, 0, -3),
+             np.array([1, 2, 4]), np.arange(5, 400, 4), np.arange(5, 400, 4).astype(np.int32)]
+    cases += [rng.integers(0, 6, size=rng.integers(1, 9)) for _ in range(300)]
+    cases += [np.arange(a, a + 7 * s, s) for a in range(-3, 4) for s in (-2, -1, 1, 2, 5)]
+    for _ in range(2):  # the second round answers from the cache
+        for pos in cases:
+            assert kernel._progression(pos) == direct(pos), pos
+            assert kernel._PROGRESSION_BYTES[0] <= 4000
+    assert kernel._progression(np.arange(5, 400, 4)) == (5, 4)

@@ -708,6 +708,8 @@ class LayerKernel:
 
 
 _PROGRESSIONS: dict = {}  # what _progression found, by the positions' bytes (a pass asks for the same few)
+_PROGRESSION_BYTES = [0]  # the keys' bytes held: the cache is emptied beyond _PROGRESSION_LIMIT
+_PROGRESSION_LIMIT = 1 << 24
 
 
 def _progression(pos: np.ndarray):
@@ -719,9 +721,11 @@ def _progression(pos: np.ndarray):
     n = len(pos)
     step = int(pos[1] - pos[0]) if n > 1 else 1
     found = (int(pos[0]), step) if n and step != 0 and (n < 3 or (np.diff(pos) == step).all()) else None
-    if len(_PROGRESSIONS) >= _CACHE_LIMIT:
+    if len(_PROGRESSIONS) >= _CACHE_LIMIT or _PROGRESSION_BYTES[0] + len(key[1]) > _PROGRESSION_LIMIT:
         _PROGRESSIONS.clear()
+        _PROGRESSION_BYTES[0] = 0
     _PROGRESSIONS[key] = found
+    _PROGRESSION_BYTES[0] += len(key[1])
     return found
 
 
