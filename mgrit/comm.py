@@ -958,6 +958,11 @@ def args_signature(*items) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def _NUMPY_FLOATS(torch) -> tuple:
+    """The torch floating dtypes that numpy has."""
+    return (torch.float16, torch.float32, torch.float64)
+
+
 class _Channel:
     """A private duplicate of the communicator and its bookkeeping: the
     messages sent to / received from every peer (all tags but CLEANUP,
@@ -1184,10 +1189,14 @@ class _SessionComm(Communicator):
         return float(self._reduce(x, np.add if op == "sum" else np.maximum)[0])
 
     def _reduce_tensor(self, x):
-        """Elementwise sum of a torch tensor over the ranks (default: through host memory)."""
+        """Elementwise sum of a torch tensor over the ranks (default: through host memory). Dtypes numpy
+        lacks (bfloat16, the float8 types) are summed in float32 and rounded back once."""
         import torch
 
-        return torch.from_numpy(self._reduce(x.detach().cpu().contiguous().numpy(), np.add)).to(x.device)
+        host = x.detach().cpu().contiguous()
+        if host.dtype.is_floating_point and host.dtype not in _NUMPY_FLOATS(torch):
+            return torch.from_numpy(self._reduce(host.float().numpy(), np.add)).to(device=x.device, dtype=x.dtype)
+        return torch.from_numpy(self._reduce(host.numpy(), np.add)).to(x.device)
 
     def allreduce_array(self, x):
         if B.is_torch(x):

@@ -164,6 +164,15 @@ def test_converged_output_and_gradients_equal_serial(name):
     assert max(depths) > 0  # something was coarsened
 
 
+@pytest.mark.parametrize("n, opts", [(1, {}), (2, dict(cf=2)), (3, dict(cf=4)), (8, dict(cf=2, max_levels=1))])
+def test_one_level_hierarchies_take_spatial_coarsening_and_equal_serial(n, opts):
+    """Too few layers for a coarse time level (or max_levels=1): nothing to coarsen, the block is built
+    (it used to ask for C-relaxation on "level -1") and steps exactly like the serial network."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    lp, err = compare_with_serial(conv_layers(n, 3), x, spatial=SpatialCoarsening(), **opts, **TIGHT)
+    assert len(lp.hierarchy) == 1 and err < 1e-12, err
+
+
 def test_coarse_levels_step_coarse_feature_maps(monkeypatch):
     """Record the state shapes every propagator steps: level l works on maps divided by 2^depth."""
     seen: dict = {}

@@ -90,6 +90,8 @@ class SpatialCoarsening:
     ([0, 1, 2, 3], [0, 0, 0, 0], [0, 0, 0, 1])
     >>> SpatialCoarsening(coarsen_from=2, factor=4).depths(4, (32, 32))
     [0, 0, 2, 3]
+    >>> SpatialCoarsening().depths(1, (32, 32))  # one level (too few layers to coarsen in time): none
+    [0]
     """
 
     def __init__(self, coarsen_from: int | None = None, factor: int = 2, min_size: int = 4,
@@ -115,8 +117,9 @@ class SpatialCoarsening:
                 f"min_size={self.min_size}, interpolation={self.interpolation!r}, weights={self.weights!r})")
 
     def first(self, n_levels: int) -> int:
-        """The first coarsened level of a hierarchy of ``n_levels`` levels."""
-        return n_levels - 1 if self.coarsen_from is None else self.coarsen_from
+        """The first coarsened level of a hierarchy of ``n_levels`` levels (never level 0, the network's
+        own: with one level nothing is coarsened)."""
+        return max(1, n_levels - 1) if self.coarsen_from is None else self.coarsen_from
 
     def depths(self, n_levels: int, hw) -> list:
         """Halvings of the map sides on each time level, for maps of size ``hw = (H, W)``."""

@@ -9,7 +9,8 @@ optimizer steps (the weights stay equal on every rank); a bad input on one rank
 makes every rank raise, and so does a failing step of the adjoint solve, with the
 failed rank numbered as on the module's communicator, and so do two GRUs called in
 another order on one rank, GRUs built differently, and another input or another loss
-on one rank (every rank holds the whole sequence). Prints "rank r OK" on
+on one rank (every rank holds the whole sequence); in bfloat16 and float16 the weight
+gradients equal the float64 ones to the dtype's precision, alike on every rank. Prints "rank r OK" on
 success and exits 1 otherwise.
 """
 
@@ -259,6 +260,30 @@ def still_trains(par, what: str) -> None:
         fail(f"{what}: no input gradient afterwards")
 
 
+def low_precision_weight_gradients():
+    """bfloat16 and float16 on several ranks: the weight gradients' all-reduce (numpy has no bfloat16:
+    summed in float32) gives the float64 module's gradients (same settings, same ranks) to the dtype's
+    precision, alike on every rank."""
+    for dt, tol in ((torch.bfloat16, 5e-2), (torch.float16, 1e-2)):
+        torch.manual_seed(5)
+        ref = ParallelGRU(3, 4, comm=world, cf=2)
+        low = ParallelGRU(3, 4, comm=world, cf=2).to(dt)
+        low.load_state_dict(ref.state_dict())
+        x = same_randn(7, 2, 3)
+        y, _ = low(x.to(dt))
+        y.float().square().sum().backward()
+        yr, _ = ref(x)
+        yr.square().sum().backward()
+        for (name, p), q in zip(low.named_parameters(), ref.parameters()):
+            scale = float(q.grad.abs().max())
+            err = float((p.grad.double() - q.grad).abs().max()) / scale
+            if not err < tol:
+                fail(f"{dt} on {size} ranks: gradient of {name} off by {err:.2e} (relative) >= {tol}")
+        sums = world.allgather(float(sum(p.grad.double().sum() for p in low.parameters())))
+        if len(set(sums)) != 1:
+            fail(f"{dt}: the weight gradients differ between ranks: {sums}")
+
+
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
 case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
 case(11, 2, False, False, True, False, 2, 4, "F")
@@ -267,6 +292,7 @@ case(2, 1, True, True, True, True, 2, 2, "FCF")
 bad_input_raises_everywhere()
 solve_failure_raises_everywhere()
 settings_mismatch_raises_everywhere()
+low_precision_weight_gradients()
 if size > 1:
     order_and_build_mismatches_raise_everywhere()
     backward_failure_raises_everywhere()
