@@ -166,6 +166,24 @@ def test_vit_end_to_end_gradients_equal_serial(kw):
     assert par.open.proj.weight.grad.abs().max() > 0 and par.close.fc.weight.grad.abs().max() > 0
 
 
+def test_vit_checkpoints_move_between_the_parallel_and_the_serial_build():
+    """``to_serial()`` has the keys of ``make_vit(..., parallel=False)`` (its state dict loads there)
+    and ``load_serial`` takes such a state dict back; both give the same network."""
+    par, ser = vit_pair(n_blocks=3, dim=8, heads=2, patch=4, cf=2, max_levels=2)
+    other = make_vit(3, 8, 2, patch=4, seed=99, parallel=False)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    serial = par.to_serial()
+    assert list(serial.state_dict()) == list(ser.state_dict())
+    ser.load_state_dict(serial.state_dict())
+    with torch.no_grad():
+        assert rel(ser(x), par(x)) < REL
+        par.load_serial(other.state_dict())
+        assert rel(par(x), other(x)) < REL
+    assert all(torch.equal(p, q) for p, q in zip(par.parameters(), other.parameters()))
+    with pytest.raises(KeyError, match="layer-parallel ViT's own state dict"):
+        par.load_serial(par.state_dict())  # the parallel build's own keys: not a serial state dict
+
+
 def test_repeat_init_starts_every_layer_from_the_same_weights():
     vit = make_vit(4, 8, 2, seed=0)
     first = vit.lp.layers[0].state_dict()

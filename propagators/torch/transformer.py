@@ -33,6 +33,7 @@ serial gradients, docs/transformer.md) -> LayerNorm -> pooling -> linear head.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -229,6 +230,46 @@ class ViT(nn.Module):
     @property
     def lp(self) -> LayerParallel | None:
         return self.blocks.lp if isinstance(self.blocks, Switchable) else None
+
+    def to_serial(self, root: int = 0) -> "ViT | None":
+        """The serial ViT with the current weights: the structure and state-dict keys of
+        ``make_vit(..., parallel=False)`` (blocks an :class:`~propagators.torch.ODENet`), deep copies.
+
+        Collective over the blocks' communicator (:meth:`LayerParallel.to_serial`); returns the
+        network on rank ``root`` and None on the other ranks. Its ``state_dict()`` loads into a
+        ``parallel=False`` ViT, and back with :meth:`load_serial`.
+        """
+        lp = self.lp
+        if lp is None:
+            return copy.deepcopy(self)
+        blocks = lp.to_serial(root)
+        if blocks is None:
+            return None
+        return ViT(copy.deepcopy(self.open), blocks, copy.deepcopy(self.close)).train(self.training)
+
+    def load_serial(self, state_dict: dict, strict: bool = True) -> None:
+        """Load a serial ViT's state dict (``to_serial().state_dict()``, or a ``parallel=False``
+        ViT's) on every rank: the embedding and head take their entries, the blocks the entries of
+        the layers each rank holds (:meth:`LayerParallel.load_serial`; collective)."""
+        lp = self.lp
+        if lp is None:
+            self.load_state_dict(state_dict, strict=strict)
+            return
+        prefix = "blocks."
+        if any(k.startswith("blocks.lp.") for k in state_dict):
+            raise KeyError("this is a layer-parallel ViT's own state dict (keys blocks.lp....): load it with "
+                           "load_state_dict on the same ranks; load_serial takes a serial ViT's state dict "
+                           "(vit.to_serial().state_dict() or make_vit(..., parallel=False).state_dict())")
+        own = {k for k in self.state_dict() if not k.startswith(prefix)}
+        rest = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
+        if strict:
+            missing, extra = sorted(own - set(rest)), sorted(set(rest) - own)
+            if missing or extra:
+                raise KeyError(f"the state dict does not fit this ViT's embedding and head: missing {missing[:3]}, "
+                               f"unexpected {extra[:3]} (a serial ViT's state dict is expected: vit.to_serial()"
+                               ".state_dict() or make_vit(..., parallel=False).state_dict())")
+        self.load_state_dict(rest, strict=False)
+        lp.load_serial({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}, strict=strict)
 
     def forward(self, x):
         return self.close(self.blocks(self.open(x)))

@@ -7,7 +7,8 @@ initial weights built on every rank (plain autograd), 1e-9 relative:
 * causal transformer blocks: output, input gradient, and the gradients of
   every layer gathered on rank 0;
 * the ViT (embedding, blocks, head): logits and every gradient (the blocks'
-  gathered on rank 0), also after Adam steps;
+  gathered on rank 0), also after Adam steps; ``to_serial`` gives the reference's
+  weights on rank 0 and ``load_serial`` of a serial ViT's state dict its logits;
 * ``Switchable`` in serial mode on several ranks (converged solves, from
   inexact 1 / 1 cycle settings) equals serial autograd;
 * ``SerialSwitch.measure``: the gradient norm and noise summed over the ranks
@@ -93,6 +94,20 @@ def vit_equals_serial():
                     check(f"vit: gathered gradient of layer {j} (step {step})", g, p.grad)
         opt.step()
         opt_ref.step()
+    # checkpoints: the serial ViT on rank 0 is the reference's, and a serial state dict loads on every rank
+    serial = par.to_serial(root=0)
+    if (serial is None) != (rank != 0):
+        fail("vit: to_serial returned the network on a rank other than the root")
+    if serial is not None:
+        for (name, p), q in zip(serial.named_parameters(), ser.parameters()):
+            check(f"vit: to_serial parameter {name}", p.detach(), q.detach())
+    torch.manual_seed(9)
+    other = make_vit(seed=9, parallel=False, **kw)
+    par.load_serial(other.state_dict())
+    par.eval()
+    other.eval()
+    with torch.no_grad():
+        check("vit: logits after load_serial", par(X), other(X))
 
 
 def serial_mode_and_measure():
