@@ -210,6 +210,15 @@ def test_to_and_dtype_conversion_keep_working():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lp.parameters())
 
 
+@pytest.mark.parametrize("make, shape", [(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), (3, 4)),
+                                         (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Tanh()),
+                                          (1, 2, 5, 5))], ids=["linear", "conv"])
+def test_an_input_of_another_dtype_than_the_layers_says_how_to_convert(make, shape):
+    lp = LayerParallel([make().float() for _ in range(4)], cf=2)  # float32 layers
+    with pytest.raises(LayerError, match=r"layer 0 .*dtype differs .*x\.float\(\).*lp\.double\(\)"):
+        lp(torch.randn(*shape, dtype=torch.float64))
+
+
 def test_double_backward_is_a_clear_error():
     lp = LayerParallel([nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)], cf=2)
     x = torch.randn(2, 3, requires_grad=True)

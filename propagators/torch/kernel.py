@@ -1007,6 +1007,14 @@ class KernelPass:
             if "in-place" in str(exc) or "inplace" in str(exc):
                 hint = (" (a layer must not modify its input in place, e.g. with nn.ReLU(inplace=True) "
                         "as its first operation)")
+            text = str(exc)
+            if any(t in text for t in ("must have the same dtype", "expected scalar type", "should be the same",
+                                       "same dtype", "same device")):
+                hint = (" (the state's device differs from the layer's parameters': move the input to the "
+                        "block's device, or the block to the input's, e.g. lp.to(x.device))"
+                        if "cuda" in text or "device" in text else
+                        " (the state's dtype differs from the layer's parameters': convert the input to the "
+                        "block's dtype, e.g. x.float(), or the block to the input's, e.g. lp.double())")
             if "doesn't require grad" in str(exc) or "does not require grad" in str(exc):
                 hint = (" (the forward solve evaluates the layers without autograd, under torch.no_grad: "
                         "guard what needs a graph, e.g. `if z.requires_grad: z.register_hook(...)`)")
