@@ -889,7 +889,8 @@ def _same(a, b) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a user's signature may compare in any way
         try:
-            return pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL) == pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)
+            protocol = pickle.HIGHEST_PROTOCOL
+            return pickle.dumps(a, protocol=protocol) == pickle.dumps(b, protocol=protocol)
         except Exception:  # noqa: BLE001
             return False
 

@@ -147,7 +147,9 @@ _BACKWARD_AGREE = ("output-gradient shapes or dtypes, or settings of the adjoint
 def _pass_name(exact: bool) -> str:
     """The forward pass, as a rank's handshake names it (the exact inference sweep and the MGRIT solve
     are different calls: train() / eval() differ between ranks when they meet)."""
-    return "the forward pass in eval mode (exact_eval: a serial sweep)" if exact else "the forward pass (an MGRIT solve)"
+    if exact:
+        return "the forward pass in eval mode (exact_eval: a serial sweep)"
+    return "the forward pass (an MGRIT solve)"
 
 
 _DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same output (the same targets, in the "
@@ -1422,7 +1424,8 @@ class LayerParallel(nn.Module):
             return prop, None
         if getattr(self, "_coarse_layers", None) is None:
             self._coarse_layers = CoarseLayers()  # copies of the coarse-level layers, kept between passes
-        with self._session("coarsening the layers in space"):  # a layer that cannot be coarsened on one rank raises on every rank
+        # a layer that cannot be coarsened on one rank raises on every rank
+        with self._session("coarsening the layers in space"):
             levels = spatial_levels(self.spatial, self._coarse_layers, prop, self._held(), self.hierarchy,
                                     self.n_layers, x, self.scheme, self.batched, self.streams)
         prop.spatial_levels = levels
