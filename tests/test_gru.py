@@ -290,7 +290,7 @@ def test_double_backward_raises():
     (lambda: torch.randn(2, 5, B, I), None, ValueError, "3-D"),
     (lambda: torch.randn(I), None, ValueError, "3-D"),
     (lambda: torch.randn(0, B, I), None, ValueError, "empty"),
-    (lambda: torch.randn(29, 0, I), None, ValueError, "empty batch"),  # (29 positions: coarse levels)
+    (lambda: torch.randn(29, 0, I), None, ValueError, r"empty batch.*x\.shape\[1\]"),  # (29 positions: coarse levels)
     (lambda: torch.ones(5, B, I, dtype=torch.int64), None, TypeError, "floating-point"),
     (lambda: np.ones((5, B, I)), None, TypeError, "torch.Tensor"),
     (lambda: torch.randn(5, B, I, dtype=torch.float32), None, TypeError, "parameters"),
@@ -303,6 +303,11 @@ def test_bad_inputs_raise_and_say_what_to_pass(make_input, h0, exc, match):
     par = ParallelGRU(I, H)
     with pytest.raises(exc, match=match):
         par(make_input(), h0)
+
+
+def test_an_empty_batch_names_the_batch_dimension_of_the_layout():
+    with pytest.raises(ValueError, match=r"x\.shape\[0\]"):
+        ParallelGRU(I, H, batch_first=True)(torch.randn(0, 29, I))
 
 
 @pytest.mark.parametrize("kw, match", [

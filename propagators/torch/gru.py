@@ -561,8 +561,10 @@ class ParallelGRU(nn.Module):
         if L < 1:
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
         if B < 1:
+            dim = 0 if self.batch_first else 1
             raise ValueError(f"ParallelGRU got an empty batch (shape {tuple(input.shape)}): a solve needs states with "
-                             "at least one element; skip empty batches before the module (e.g. `if x.shape[0]: ...`)")
+                             "at least one element (nn.GRU would return empty outputs); skip empty batches before "
+                             f"the module (e.g. `if x.shape[{dim}]: ...`)")
         p = self.weight_ih_l0
         if x.dtype != p.dtype or x.device != p.device:
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
