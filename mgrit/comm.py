@@ -959,11 +959,6 @@ def args_signature(*items) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def _NUMPY_FLOATS(torch) -> tuple:
-    """The torch floating dtypes that numpy has."""
-    return (torch.float16, torch.float32, torch.float64)
-
-
 class _Channel:
     """A private duplicate of the communicator and its bookkeeping: the
     messages sent to / received from every peer (all tags but CLEANUP,
@@ -1195,7 +1190,7 @@ class _SessionComm(Communicator):
         import torch
 
         host = x.detach().cpu().contiguous()
-        if host.dtype.is_floating_point and host.dtype not in _NUMPY_FLOATS(torch):
+        if host.dtype.is_floating_point and host.dtype not in (torch.float16, torch.float32, torch.float64):
             return torch.from_numpy(self._reduce(host.float().numpy(), np.add)).to(device=x.device, dtype=x.dtype)
         return torch.from_numpy(self._reduce(host.numpy(), np.add)).to(x.device)
 

@@ -1000,14 +1000,13 @@ class KernelPass:
             raise
         except Exception as exc:
             m = self.k.modules[j]
-            hint = ""
-            if "must match the size of tensor" in str(exc):
+            text, hint = str(exc), ""
+            if "must match the size of tensor" in text:
                 hint = (" (a layer must keep the shape of the state; change shapes between layer-parallel "
                         "stages, e.g. with propagators.torch.MultiStage)")
-            if "in-place" in str(exc) or "inplace" in str(exc):
+            if "in-place" in text or "inplace" in text:
                 hint = (" (a layer must not modify its input in place, e.g. with nn.ReLU(inplace=True) "
                         "as its first operation)")
-            text = str(exc)
             if any(t in text for t in ("must have the same dtype", "expected scalar type", "should be the same",
                                        "same dtype", "same device")):
                 hint = (" (the state's device differs from the layer's parameters': move the input to the "
@@ -1015,10 +1014,10 @@ class KernelPass:
                         if "cuda" in text or "device" in text else
                         " (the state's dtype differs from the layer's parameters': convert the input to the "
                         "block's dtype, e.g. x.float(), or the block to the input's, e.g. lp.double())")
-            if "doesn't require grad" in str(exc) or "does not require grad" in str(exc):
+            if "doesn't require grad" in text or "does not require grad" in text:
                 hint = (" (the forward solve evaluates the layers without autograd, under torch.no_grad: "
                         "guard what needs a graph, e.g. `if z.requires_grad: z.register_hook(...)`)")
-            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {exc}{hint}") from exc
+            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {text}{hint}") from exc
 
     # -- forward steps ----------------------------------------------------------
     def step_one(self, u, j: int, dt: float):
