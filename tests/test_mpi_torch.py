@@ -117,6 +117,18 @@ def test_nan_in_one_data_shard_reaches_the_other_data_ranks():
 
 
 @pytest.mark.mpi
+@needs_mpiexec
+@pytest.mark.parametrize("n, where", [(2, "solve"), (3, "solve"), (2, "backward")])
+def test_a_rank_killed_by_a_signal_ends_the_job_instead_of_hanging(n, where):
+    """A killed process sends no alarm: the launcher ends the job (MPICH's mpiexec kills the other
+    ranks, which were waiting for it inside the solve or in the adjoint's handshake). The launch
+    returns within the timeout with a failure code, and no rank got past the step."""
+    rc, out = launch(n, "killed_rank.py", where, timeout=120)
+    assert all(f"rank {r} ready" in out for r in range(n)), out[-4000:]
+    assert rc != 0 and "survived" not in out, (rc, out[-4000:])
+
+
+@pytest.mark.mpi
 @pytest.mark.cuda
 @needs_mpiexec
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
