@@ -22,6 +22,12 @@ Run::
     .venv/bin/python benchmarks/gru_timeseries.py                 # JapaneseVowels, 3 seeds
     .venv/bin/python benchmarks/gru_timeseries.py --quick         # a few seconds
     .venv/bin/python benchmarks/gru_timeseries.py --dataset BasicMotions --epochs 80
+    .venv/bin/python benchmarks/gru_timeseries.py --bidirectional --layers 2 --dropout 0.2
+
+With ``--bidirectional`` the classifier reads both directions' last hidden states
+of the last layer; with ``--dropout`` (and ``--layers`` 2 or more) both models drop
+between layers in training, each with its own masks, and the gradient error and the
+hidden-state error are measured with dropout off (the same function on both sides).
 """
 from __future__ import annotations
 
@@ -58,6 +64,9 @@ def parse(argv=None):
     p.add_argument("--coarse", default="frozen", choices=["frozen", "inject"])
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--layers", type=int, default=1, help="GRU layers")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout between layers (as nn.GRU's)")
+    p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--quick", action="store_true", help="a tiny run (a few seconds)")
     p.add_argument("--json", type=Path, help="also write the curves and the table here")
     a = p.parse_args(argv)
@@ -82,23 +91,33 @@ def load(name: str, quick: bool):
     return tensors(train, n_tr), tensors(test, n_te), train.n_classes, T
 
 
+def features(rnn, X):
+    """The classifier's input: the last layer's last hidden state (both directions' when bidirectional)."""
+    h_n = rnn(X)[1]
+    return torch.cat(list(h_n[-2:]), dim=-1) if rnn.bidirectional else h_n[-1]
+
+
+def make_parallel(gru0, a, dropout=None):
+    """The ParallelGRU of the run's settings with gru0's weights."""
+    rnn = ParallelGRU(gru0.input_size, gru0.hidden_size, num_layers=gru0.num_layers, batch_first=True,
+                      dropout=gru0.dropout if dropout is None else dropout, bidirectional=gru0.bidirectional,
+                      cf=a.cf, max_levels=a.max_levels, relax=a.relax, coarse=a.coarse, fwd_iters=a.fwd_iters,
+                      bwd_iters=a.bwd_iters, return_sequence=False)
+    rnn.load_state_dict(gru0.state_dict())
+    return rnn
+
+
 def accuracy(rnn, head, X, y) -> float:
     rnn.eval()
     with torch.no_grad():
-        pred = head(rnn(X)[1][-1]).argmax(1)
+        pred = head(features(rnn, X)).argmax(1)
     rnn.train()
     return 100.0 * float((pred == y).double().mean())
 
 
 def train_one(kind, gru0, head0, data, a, seed):
     (Xtr, ytr), (Xte, yte) = data[0], data[1]
-    if kind == "serial":
-        rnn = copy.deepcopy(gru0)
-    else:
-        rnn = ParallelGRU(gru0.input_size, gru0.hidden_size, batch_first=True, cf=a.cf, max_levels=a.max_levels,
-                          relax=a.relax, coarse=a.coarse, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters,
-                          return_sequence=False)
-        rnn.load_state_dict(gru0.state_dict())
+    rnn = copy.deepcopy(gru0) if kind == "serial" else make_parallel(gru0, a)
     head = copy.deepcopy(head0)
     opt = torch.optim.Adam(list(rnn.parameters()) + list(head.parameters()), lr=a.lr)
     gen = torch.Generator().manual_seed(seed)
@@ -110,7 +129,7 @@ def train_one(kind, gru0, head0, data, a, seed):
         for k in range(0, len(perm), a.batch):
             idx = perm[k:k + a.batch]
             opt.zero_grad()
-            loss = F.cross_entropy(head(rnn(Xtr[idx])[1][-1]), ytr[idx])
+            loss = F.cross_entropy(head(features(rnn, Xtr[idx])), ytr[idx])
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -123,29 +142,31 @@ def train_one(kind, gru0, head0, data, a, seed):
         curve.append(accuracy(rnn, head, Xte, yte))
     h_err = None
     if kind != "serial":  # how far the training-mode solve is from the exact recursion, after training
+        p, rnn.dropout = rnn.dropout, 0.0  # (no dropout on either side)
         with torch.no_grad():
-            approx = rnn(Xte)[1][-1]
+            approx = features(rnn, Xte)
             rnn.eval()
-            exact = rnn(Xte)[1][-1]
+            exact = features(rnn, Xte)
             rnn.train()
+        rnn.dropout = p
         h_err = float((approx - exact).norm() / exact.norm())
     return dict(acc=curve[-1], curve=curve, losses=losses, time=t_train, fwd_res=fwd_res, bwd_res=bwd_res,
                 fwd_its=fwd_its, bwd_its=bwd_its, h_err=h_err)
 
 
 def gradient_error(gru0, head0, data, a) -> float:
-    """Relative error (2-norm over all GRU weights) of ParallelGRU's first-batch gradient."""
+    """Relative error (2-norm over all GRU weights) of ParallelGRU's first-batch gradient (no dropout)."""
     Xtr, ytr = data[0]
     X, y = Xtr[: a.batch], ytr[: a.batch]
     grads = []
     for kind in ("serial", "mgrit"):
-        rnn = copy.deepcopy(gru0) if kind == "serial" else ParallelGRU(
-            gru0.input_size, gru0.hidden_size, batch_first=True, cf=a.cf, max_levels=a.max_levels, relax=a.relax,
-            coarse=a.coarse, fwd_iters=a.fwd_iters, bwd_iters=a.bwd_iters, return_sequence=False)
-        if kind != "serial":
-            rnn.load_state_dict(gru0.state_dict())
+        if kind == "serial":
+            rnn = copy.deepcopy(gru0)
+            rnn.dropout = 0.0
+        else:
+            rnn = make_parallel(gru0, a, dropout=0.0)
         head = copy.deepcopy(head0)
-        F.cross_entropy(head(rnn(X)[1][-1]), y).backward()
+        F.cross_entropy(head(features(rnn, X)), y).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in rnn.parameters()]))
     return float((grads[1] - grads[0]).norm() / grads[0].norm())
 
@@ -155,17 +176,19 @@ def main(argv=None):
     torch.set_num_threads(1)
     data = load(a.dataset, a.quick)
     (Xtr, _), (Xte, _), n_classes, T = data[0], data[1], data[2], data[3]
+    model = f"GRU hidden {a.hidden}, {a.layers} layer(s)" + (", bidirectional" if a.bidirectional else "")
+    model += f", dropout {a.dropout}" if a.dropout else ""
     print(f"{a.dataset}: {len(Xtr)} train / {len(Xte)} test sequences of length {T}, {Xtr.shape[2]} channels, "
-          f"{n_classes} classes; GRU hidden {a.hidden}, Adam lr {a.lr}, batch {a.batch}, {a.epochs} epochs, "
-          f"{a.seeds} seed(s)")
+          f"{n_classes} classes; {model}, Adam lr {a.lr}, batch {a.batch}, {a.epochs} epochs, {a.seeds} seed(s)")
     print(f"MGRIT: cf {a.cf}, max_levels {a.max_levels}, relax {','.join(a.relax)}, coarse step {a.coarse!r}, "
           f"{a.fwd_iters} forward / {a.bwd_iters} adjoint cycles, float32, 1 rank, 1 thread\n")
     runs = {"serial": [], "mgrit": []}
     grad_errs = []
     for seed in range(a.seeds):
         torch.manual_seed(seed)
-        gru0 = nn.GRU(Xtr.shape[2], a.hidden, batch_first=True)
-        head0 = nn.Linear(a.hidden, n_classes)
+        gru0 = nn.GRU(Xtr.shape[2], a.hidden, num_layers=a.layers, batch_first=True, dropout=a.dropout,
+                      bidirectional=a.bidirectional)
+        head0 = nn.Linear(a.hidden * (2 if a.bidirectional else 1), n_classes)
         grad_errs.append(gradient_error(gru0, head0, data, a))
         for kind in runs:
             r = train_one(kind, gru0, head0, data, a, seed)

@@ -116,6 +116,13 @@ def test_training_benchmarks_quick_runs_print_their_tables(script, needle):
     assert needle in out and "%" in out, out
 
 
+def test_gru_timeseries_quick_run_with_two_bidirectional_layers_and_dropout():
+    pytest.importorskip("torch")
+    pytest.importorskip("aeon")
+    out = run_benchmark("gru_timeseries.py", "--quick", "--bidirectional", "--layers", "2", "--dropout", "0.2")
+    assert "2 layer(s), bidirectional, dropout 0.2" in out and "| ParallelGRU (MGRIT) |" in out, out
+
+
 def test_layer_parallel_quick_run_and_rank_sweep():
     """The one-process table, the side-by-side 2-rank rows (when mpiexec is there) and the sweep."""
     pytest.importorskip("torch")

@@ -53,9 +53,9 @@ def run_both(ref, par, x, h0, wo, wn):
         hs = None if h0 is None else h0.clone().requires_grad_(True)
         m.zero_grad()
         o, n = m(xs, hs)
-        loss = (n * wn).sum() + ((o * wo).sum() if o is not None else 0.0)
+        loss = (n * wn).sum() + ((o * wo).sum() if o is not None and wo is not None else 0.0)
         loss.backward()
-        grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+        grads = {k: None if p.grad is None else p.grad.clone() for k, p in m.named_parameters()}
         out.append((o, n, xs.grad, None if hs is None else hs.grad, grads))
     return out
 
@@ -311,8 +311,10 @@ def test_an_empty_batch_names_the_batch_dimension_of_the_layout():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(dropout=0.2), "dropout"),
-    (dict(bidirectional=True), "flipped"),
+    (dict(dropout=-0.1), r"`dropout` must be a number in \[0, 1\]"),
+    (dict(dropout=1.5), "dropout"),
+    (dict(dropout=True), "dropout"),
+    (dict(dropout="0.2"), "dropout"),
     (dict(coarse="mean"), "coarse"),
     (dict(fwd_iters=0), "fwd_iters"),
     (dict(num_layers=0), "num_layers"),
@@ -330,16 +332,210 @@ def test_bad_settings_raise(kw, match):
         ParallelGRU(**args)
 
 
+# -- bidirectional and dropout ---------------------------------------------------------
+@pytest.mark.parametrize("num_layers, bias, batch_first, with_h0, seq", [
+    (1, True, False, True, True),
+    (2, True, True, False, True),
+    (2, False, False, True, True),
+    (3, True, False, False, False),
+])
+def test_bidirectional_converged_equals_nn_gru(num_layers, bias, batch_first, with_h0, seq):
+    """Both directions of every layer (the reverse one an MGRIT solve on the flipped sequence) and
+    every gradient equal a bidirectional nn.GRU's with copied weights."""
+    torch.manual_seed(7 + num_layers)
+    ref = torch.nn.GRU(I, H, num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=True)
+    par = ParallelGRU(I, H, num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=True,
+                      return_sequence=seq, cf=2, max_levels=4, **TIGHT)
+    assert list(par.state_dict()) == list(ref.state_dict())
+    par.load_state_dict(ref.state_dict())
+    L = 19
+    x = torch.randn(B, L, I) if batch_first else torch.randn(L, B, I)
+    h0 = torch.randn(2 * num_layers, B, H) if with_h0 else None
+    wo = torch.randn(*x.shape[:2], 2 * H) if seq else None
+    wn = torch.randn(2 * num_layers, B, H)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, wo, wn)
+    if seq:
+        assert o.shape == o_r.shape and maxdiff(o, o_r) < TOL
+    else:
+        assert o is None
+    assert n.shape == n_r.shape and maxdiff(n, n_r) < TOL
+    assert maxdiff(gx, gx_r) < TOL
+    if with_h0:
+        assert maxdiff(gh, gh_r) < TOL
+    assert set(gw) == set(gw_r)
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+    assert len(par.last_forward) == len(par.last_backward) == 2 * num_layers
+    assert all(r is not None for r in par.last_forward + par.last_backward)
+    assert par.forward_residual < 1e-12 and par.backward_residual < 1e-12
+
+
+def masked_reference(par, x, h0, seed):
+    """The stack of one-layer nn.GRUs with par's weights and layout, the masks of ``seed`` (in the
+    layout of the output, as ``dropout_masks`` gives them) between the layers; returns the output,
+    h_n, the masks and the one-layer GRUs."""
+    D = par.num_directions
+    like = torch.empty(*x.shape[:-1], D * H)
+    masks = par.dropout_masks(seed, like)
+    inp, hs, grus = x, [], []
+    for l in range(par.num_layers):
+        g = torch.nn.GRU(I if l == 0 else D * H, H, bias=par.bias, batch_first=par.batch_first,
+                         bidirectional=par.bidirectional)
+        g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in par.state_dict().items()
+                           if k.endswith(f"_l{l}") or k.endswith(f"_l{l}_reverse")})
+        o, h = g(inp, None if h0 is None else h0[l * D:(l + 1) * D])
+        hs.append(h)
+        grus.append(g)
+        inp = o * masks[l] if l < par.num_layers - 1 else o
+    return inp, torch.cat(hs), masks, grus
+
+
+@pytest.mark.parametrize("bidirectional, p, batch_first, bias, unbatched, with_h0", [
+    (False, 0.3, False, True, False, False),
+    (True, 0.3, False, True, False, True),
+    (True, 0.3, True, False, False, False),
+    (False, 0.5, True, True, False, True),
+    (True, 0.4, False, True, True, True),
+    (False, 1.0, False, True, False, False),
+    (True, 1.0, True, True, False, False),
+])
+def test_dropout_between_layers_equals_the_masked_serial_stack(bidirectional, p, batch_first, bias, unbatched,
+                                                               with_h0):
+    """In training mode the output of every layer but the last is multiplied by a mask of zeros and
+    1/(1-p) (all zeros for p = 1) before the next layer reads it; the converged pass and every gradient
+    (input, h0, each weight) equal the stack of one-layer nn.GRUs with the masks that ``dropout_masks``
+    gives in the output's layout."""
+    torch.manual_seed(3)
+    par = ParallelGRU(I, H, num_layers=3, dropout=p, bidirectional=bidirectional, batch_first=batch_first,
+                      bias=bias, **TIGHT)
+    D = 2 if bidirectional else 1
+    L = 13
+    x = torch.randn(L, I) if unbatched else (torch.randn(B, L, I) if batch_first else torch.randn(L, B, I))
+    h0 = (torch.randn(3 * D, H) if unbatched else torch.randn(3 * D, B, H)) if with_h0 else None
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    hp = hs = None
+    if with_h0:
+        hp, hs = h0.clone().requires_grad_(True), h0.clone().requires_grad_(True)
+    out, hn = par(xp, hp)
+    seed = par.last_dropout_seed
+    assert isinstance(seed, int)
+    ref, ref_n, masks, grus = masked_reference(par, xs, hs, seed)
+    assert len(masks) == 2 and masks[0].shape == out.shape
+    for m in masks:
+        vals = set(torch.unique(m).tolist())
+        assert vals <= {0.0, 1.0 / (1.0 - p)} if p < 1 else vals == {0.0}
+    if p < 1:  # about p of the elements dropped (at least 260 of them: far from 0 and 1)
+        assert 0.1 < float((masks[0] == 0).double().mean()) < 0.7
+    assert maxdiff(out, ref) < TOL and maxdiff(hn, ref_n) < TOL
+    w, wn = torch.randn_like(out), torch.randn_like(hn)
+    ((out * w).sum() + (hn * wn).sum()).backward()
+    ((ref * w).sum() + (ref_n * wn).sum()).backward()
+    assert maxdiff(xp.grad, xs.grad) < TOL
+    if with_h0:
+        assert maxdiff(hp.grad, hs.grad) < TOL
+    params = dict(par.named_parameters())
+    for l, g in enumerate(grus):
+        for name, q in g.named_parameters():
+            assert maxdiff(params[name.replace("_l0", f"_l{l}")].grad, q.grad) < TOL, (l, name)
+
+
+def test_dropout_masks_are_drawn_once_per_pass_from_the_global_generator():
+    """A new seed (new masks) every training pass, the same ones after the same torch.manual_seed;
+    none in eval mode, where the pass is exact stepping without dropout (nn.GRU's output)."""
+    torch.manual_seed(0)
+    par = ParallelGRU(I, H, num_layers=2, dropout=0.5, **TIGHT)
+    x = torch.randn(9, B, I)
+    torch.manual_seed(5)
+    a = par(x)[0]
+    s1 = par.last_dropout_seed
+    b = par(x)[0]
+    assert par.last_dropout_seed != s1 and maxdiff(a, b) > 1e-3
+    torch.manual_seed(5)
+    assert maxdiff(par(x)[0], a) == 0.0 and par.last_dropout_seed == s1
+    par.eval()
+    out = par(x)[0]
+    assert par.last_dropout_seed is None
+    ref = par.to_gru().eval()
+    assert ref.dropout == 0.5 and maxdiff(out, ref(x)[0]) < 1e-12
+    with torch.no_grad():  # training mode drops under no_grad too, as nn.GRU does
+        par.train()
+        par(x)
+        assert par.last_dropout_seed is not None
+
+
+def test_bidirectional_odd_cases_equal_nn_gru():
+    """Unbatched input with h0, the injection coarse step, frozen reverse weights (their gradients stay
+    None, the others equal nn.GRU's) and ``bidirectional=1`` as nn.GRU takes it."""
+    torch.manual_seed(11)
+    ref = torch.nn.GRU(I, H, num_layers=2, bidirectional=True)  # (nn.GRU builds with 1 but fails to run)
+    par = ParallelGRU(I, H, num_layers=2, bidirectional=1, coarse="inject", cf=3, **TIGHT)
+    assert par.bidirectional is True
+    par.load_state_dict(ref.state_dict())
+    for m in (ref, par):
+        for name, q in m.named_parameters():
+            q.requires_grad_(not name.endswith("_reverse"))
+    x, h0 = torch.randn(14, I), torch.randn(4, H)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, torch.randn(14, 2 * H),
+                                                                 torch.randn(4, H))
+    assert maxdiff(o, o_r) < TOL and maxdiff(n, n_r) < TOL
+    assert maxdiff(gx, gx_r) < TOL and maxdiff(gh, gh_r) < TOL
+    for name, q in par.named_parameters():
+        if name.endswith("_reverse"):
+            assert q.grad is None, name
+        else:
+            assert maxdiff(gw[name], gw_r[name]) < TOL, name
+
+
+def test_a_differentiated_pass_clears_the_last_adjoint_results():
+    """last_backward holds the adjoint solves of the last differentiated pass only: a direction that
+    pass did not differentiate (frozen reverse weights, an input without gradient) has no entry, so
+    backward_residual is not a mix of two passes."""
+    torch.manual_seed(2)
+    par = ParallelGRU(I, H, bidirectional=True)
+    x = torch.randn(9, B, I)
+    par(x)[0].sum().backward()
+    assert all(r is not None for r in par.last_backward)
+    for name, q in par.named_parameters():
+        q.requires_grad_(not name.endswith("_reverse"))
+    par(x)[0].sum().backward()
+    assert par.last_backward[0] is not None and par.last_backward[1] is None
+    assert par.backward_residual == par.last_backward[0].final_residual
+    assert par.backward_residuals[1] == []
+    with torch.no_grad():  # a pass that is not differentiated keeps them
+        par(x)
+    assert par.last_backward[0] is not None
+
+
+def test_dropout_with_one_layer_warns_as_nn_gru_does():
+    with pytest.warns(UserWarning, match="num_layers=1 does nothing"):
+        par = ParallelGRU(I, H, dropout=0.5)
+    par(torch.randn(5, B, I))
+    assert par.last_dropout_seed is None
+
+
+def test_packed_sequences_and_reverse_weights_of_a_one_way_gru_raise_clearly():
+    par = ParallelGRU(I, H)
+    packed = torch.nn.utils.rnn.pack_sequence([torch.randn(4, I), torch.randn(2, I)])
+    with pytest.raises(TypeError, match="PackedSequence: pad the sequences"):
+        par(packed)
+    with pytest.raises(ValueError, match="not bidirectional"):
+        par.layer_weights(0, reverse=True)
+    bi = ParallelGRU(I, H, bidirectional=True)
+    assert bi.layer_weights(0, reverse=True)[0] is bi.weight_ih_l0_reverse
+    with pytest.raises(ValueError, match=r"h0 must have shape \(2, 4, 5\) \(num_layers \* 2"):
+        bi(torch.randn(5, B, I), torch.randn(1, B, H))
+
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gru.md"
 
 
-@pytest.mark.parametrize("k", range(2))
+@pytest.mark.parametrize("k", range(3))
 def test_docs_examples_run(k):
     """The one-rank examples of docs/gru.md run as printed (their asserts included)."""
     import re
 
     blocks = [b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "MPI" not in b]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # the examples build float32 models, as written
     try:

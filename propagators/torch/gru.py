@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -360,15 +361,16 @@ class ParallelGRU(nn.Module):
     """A multi-layer GRU whose recursion over the sequence is solved by MGRIT.
 
     Same constructor, call and parameters as :class:`torch.nn.GRU` (without
-    dropout and bidirectional): ``output, h_n = model(input, h0)`` with
-    ``input`` of shape ``(L, B, input_size)`` (``(B, L, input_size)`` with
-    ``batch_first=True``, or ``(L, input_size)`` unbatched), ``h0`` of shape
-    ``(num_layers, B, hidden_size)`` (zeros if None), ``output`` of shape
-    ``(L, B, hidden_size)`` (the last layer's hidden state at every position)
-    and ``h_n`` of shape ``(num_layers, B, hidden_size)``. Parameter names are
+    ``proj_size``): ``output, h_n = model(input, h0)`` with ``input`` of shape
+    ``(L, B, input_size)`` (``(B, L, input_size)`` with ``batch_first=True``,
+    or ``(L, input_size)`` unbatched), ``h0`` of shape ``(D * num_layers, B,
+    hidden_size)`` (zeros if None; ``D`` is 2 when bidirectional, else 1),
+    ``output`` of shape ``(L, B, D * hidden_size)`` (the last layer's hidden
+    states at every position, the reverse direction's second) and ``h_n`` of
+    shape ``(D * num_layers, B, hidden_size)``. Parameter names are
     ``nn.GRU``'s (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
-    ``bias_hh_l0``, ...), so ``model.load_state_dict(gru.state_dict())`` works
-    both ways.
+    ``bias_hh_l0``, ``weight_ih_l0_reverse``, ...), so
+    ``model.load_state_dict(gru.state_dict())`` works both ways.
 
     Layer by layer, the forward pass solves the hidden-state recursion with
     MGRIT over the sequence positions (the layer's input sequence is its
@@ -382,8 +384,18 @@ class ParallelGRU(nn.Module):
     ----------
     input_size, hidden_size, num_layers, bias, batch_first
         As in :class:`torch.nn.GRU`.
-    dropout, bidirectional
-        Only the defaults (0 and False) are supported.
+    dropout : float
+        As in :class:`torch.nn.GRU`: in training mode, every element of the
+        output of every layer but the last is zeroed with this probability
+        (and the rest scaled by ``1 / (1 - dropout)``) before the next layer
+        reads it. The masks are drawn once per forward pass, outside the
+        solves (every MGRIT step of a layer sees the same forcing); every
+        rank draws the same ones (:meth:`dropout_masks`), so the pass on
+        several ranks equals the pass on one.
+    bidirectional : bool
+        As in :class:`torch.nn.GRU`: every layer also runs over the reversed
+        sequence with its own weights (``*_reverse``), a second MGRIT solve
+        forward and a second adjoint solve backward.
     device, dtype
         Of the parameters, as in :class:`torch.nn.GRU`.
     cf, max_levels, min_coarse, relax, cycle
@@ -445,13 +457,13 @@ class ParallelGRU(nn.Module):
                                  ("num_layers", num_layers, 1)):
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                     raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
-            if dropout:
-                raise ValueError("ParallelGRU does not support dropout between layers (MGRIT evaluates every "
-                                 "step many times per pass, each time with a different mask): pass dropout=0 "
-                                 "and apply nn.Dropout to the output instead")
-            if bidirectional:
-                raise ValueError("ParallelGRU is not bidirectional: run a second ParallelGRU on the flipped "
-                                 "sequence (input.flip(0)) and concatenate the outputs")
+            if (isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.integer, np.floating))
+                    or not 0.0 <= float(dropout) <= 1.0):
+                raise ValueError(f"`dropout` must be a number in [0, 1] (the probability of zeroing an element "
+                                 f"of the output of every layer but the last, as in nn.GRU), got {dropout!r}")
+            if float(dropout) > 0 and num_layers == 1:
+                warnings.warn(f"dropout={dropout} with num_layers=1 does nothing: ParallelGRU, like nn.GRU, drops "
+                              "elements of the outputs of every layer but the last", UserWarning, stacklevel=2)
             if coarse not in COARSE_STEPS:
                 raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
             if tol_type not in ("abs", "rel"):
@@ -461,6 +473,9 @@ class ParallelGRU(nn.Module):
             check_levels(cf, max_levels, min_coarse, relax, 1.0)
             self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
             self.bias, self.batch_first = bool(bias), bool(batch_first)
+            self.dropout = float(dropout)
+            self.bidirectional = bool(bidirectional)  # (as nn.GRU, bias and batch_first here: any truth value)
+            self.num_directions = 2 if self.bidirectional else 1
             self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
             self.cycle, self.coarse = cycle, coarse
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
@@ -471,12 +486,13 @@ class ParallelGRU(nn.Module):
             factory = {"device": device, "dtype": dtype}
             H = self.hidden_size
             for l in range(self.num_layers):
-                n_in = self.input_size if l == 0 else H
-                self.register_parameter(f"weight_ih_l{l}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
-                self.register_parameter(f"weight_hh_l{l}", nn.Parameter(torch.empty(3 * H, H, **factory)))
-                if self.bias:
-                    self.register_parameter(f"bias_ih_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
-                    self.register_parameter(f"bias_hh_l{l}", nn.Parameter(torch.empty(3 * H, **factory)))
+                n_in = self.input_size if l == 0 else H * self.num_directions
+                for sfx in ("", "_reverse")[:self.num_directions]:  # nn.GRU's names and order
+                    self.register_parameter(f"weight_ih_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
+                    self.register_parameter(f"weight_hh_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, H, **factory)))
+                    if self.bias:
+                        self.register_parameter(f"bias_ih_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, **factory)))
+                        self.register_parameter(f"bias_hh_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, **factory)))
             self.reset_parameters()
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
         if self._comm.size > 1:
@@ -484,19 +500,25 @@ class ParallelGRU(nn.Module):
         self._layouts: dict = {}
         #: mgrit.Result of the last forward and adjoint solve of every layer, without their states
         #: (Result.without_states): statistics only, no trajectory held between passes
-        self.last_forward: list = [None] * self.num_layers
-        self.last_backward: list = [None] * self.num_layers
+        #: (one entry per layer and direction, in h_n's order: layer 0, layer 0 reverse, layer 1, ...);
+        #: a differentiated forward pass clears last_backward, whose entries its backward pass fills
+        self.last_forward: list = [None] * self.num_layers * self.num_directions
+        self.last_backward: list = [None] * self.num_layers * self.num_directions
+        #: the seed of the dropout masks of the last forward pass in training mode (None: no dropout drawn);
+        #: :meth:`dropout_masks` gives its masks
+        self.last_dropout_seed: int | None = None
 
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks
         calling two GRUs in different orders raise) and raise alike when they built different GRUs."""
         settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
-                    self.coarse)
+                    self.coarse, self.bidirectional, self.dropout)
         session = self._comm.session(Call("building a ParallelGRU"), share=(_uids[0], *settings))
         with session:
             pass
         self._uid = _agreed_build(session.shared, "ParallelGRU", ("input_size", "hidden_size", "num_layers", "bias",
-                                                                  "MGRIT settings", "cycle", "coarse"))
+                                                                  "MGRIT settings", "cycle", "coarse",
+                                                                  "bidirectional", "dropout"))
 
     def reset_parameters(self):
         """``nn.GRU``'s initialisation: every parameter uniform in ``(-1/sqrt(H), 1/sqrt(H))``."""
@@ -507,16 +529,49 @@ class ParallelGRU(nn.Module):
     def flatten_parameters(self):
         """No-op (kept for code written for ``nn.GRU``)."""
 
-    def layer_weights(self, l: int) -> tuple:
-        """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of layer ``l`` (biases None without bias)."""
-        g = lambda name: getattr(self, f"{name}_l{l}", None)  # noqa: E731
+    def layer_weights(self, l: int, reverse: bool = False) -> tuple:
+        """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of layer ``l`` (biases None without bias);
+        ``reverse=True``: of its reverse direction (bidirectional only)."""
+        if reverse and not self.bidirectional:
+            raise ValueError("reverse=True: this ParallelGRU is not bidirectional")
+        sfx = "_reverse" if reverse else ""
+        g = lambda name: getattr(self, f"{name}_l{l}{sfx}", None)  # noqa: E731
         return g("weight_ih"), g("weight_hh"), g("bias_ih"), g("bias_hh")
+
+    def dropout_masks(self, seed: int, like: torch.Tensor) -> list:
+        """The dropout masks of a forward pass whose seed was ``seed`` (:attr:`last_dropout_seed`).
+
+        ``like`` is an output sequence as ``forward`` returns it (``(L, B, D * hidden_size)``,
+        ``(B, L, D * hidden_size)`` with ``batch_first``, ``(L, D * hidden_size)`` unbatched);
+        the masks come in its layout, dtype and device: one per layer but the last, zeros and
+        ``1 / (1 - dropout)``, so that layer ``l + 1`` read ``output_l * masks[l]`` (``output_l``
+        the output sequence of layer ``l``). Every rank draws the same masks (from a generator
+        seeded with ``seed``, which rank 0 draws from torch's global generator), so one and
+        several ranks give the same pass; they are not ``nn.GRU``'s own masks.
+        """
+        if like.dim() == 2:  # unbatched
+            return [m.squeeze(1) for m in self._masks(seed, (like.shape[0], 1, like.shape[1]), like)]
+        if self.batch_first:
+            return [m.transpose(0, 1) for m in self._masks(seed, (like.shape[1], like.shape[0], like.shape[2]), like)]
+        return self._masks(seed, tuple(like.shape), like)
+
+    def _masks(self, seed: int, shape: tuple, like: torch.Tensor) -> list:
+        """:meth:`dropout_masks` in the module's own layout ``shape`` = ``(L, B, D * hidden_size)``."""
+        g = torch.Generator(device=like.device)
+        g.manual_seed(int(seed))
+        q = 1.0 - self.dropout
+        masks = []
+        for _ in range(self.num_layers - 1):
+            keep = torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(q, generator=g)
+            masks.append(keep / q if q > 0 else keep)
+        return masks
 
     def to_gru(self) -> nn.GRU:
         """A ``torch.nn.GRU`` with a copy of the current weights (serial reference, inference, checkpoints)."""
         p = next(self.parameters())
         gru = nn.GRU(self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
-                     batch_first=self.batch_first, device=p.device, dtype=p.dtype)
+                     batch_first=self.batch_first, dropout=self.dropout, bidirectional=self.bidirectional,
+                     device=p.device, dtype=p.dtype)
         gru.load_state_dict(self.state_dict())
         return gru
 
@@ -544,6 +599,10 @@ class ParallelGRU(nn.Module):
 
     def _check(self, input, hx):
         """Shapes, dtypes and devices as ``nn.GRU`` expects them; returns (x (L,B,in), h0, batched)."""
+        if isinstance(input, nn.utils.rnn.PackedSequence):
+            raise TypeError("ParallelGRU does not take a PackedSequence: pad the sequences to one length "
+                            "(e.g. nn.utils.rnn.pad_packed_sequence, or repeat each series' last value) and "
+                            "pass the padded tensor")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"ParallelGRU expects a torch.Tensor input, got {type(input).__name__}")
         if not input.is_floating_point():
@@ -569,14 +628,17 @@ class ParallelGRU(nn.Module):
         if x.dtype != p.dtype or x.device != p.device:
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
                             "convert one of them (model.to(input) or input.to(...))")
-        shape = (self.num_layers, B, self.hidden_size) if batched else (self.num_layers, self.hidden_size)
+        units = self.num_layers * self.num_directions
+        shape = (units, B, self.hidden_size) if batched else (units, self.hidden_size)
         if hx is None:
-            h0 = x.new_zeros(self.num_layers, B, self.hidden_size)
+            h0 = x.new_zeros(units, B, self.hidden_size)
         else:
             if not isinstance(hx, torch.Tensor):
                 raise TypeError(f"h0 must be a torch.Tensor or None, got {type(hx).__name__}")
             if tuple(hx.shape) != shape:
-                raise ValueError(f"h0 must have shape {shape} (num_layers, {'batch, ' if batched else ''}"
+                raise ValueError(f"h0 must have shape {shape} ("
+                                 f"{'num_layers * 2' if self.bidirectional else 'num_layers'}, "
+                                 f"{'batch, ' if batched else ''}"
                                  f"hidden_size), got {tuple(hx.shape)}")
             if hx.dtype != x.dtype or hx.device != x.device:
                 raise TypeError(f"h0 is {hx.dtype} on {hx.device}, the input {x.dtype} on {x.device}; "
@@ -595,30 +657,55 @@ class ParallelGRU(nn.Module):
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
                                               "the serial GRU, `model.to_gru()`"))
         P = self._comm.size
-        with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
-            x, h0, batched = self._check(input, hx)
-            share = _tensor_sums(x, h0) if P > 1 else None
-        session = self._session("the input check of a forward pass", share=share)
-        with session:  # the ranks compare their inputs: every rank holds the whole sequence
-            differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
-        if differ is not None:
-            raise differ
+        drop = self.training and self.dropout > 0 and self.num_layers > 1
+        rng = torch.random.get_rng_state() if drop else None
+        try:
+            seed, share, session = None, None, None
+            with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
+                x, h0, batched = self._check(input, hx)
+                # every rank draws (the global generators stay in step); rank 0's seed is used on all
+                seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
+                share = (*_tensor_sums(x, h0), seed) if P > 1 else None
+            session = self._session("the input check of a forward pass", share=share)
+            with session:  # the ranks compare their inputs: every rank holds the whole sequence
+                differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
+            if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
+                differ = ValueError("dropout is drawn on some ranks and not on others: put the ParallelGRU in the "
+                                    "same mode on every rank (model.train() or model.eval() alike)")
+            if differ is not None:
+                raise differ
+        except BaseException:
+            if rng is not None:  # the pass failed on every rank: undo the draw, so the ranks' generators agree
+                torch.random.set_rng_state(rng)
+            raise
+        if drop:
+            seed = seed if share is None else session.shared[0][2]
+        self.last_dropout_seed = seed
         params = list(self.parameters())
         track = torch.is_grad_enabled() and (
             P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
-        inp, last = x, []
+        inp, last, D = x, [], self.num_directions
+        masks = self._masks(seed, (x.shape[0], x.shape[1], D * self.hidden_size), x) if drop else None
+        if track:  # this pass's adjoint solves replace the last ones (units not differentiated stay None)
+            self.last_backward = [None] * len(self.last_backward)
         for l in range(self.num_layers):
             want = self.return_sequence or l < self.num_layers - 1
-            w = self.layer_weights(l)
-            w = [v for v in w if v is not None]
-            if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
-                anchor = torch.zeros((), requires_grad=P > 1)
-                out, hL = _GRULayerFunction.apply(self, l, want, anchor, inp, h0[l], *w)
-            else:
-                with torch.no_grad():
-                    out, hL, _ = self._layer_forward(l, inp, h0[l], w, want, keep=False)
-            last.append(hL)
-            inp = out
+            outs = []
+            for d in range(D):  # the reverse direction solves on the flipped sequence
+                k = l * D + d
+                w = [v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
+                src = inp.flip(0) if d else inp
+                if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
+                    anchor = torch.zeros((), requires_grad=P > 1)
+                    out, hL = _GRULayerFunction.apply(self, k, want, anchor, src, h0[k], *w)
+                else:
+                    with torch.no_grad():
+                        out, hL, _ = self._layer_forward(k, src, h0[k], w, want, keep=False)
+                last.append(hL)
+                outs.append(out.flip(0) if d and want else out)
+            inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
+            if drop and l < self.num_layers - 1:  # nn.GRU's dropout: on the output of every layer but the last
+                inp = inp * masks[l]
         h_n = torch.stack(last)
         output = inp if self.return_sequence else None
         if not batched:
@@ -627,18 +714,25 @@ class ParallelGRU(nn.Module):
             output = output.transpose(0, 1)
         return output, h_n
 
-    def _split(self, l, weights):
+    def _split(self, weights):
         w_ih, w_hh = weights[0], weights[1]
         b_ih, b_hh = (weights[2], weights[3]) if self.bias else (None, None)
         return w_ih, w_hh, b_ih, b_hh
 
-    def _layer_forward(self, l, x, h0, weights, want_seq: bool, keep: bool):
-        """Solve layer ``l``; returns (output sequence or an empty tensor, h_L, what backward needs)."""
+    def _unit(self, k: int) -> str:
+        """The name of solve unit ``k`` (a layer, or one direction of a layer)."""
+        l, d = divmod(k, self.num_directions)
+        return f"layer {l}" + (" (reverse)" if d else "")
+
+    def _layer_forward(self, k, x, h0, weights, want_seq: bool, keep: bool):
+        """Solve unit ``k`` (layer ``k`` or, bidirectional, one direction of a layer: see :meth:`_unit`) on
+        the sequence ``x`` in its own order; returns (output sequence or an empty tensor, h_L, what backward
+        needs)."""
         P, r = self._comm.size, self._comm.rank
         L, B = int(x.shape[0]), int(x.shape[1])
         exact = self.exact_eval and not self.training
         lay = self._layout(L)
-        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(l, weights))
+        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
         xd = x.detach()
         gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
         prop = GRUPropagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
@@ -653,7 +747,7 @@ class ParallelGRU(nn.Module):
             # handshake compares what the solve needs every rank to agree on
             opts = self._mgrit_options(exact, True)
             sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes())
-            with self._session(f"the forward solve of layer {l}", sig, agree=_SOLVE_AGREE):
+            with self._session(f"the forward solve of {self._unit(k)}", sig, agree=_SOLVE_AGREE):
                 res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **opts, comm=InSession(self._comm),
                                   final_residual=True)
                 U, g0 = res.u, lay.lo
@@ -663,8 +757,9 @@ class ParallelGRU(nn.Module):
                                           max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
                 root = lay.plan.owner_of_point(L)
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
-        self.last_forward[l] = res.without_states()  # (statistics only: no trajectory held between passes)
-        _warn_solve(res, f"forward (GRU layer {l})", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)
+        self.last_forward[k] = res.without_states()  # (statistics only: no trajectory held between passes)
+        _warn_solve(res, f"forward (GRU {self._unit(k)})", "fwd_iters", None if exact else self.fwd_tol,
+                    self.tol_type)
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 
@@ -704,7 +799,7 @@ class ParallelGRU(nn.Module):
             need_h0)
         return w_ih, zeros, terminal, GH, adj, opts, sig
 
-    def _layer_backward(self, l, saved, x, setup, need_x: bool, need_h0: bool, share=None):
+    def _layer_backward(self, k, saved, x, setup, need_x: bool, need_h0: bool, share=None):
         prop, U, g0, L, B, exact = saved
         P, r = self._comm.size, self._comm.rank
         lay = self._layout(L)
@@ -712,7 +807,7 @@ class ParallelGRU(nn.Module):
         # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
         # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
         # handshake compares what the solve and the reductions need every rank to agree on
-        session = self._session(f"the backward pass of layer {l}", sig, share, _SOLVE_AGREE)
+        session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _SOLVE_AGREE)
         with session:
             if share is not None:
                 differ = _differing_parts(session.shared, ("gradient of the output sequence",
@@ -723,8 +818,8 @@ class ParallelGRU(nn.Module):
                 res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
                                   comm=ReversedInSession(self._comm) if P > 1 else self._comm,
                                   partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
-            self.last_backward[l] = res.without_states()
-            _warn_solve(res, f"adjoint (GRU layer {l})", "bwd_iters", self.bwd_tol, self.tol_type)
+            self.last_backward[k] = res.without_states()
+            _warn_solve(res, f"adjoint (GRU {self._unit(k)})", "bwd_iters", self.bwd_tol, self.tol_type)
             lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
             if P == 1:
@@ -787,31 +882,37 @@ class ParallelGRU(nn.Module):
     # -- diagnostics -----------------------------------------------------------------
     @property
     def forward_residuals(self) -> list:
-        """Residual history of the last forward solve of every layer."""
+        """Residual history of the last forward solve of every layer (and direction: ``last_forward``'s order)."""
         return [[] if res is None else list(res.residuals) for res in self.last_forward]
 
     @property
     def backward_residuals(self) -> list:
-        """Residual history of the last adjoint solve of every layer."""
+        """Residual history of the last adjoint solve of every layer (and direction); ``[]`` for one that
+        the last differentiated pass did not solve (nothing needed its gradient)."""
         return [[] if res is None else list(res.residuals) for res in self.last_backward]
 
     @property
     def forward_residual(self) -> float | None:
-        """Largest residual norm over the layers of the trajectories the last forward pass returned (0: exact)."""
+        """Largest residual norm over the layers (and directions) of the trajectories the last forward pass
+        returned (0: exact)."""
         vals = [res.final_residual for res in self.last_forward if res is not None]
         return max(vals) if vals else None
 
     @property
     def backward_residual(self) -> float | None:
-        """Largest residual norm over the layers of the adjoints of the last backward pass (0: exact)."""
+        """Largest residual norm over the layers (and directions) of the adjoints of the last backward pass
+        (0: exact)."""
         vals = [res.final_residual for res in self.last_backward if res is not None]
         return max(vals) if vals else None
 
     def extra_repr(self) -> str:
         o = self.options
         s = (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, bias={self.bias}, "
-             f"batch_first={self.batch_first}, cf={o['cf']}, max_levels={o['max_levels']}, relax={o['relax']}, "
-             f"coarse={self.coarse!r}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}")
+             f"batch_first={self.batch_first}, ")
+        s += f"dropout={self.dropout}, " if self.dropout else ""
+        s += "bidirectional=True, " if self.bidirectional else ""
+        s += (f"cf={o['cf']}, max_levels={o['max_levels']}, relax={o['relax']}, "
+              f"coarse={self.coarse!r}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}")
         if self._comm.size > 1:
             s += f", ranks={self._comm.size}"
         return s

@@ -3,13 +3,14 @@
 Usage: mpiexec -n P python gru_ranks.py
 Checks (every rank), float64, converged solves: output, h_n and the gradients of
 the input, h0 and every weight equal nn.GRU's with copied weights to 1e-10, for
-one and two layers, batch_first, no bias, h0 given or None, return_sequence=False,
+one and two layers, one- and two-way (bidirectional), batch_first, no bias, h0 given or None, return_sequence=False,
 sequences shorter than the number of ranks, eval mode (exact stepping), and after
 optimizer steps (the weights stay equal on every rank); a bad input on one rank
 makes every rank raise, and so does a failing step of the adjoint solve, with the
 failed rank numbered as on the module's communicator, and so do two GRUs called in
 another order on one rank, GRUs built differently, and another input or another loss
-on one rank (every rank holds the whole sequence); in bfloat16 and float16 the weight
+on one rank (every rank holds the whole sequence); dropout between layers equals the masked stack of
+one-layer nn.GRUs, with the same masks on every rank; in bfloat16 and float16 the weight
 gradients equal the float64 ones to the dtype's precision, alike on every rank. Prints "rank r OK" on
 success and exits 1 otherwise.
 """
@@ -39,20 +40,23 @@ def check(name, a, b, tol=TOL):
         fail(f"{name}: max difference {err:.3e} >= {tol:.0e}")
 
 
-def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, relax, steps=1):
+def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, relax, steps=1, bidirectional=False):
     torch.manual_seed(1000 + L + 10 * layers)  # the same weights and data on every rank
     I, H, B = 3, 4, 2
-    ref = torch.nn.GRU(I, H, num_layers=layers, bias=bias, batch_first=batch_first)
+    D = 2 if bidirectional else 1
+    ref = torch.nn.GRU(I, H, num_layers=layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional)
     par = ParallelGRU(I, H, num_layers=layers, bias=bias, batch_first=batch_first, cf=cf, max_levels=levels,
-                      relax=relax, return_sequence=return_sequence, comm=world, **TIGHT)
+                      relax=relax, return_sequence=return_sequence, bidirectional=bidirectional, comm=world,
+                      **TIGHT)
     par.load_state_dict(ref.state_dict())
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.5)
     x = torch.randn(B, L, I) if batch_first else torch.randn(L, B, I)
-    h0 = torch.randn(layers, B, H) if with_h0 else None
-    wo = torch.randn(B, L, H) if batch_first else torch.randn(L, B, H)
-    wn = torch.randn(layers, B, H)
-    name = f"L={L} layers={layers} bias={bias} bf={batch_first} h0={with_h0} seq={return_sequence} cf={cf}"
+    h0 = torch.randn(D * layers, B, H) if with_h0 else None
+    wo = torch.randn(B, L, D * H) if batch_first else torch.randn(L, B, D * H)
+    wn = torch.randn(D * layers, B, H)
+    name = (f"L={L} layers={layers} bias={bias} bf={batch_first} h0={with_h0} seq={return_sequence} cf={cf} "
+            f"bidirectional={bidirectional}")
     for step in range(steps):
         xs, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         hs = hp = None
@@ -284,7 +288,70 @@ def low_precision_weight_gradients():
             fail(f"{dt}: the weight gradients differ between ranks: {sums}")
 
 
+def dropout_on_ranks():
+    """Dropout between layers on several ranks: every rank uses rank 0's seed (here the ranks' global
+    generators differ on purpose), so the pass is the same on every rank and equals the stack of one-layer
+    nn.GRUs with the masks of that seed (one- and two-way, converged, output and all gradients); a rank
+    in eval() mode while the others train makes every rank raise."""
+    I, H, B, L = 3, 4, 2, 11
+    for bidirectional in (False, True):
+        D = 2 if bidirectional else 1
+        torch.manual_seed(21)
+        par = ParallelGRU(I, H, num_layers=3, dropout=0.4, bidirectional=bidirectional, comm=world, cf=2, **TIGHT)
+        x = same_randn(L, B, I)
+        xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        torch.manual_seed(500 + rank)  # other global random states on every rank
+        out, hn = par(xp)
+        seed = par.last_dropout_seed
+        if len(set(world.allgather(seed))) != 1:
+            fail(f"dropout (bidirectional={bidirectional}): the seeds differ between ranks")
+        masks = par.dropout_masks(seed, torch.empty(L, B, D * H))
+        inp, hs, refs = xs, [], []
+        for l in range(3):
+            g = torch.nn.GRU(I if l == 0 else D * H, H, bidirectional=bidirectional)
+            g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in par.state_dict().items()
+                               if k.endswith(f"_l{l}") or k.endswith(f"_l{l}_reverse")})
+            o, h = g(inp)
+            refs.append(g)
+            hs.append(h)
+            inp = o * masks[l] if l < 2 else o
+        name = f"dropout (bidirectional={bidirectional})"
+        check(f"{name} output", out, inp)
+        check(f"{name} h_n", hn, torch.cat(hs))
+        w = same_randn(L, B, D * H)
+        (out * w).sum().backward()
+        (inp * w).sum().backward()
+        check(f"{name} input grad", xp.grad, xs.grad)
+        params = dict(par.named_parameters())
+        for l, g in enumerate(refs):
+            for k, q in g.named_parameters():
+                check(f"{name} grad {k} of layer {l}", params[k.replace("_l0", f"_l{l}")].grad, q.grad)
+    par = ParallelGRU(I, H, num_layers=2, dropout=0.4, comm=world, exact_eval=False)
+    # a pass that fails on every rank before its solves leaves every rank's global generator where it
+    # was: the ranks that drew a seed put it back (here they were seeded alike)
+    for what, mode, x, error, text in (
+            ("train and eval modes mixed", "eval", same_randn(L, B, I), ValueError, "dropout is drawn on some ranks"),
+            ("a bad input on one rank", "train", same_randn(L, B, I if rank != size - 1 else I + 1),
+             (ValueError, mgrit.RemoteRankError), "input_size")):
+        if rank == size - 1 and mode == "eval":
+            par.eval()
+        torch.manual_seed(77)
+        try:
+            par(x)
+        except error as exc:
+            if text not in str(exc):
+                fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
+        else:
+            fail(f"{what}: no error")
+        if len(set(world.allgather(float(torch.rand(()))))) != 1:
+            fail(f"{what}: the ranks' global generators differ after the failed pass")
+        par.train()
+        still_trains(par, f"after {what}")
+
+
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
+case(13, 2, True, False, True, True, 2, 3, "FCF", steps=2, bidirectional=True)
+case(11, 1, True, True, False, False, 2, 4, "F", bidirectional=True)
 case(13, 2, True, True, False, True, 4, 2, ("F", "FCF"))
 case(11, 2, False, False, True, False, 2, 4, "F")
 case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2, "FCF")  # fewer points than ranks
@@ -293,6 +360,7 @@ bad_input_raises_everywhere()
 solve_failure_raises_everywhere()
 settings_mismatch_raises_everywhere()
 low_precision_weight_gradients()
+dropout_on_ranks()
 if size > 1:
     order_and_build_mismatches_raise_everywhere()
     backward_failure_raises_everywhere()
