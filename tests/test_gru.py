@@ -290,7 +290,6 @@ def test_double_backward_raises():
     (lambda: torch.randn(2, 5, B, I), None, ValueError, "3-D"),
     (lambda: torch.randn(I), None, ValueError, "3-D"),
     (lambda: torch.randn(0, B, I), None, ValueError, "empty"),
-    (lambda: torch.randn(29, 0, I), None, ValueError, r"empty batch.*x\.shape\[1\]"),  # (29 positions: coarse levels)
     (lambda: torch.ones(5, B, I, dtype=torch.int64), None, TypeError, "floating-point"),
     (lambda: np.ones((5, B, I)), None, TypeError, "torch.Tensor"),
     (lambda: torch.randn(5, B, I, dtype=torch.float32), None, TypeError, "parameters"),
@@ -305,9 +304,25 @@ def test_bad_inputs_raise_and_say_what_to_pass(make_input, h0, exc, match):
         par(make_input(), h0)
 
 
-def test_an_empty_batch_names_the_batch_dimension_of_the_layout():
-    with pytest.raises(ValueError, match=r"x\.shape\[0\]"):
-        ParallelGRU(I, H, batch_first=True)(torch.randn(0, 29, I))
+@pytest.mark.parametrize("batch_first, bidirectional, seq, with_h0", [
+    (False, False, True, False), (True, True, True, True), (False, True, False, True)])
+def test_an_empty_batch_gives_nn_grus_empty_outputs_and_zero_gradients(batch_first, bidirectional, seq, with_h0):
+    """As nn.GRU: outputs with a batch of 0 (no solve), and after backward zero gradients of every
+    weight (not None, so that optimizers see them), of the input and of h0."""
+    torch.manual_seed(4)
+    ref = torch.nn.GRU(I, H, num_layers=2, batch_first=batch_first, bidirectional=bidirectional)
+    par = ParallelGRU(I, H, num_layers=2, batch_first=batch_first, bidirectional=bidirectional,
+                      return_sequence=seq)
+    D = 2 if bidirectional else 1
+    x = torch.randn(0, 29, I) if batch_first else torch.randn(29, 0, I)
+    h0 = torch.randn(2 * D, 0, H) if with_h0 else None
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, None, torch.ones(2 * D, 0, H))
+    assert (o is None) != seq and n.shape == n_r.shape == (2 * D, 0, H)
+    if seq:
+        assert o.shape == o_r.shape == ((0, 29, D * H) if batch_first else (29, 0, D * H))
+    assert gx.shape == gx_r.shape == x.shape and (gh is None or gh.shape == h0.shape)
+    assert set(gw) == set(gw_r) and all(g is not None and float(g.abs().sum()) == 0.0 for g in gw.values())
+    assert all(r is None for r in par.last_forward)  # (no solve ran)
 
 
 @pytest.mark.parametrize("kw, match", [

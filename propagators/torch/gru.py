@@ -360,8 +360,8 @@ def _layer_adjoint(ctx, g_out, g_hL):
 class ParallelGRU(nn.Module):
     """A multi-layer GRU whose recursion over the sequence is solved by MGRIT.
 
-    Same constructor, call and parameters as :class:`torch.nn.GRU` (without
-    ``proj_size``): ``output, h_n = model(input, h0)`` with ``input`` of shape
+    Same constructor, call and parameters as :class:`torch.nn.GRU` (an empty
+    batch included): ``output, h_n = model(input, h0)`` with ``input`` of shape
     ``(L, B, input_size)`` (``(B, L, input_size)`` with ``batch_first=True``,
     or ``(L, input_size)`` unbatched), ``h0`` of shape ``(D * num_layers, B,
     hidden_size)`` (zeros if None; ``D`` is 2 when bidirectional, else 1),
@@ -619,11 +619,6 @@ class ParallelGRU(nn.Module):
         L, B = int(x.shape[0]), int(x.shape[1])
         if L < 1:
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
-        if B < 1:
-            dim = 0 if self.batch_first else 1
-            raise ValueError(f"ParallelGRU got an empty batch (shape {tuple(input.shape)}): a solve needs states with "
-                             "at least one element (nn.GRU would return empty outputs); skip empty batches before "
-                             f"the module (e.g. `if x.shape[{dim}]: ...`)")
         p = self.weight_ih_l0
         if x.dtype != p.dtype or x.device != p.device:
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
@@ -665,10 +660,15 @@ class ParallelGRU(nn.Module):
                 x, h0, batched = self._check(input, hx)
                 # every rank draws (the global generators stay in step); rank 0's seed is used on all
                 seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
-                share = (*_tensor_sums(x, h0), seed) if P > 1 else None
+                share = (*_tensor_sums(x, h0), seed, tuple(input.shape)) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
             with session:  # the ranks compare their inputs: every rank holds the whole sequence
                 differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
+            shapes = [] if share is None else [sh[3] for sh in session.shared]
+            if differ is None and len(set(shapes)) > 1:  # (equal sums of zeros, an empty batch on some ranks)
+                r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
+                differ = ValueError(f"the input of rank {r} has shape {shapes[r]}, rank 0's {shapes[0]}: every rank "
+                                    "must pass the same whole sequence")
             if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
                 differ = ValueError("dropout is drawn on some ranks and not on others: put the ParallelGRU in the "
                                     "same mode on every rank (model.train() or model.eval() alike)")
@@ -685,6 +685,8 @@ class ParallelGRU(nn.Module):
         track = torch.is_grad_enabled() and (
             P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
         inp, last, D = x, [], self.num_directions
+        if x.shape[1] == 0:  # an empty batch (on every rank: the input check compared the shapes): no solve
+            return self._empty_pass(x, h0, params, track, batched)
         masks = self._masks(seed, (x.shape[0], x.shape[1], D * self.hidden_size), x) if drop else None
         if track:  # this pass's adjoint solves replace the last ones (units not differentiated stay None)
             self.last_backward = [None] * len(self.last_backward)
@@ -706,13 +708,26 @@ class ParallelGRU(nn.Module):
             inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
             if drop and l < self.num_layers - 1:  # nn.GRU's dropout: on the output of every layer but the last
                 inp = inp * masks[l]
-        h_n = torch.stack(last)
-        output = inp if self.return_sequence else None
+        return self._returned(inp if self.return_sequence else None, torch.stack(last), batched)
+
+    def _returned(self, output, h_n, batched: bool) -> tuple:
+        """``(output, h_n)`` in the caller's layout (``output`` None without ``return_sequence``)."""
         if not batched:
             return (None if output is None else output.squeeze(1)), h_n.squeeze(1)
         if output is not None and self.batch_first:
             output = output.transpose(0, 1)
         return output, h_n
+
+    def _empty_pass(self, x, h0, params, track: bool, batched: bool) -> tuple:
+        """``nn.GRU``'s answer to an empty batch: empty outputs, and zero gradients for the input, ``h0``
+        and every weight (the outputs depend on all of them through a zero)."""
+        L, D, H = x.shape[0], self.num_directions, self.hidden_size
+        zero = x.sum() + h0.sum()
+        for p in params:
+            zero = zero + p.sum()
+        zero = zero * 0 if track else 0.0
+        output = x.new_zeros(L, 0, D * H) + zero if self.return_sequence else None
+        return self._returned(output, h0.new_zeros(h0.shape) + zero, batched)
 
     def _split(self, weights):
         w_ih, w_hh = weights[0], weights[1]

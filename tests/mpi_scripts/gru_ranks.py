@@ -99,6 +99,17 @@ def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, rel
         check(f"{name} eval output", o, o_ref, 1e-12)
 
 
+def value_error_everywhere(call, text: str, what: str) -> None:
+    """``call()`` raises ValueError mentioning ``text`` on this rank (every rank checks its own)."""
+    try:
+        call()
+    except ValueError as exc:
+        if text not in str(exc):
+            fail(f"{what}: unexpected ValueError: {exc}")
+    else:
+        fail(f"{what}: no error")
+
+
 def raises_everywhere(par, x, error, text: str, what: str) -> None:
     """``par(x)`` raises ``error`` (mentioning ``text``) on the last rank, RemoteRankError (naming
     it) on the others; then the module still works on a good input of the same length."""
@@ -122,6 +133,16 @@ def bad_input_raises_everywhere():
     par = ParallelGRU(3, 4, comm=world, **TIGHT)
     x = same_randn(7, 2, 3 if rank != size - 1 else 5)  # the last rank passes a wrong input size
     raises_everywhere(par, x, ValueError, "input_size", "a bad input")
+    # an empty batch on every rank: empty outputs and zero gradients everywhere, no solve; an empty batch
+    # on the last rank and zeros (the same sums) on the others: every rank raises, naming the shapes
+    x = torch.zeros(7, 0, 3, requires_grad=True)
+    y, h_n = par(x)
+    (y.sum() + h_n.sum()).backward()
+    if y.shape != (7, 0, 4) or h_n.shape != (1, 0, 4) or float(par.weight_hh_l0.grad.abs().sum()) != 0.0:
+        fail(f"an empty batch: output {tuple(y.shape)}, h_n {tuple(h_n.shape)}, gradient {par.weight_hh_l0.grad}")
+    value_error_everywhere(lambda: par(torch.zeros(7, 0 if rank == size - 1 else 2, 3)), "has shape",
+                           "an empty batch on one rank")
+    still_trains(par, "after an empty batch on one rank")
 
 
 def solve_failure_raises_everywhere():
@@ -157,13 +178,7 @@ def settings_mismatch_raises_everywhere():
     par = ParallelGRU(3, 4, comm=world)
     if rank == size - 1:
         par.fwd_iters = 3
-    try:
-        par(same_randn(9, 2, 3))
-    except ValueError as exc:
-        if "differ between ranks" not in str(exc):
-            fail(f"a settings mismatch: unexpected ValueError: {exc}")
-    else:
-        fail("a settings mismatch: no error")
+    value_error_everywhere(lambda: par(same_randn(9, 2, 3)), "differ between ranks", "a settings mismatch")
     par.fwd_iters = 2
     y, _ = par(same_randn(9, 2, 3))
     if y.shape != (9, 2, 4):
@@ -176,34 +191,21 @@ def order_and_build_mismatches_raise_everywhere():
     GRUs built with another hidden size on the last rank: every rank raises while building."""
     a, b = ParallelGRU(3, 4, comm=world), ParallelGRU(3, 4, comm=world)
     x = same_randn(9, 2, 3)
-    try:
-        for g in ((b, a) if rank == size - 1 else (a, b)):
-            g(x)
-    except ValueError as exc:
-        if "differ between ranks" not in str(exc):
-            fail(f"GRUs called in another order: unexpected ValueError: {exc}")
-    else:
-        fail("GRUs called in another order: no error")
-    try:
-        ParallelGRU(3, 5 if rank == size - 1 else 4, comm=world)
-    except ValueError as exc:
-        if "built differently" not in str(exc):
-            fail(f"GRUs built differently: unexpected ValueError: {exc}")
-    else:
-        fail("GRUs built differently: no error")
+    value_error_everywhere(lambda: [g(x) for g in ((b, a) if rank == size - 1 else (a, b))], "differ between ranks",
+                           "GRUs called in another order")
+    value_error_everywhere(lambda: ParallelGRU(3, 5 if rank == size - 1 else 4, comm=world), "built differently",
+                           "GRUs built differently")
     still_trains(a, "after calls in another order")
     # every rank holds the whole sequence: another input, or another loss, on the last rank raises everywhere
     for what, scale_x, scale_loss, text in (("input", 2.0, 1.0, "the input of rank"),
                                             ("loss", 1.0, 2.0, "gradient of the output sequence")):
         z = same_randn(9, 2, 3, requires_grad=True)
-        try:
+
+        def step():
             y, _ = a(z * (scale_x if rank == size - 1 else 1.0))
             (y.square().sum() * (scale_loss if rank == size - 1 else 1.0)).backward()
-        except ValueError as exc:
-            if text not in str(exc):
-                fail(f"another {what} on one rank: unexpected ValueError: {exc}")
-        else:
-            fail(f"another {what} on one rank: no error")
+
+        value_error_everywhere(step, text, f"another {what} on one rank")
         still_trains(a, f"after another {what} on one rank")
 
 
