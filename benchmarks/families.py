@@ -8,6 +8,8 @@ of the sum of squares of the output) of the same network, same weights, same bat
 * **gru**: a GRU over a long sequence, ``torch.nn.GRU`` (PyTorch's fused kernel)
   against ``ParallelGRU`` (MGRIT over the sequence positions; ``return_sequence=False``,
   the loss on ``h_n``);
+* **lstm** (only with ``--only lstm``): the same with ``torch.nn.LSTM`` (PyTorch's fused
+  oneDNN kernel on CPUs) against ``ParallelLSTM``;
 * **vit**: the small vision transformer of ``make_vit`` (pre-norm attention + MLP
   blocks on 8 x 8 digit-sized inputs, 4 patch tokens and a class token), the blocks
   run serially (``ODENet``) against ``LayerParallel``;
@@ -49,14 +51,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_parallel import interleaved, median_launch, mpi_results  # noqa: E402
 
-FAMILIES = ("gru", "vit", "cnn")
+FAMILIES = ("gru", "lstm", "vit", "cnn")
+DEFAULT = ("gru", "vit", "cnn")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    p.add_argument("--seq", type=int, default=1024, help="GRU: sequence length")
-    p.add_argument("--hidden", type=int, default=32, help="GRU: hidden size")
+    p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(DEFAULT))
+    p.add_argument("--seq", type=int, default=1024, help="GRU and LSTM: sequence length")
+    p.add_argument("--hidden", type=int, default=32, help="GRU and LSTM: hidden size")
     p.add_argument("--blocks", type=int, default=64, help="ViT: transformer blocks")
     p.add_argument("--dim", type=int, default=32, help="ViT: model width")
     p.add_argument("--stage", type=int, default=32, help="CNN: residual layers per stage")
@@ -79,16 +82,17 @@ def parse(argv=None):
 
 def build(family: str, a, comm=None):
     """(network, input, description) of one family; the same weights whatever ``comm``."""
-    from propagators.torch import ParallelGRU, make_vit, residual_cnn
+    from propagators.torch import ParallelGRU, ParallelLSTM, make_vit, residual_cnn
 
     g = torch.Generator().manual_seed(1)
-    if family == "gru":
+    if family in ("gru", "lstm"):
         torch.manual_seed(0)
-        ref = torch.nn.GRU(12, a.hidden)
+        cell = family.upper()
+        ref = getattr(torch.nn, cell)(12, a.hidden)
         x = torch.randn(a.seq, a.batch, 12, generator=g)
         if comm == "serial":
-            return ref, x, f"GRU, 12 inputs, hidden {a.hidden}, sequence {a.seq}, batch {a.batch}, 3 levels"
-        net = ParallelGRU(12, a.hidden, return_sequence=False, comm=comm)
+            return ref, x, f"{cell}, 12 inputs, hidden {a.hidden}, sequence {a.seq}, batch {a.batch}, 3 levels"
+        net = (ParallelGRU if family == "gru" else ParallelLSTM)(12, a.hidden, return_sequence=False, comm=comm)
         net.load_state_dict(ref.state_dict())
         return net, x, None
     if family == "vit":
@@ -108,7 +112,9 @@ def build(family: str, a, comm=None):
 
 def output(net, x):
     out = net(x)
-    return out[1] if isinstance(out, tuple) else out  # (a GRU: the last hidden state)
+    if isinstance(out, tuple):  # a GRU: the last hidden state (an LSTM: its h_n of (h_n, c_n))
+        out = out[1][0] if isinstance(out[1], tuple) else out[1]
+    return out
 
 
 def step(net, x):

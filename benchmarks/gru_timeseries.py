@@ -1,4 +1,4 @@
-"""Training a GRU classifier with the sequence recursion solved by MGRIT, against torch.nn.GRU.
+"""Training a GRU (or LSTM) classifier with the sequence recursion solved by MGRIT, against torch.nn.GRU.
 
 Data: a multivariate time-series classification set shipped inside the ``aeon``
 package (JapaneseVowels by default: 12 channels, 9 speakers, 270 train / 370
@@ -23,6 +23,7 @@ Run::
     .venv/bin/python benchmarks/gru_timeseries.py --quick         # a few seconds
     .venv/bin/python benchmarks/gru_timeseries.py --dataset BasicMotions --epochs 80
     .venv/bin/python benchmarks/gru_timeseries.py --bidirectional --layers 2 --dropout 0.2
+    .venv/bin/python benchmarks/gru_timeseries.py --cell lstm    # ParallelLSTM against nn.LSTM
 
 With ``--bidirectional`` the classifier reads both directions' last hidden states
 of the last layer; with ``--dropout`` (and ``--layers`` 2 or more) both models drop
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from propagators.timeseries import load_aeon_dataset  # noqa: E402
-from propagators.torch import ParallelGRU  # noqa: E402
+from propagators.torch import ParallelGRU, ParallelLSTM  # noqa: E402
 
 
 def parse(argv=None):
@@ -64,7 +65,9 @@ def parse(argv=None):
     p.add_argument("--coarse", default="frozen", choices=["frozen", "inject"])
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument("--layers", type=int, default=1, help="GRU layers")
+    p.add_argument("--cell", choices=["gru", "lstm"], default="gru",
+                   help="the recurrent cell: nn.GRU against ParallelGRU, or nn.LSTM against ParallelLSTM")
+    p.add_argument("--layers", type=int, default=1, help="recurrent layers")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout between layers (as nn.GRU's)")
     p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--quick", action="store_true", help="a tiny run (a few seconds)")
@@ -94,15 +97,17 @@ def load(name: str, quick: bool):
 def features(rnn, X):
     """The classifier's input: the last layer's last hidden state (both directions' when bidirectional)."""
     h_n = rnn(X)[1]
+    h_n = h_n[0] if isinstance(h_n, tuple) else h_n  # (an LSTM's (h_n, c_n))
     return torch.cat(list(h_n[-2:]), dim=-1) if rnn.bidirectional else h_n[-1]
 
 
 def make_parallel(gru0, a, dropout=None):
-    """The ParallelGRU of the run's settings with gru0's weights."""
-    rnn = ParallelGRU(gru0.input_size, gru0.hidden_size, num_layers=gru0.num_layers, batch_first=True,
-                      dropout=gru0.dropout if dropout is None else dropout, bidirectional=gru0.bidirectional,
-                      cf=a.cf, max_levels=a.max_levels, relax=a.relax, coarse=a.coarse, fwd_iters=a.fwd_iters,
-                      bwd_iters=a.bwd_iters, return_sequence=False)
+    """The ParallelGRU (ParallelLSTM for an nn.LSTM) of the run's settings with gru0's weights."""
+    cls = ParallelLSTM if isinstance(gru0, nn.LSTM) else ParallelGRU
+    rnn = cls(gru0.input_size, gru0.hidden_size, num_layers=gru0.num_layers, batch_first=True,
+              dropout=gru0.dropout if dropout is None else dropout, bidirectional=gru0.bidirectional,
+              cf=a.cf, max_levels=a.max_levels, relax=a.relax, coarse=a.coarse, fwd_iters=a.fwd_iters,
+              bwd_iters=a.bwd_iters, return_sequence=False)
     rnn.load_state_dict(gru0.state_dict())
     return rnn
 
@@ -176,7 +181,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     data = load(a.dataset, a.quick)
     (Xtr, _), (Xte, _), n_classes, T = data[0], data[1], data[2], data[3]
-    model = f"GRU hidden {a.hidden}, {a.layers} layer(s)" + (", bidirectional" if a.bidirectional else "")
+    model = f"{a.cell.upper()} hidden {a.hidden}, {a.layers} layer(s)" + (", bidirectional" if a.bidirectional else "")
     model += f", dropout {a.dropout}" if a.dropout else ""
     print(f"{a.dataset}: {len(Xtr)} train / {len(Xte)} test sequences of length {T}, {Xtr.shape[2]} channels, "
           f"{n_classes} classes; {model}, Adam lr {a.lr}, batch {a.batch}, {a.epochs} epochs, {a.seeds} seed(s)")
@@ -186,8 +191,8 @@ def main(argv=None):
     grad_errs = []
     for seed in range(a.seeds):
         torch.manual_seed(seed)
-        gru0 = nn.GRU(Xtr.shape[2], a.hidden, num_layers=a.layers, batch_first=True, dropout=a.dropout,
-                      bidirectional=a.bidirectional)
+        gru0 = getattr(nn, a.cell.upper())(Xtr.shape[2], a.hidden, num_layers=a.layers, batch_first=True,
+                                           dropout=a.dropout, bidirectional=a.bidirectional)
         head0 = nn.Linear(a.hidden * (2 if a.bidirectional else 1), n_classes)
         grad_errs.append(gradient_error(gru0, head0, data, a))
         for kind in runs:
@@ -206,8 +211,9 @@ def main(argv=None):
     print()
     print("| model | test accuracy | training time | cycles fwd / adj | final residual fwd / adj |")
     print("|---|---|---|---|---|")
-    print(f"| nn.GRU (serial) | {acc_s:.2f} % (sd {sd([r['acc'] for r in s]):.2f}) | {t_s:.1f} s | - | - |")
-    print(f"| ParallelGRU (MGRIT) | {acc_m:.2f} % (sd {sd([r['acc'] for r in m]):.2f}) | {t_m:.1f} s | "
+    cell = a.cell.upper()
+    print(f"| nn.{cell} (serial) | {acc_s:.2f} % (sd {sd([r['acc'] for r in s]):.2f}) | {t_s:.1f} s | - | - |")
+    print(f"| Parallel{cell} (MGRIT) | {acc_m:.2f} % (sd {sd([r['acc'] for r in m]):.2f}) | {t_m:.1f} s | "
           f"{its_f:.2f} / {its_b:.2f} | {res_f:.2e} / {res_b:.2e} |")
     print(f"| difference | {acc_m - acc_s:+.2f} points | x{t_m / t_s:.2f} | | |")
     print(f"\nrelative gradient error of the first step (mean over seeds): {mean(grad_errs):.2e}")

@@ -116,11 +116,15 @@ def test_training_benchmarks_quick_runs_print_their_tables(script, needle):
     assert needle in out and "%" in out, out
 
 
-def test_gru_timeseries_quick_run_with_two_bidirectional_layers_and_dropout():
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_gru_timeseries_quick_run_with_two_bidirectional_layers_and_dropout(cell):
     pytest.importorskip("torch")
     pytest.importorskip("aeon")
-    out = run_benchmark("gru_timeseries.py", "--quick", "--bidirectional", "--layers", "2", "--dropout", "0.2")
-    assert "2 layer(s), bidirectional, dropout 0.2" in out and "| ParallelGRU (MGRIT) |" in out, out
+    out = run_benchmark("gru_timeseries.py", "--quick", "--cell", cell, "--bidirectional", "--layers", "2",
+                        "--dropout", "0.2")
+    name = cell.upper()
+    assert f"{name} hidden 16, 2 layer(s), bidirectional, dropout 0.2" in out, out
+    assert f"| Parallel{name} (MGRIT) |" in out and f"| nn.{name} (serial) |" in out, out
 
 
 def test_layer_parallel_quick_run_and_rank_sweep():
@@ -143,15 +147,15 @@ def test_layer_parallel_quick_run_and_rank_sweep():
 
 
 def test_families_quick_run_two_ranks_give_one_process_gradients():
-    """GRU, ViT and two-stage CNN: one step serial, layer-parallel on one process and on 2 ranks. The
-    2-rank gradients equal the one-process ones up to float32 rounding of the ranks' partial sums."""
+    """GRU, LSTM, ViT and two-stage CNN: one step serial, layer-parallel on one process and on 2 ranks.
+    The 2-rank gradients equal the one-process ones up to float32 rounding of the ranks' partial sums."""
     pytest.importorskip("torch")
     if not (Path(sys.executable).parent / "mpiexec").exists():
         pytest.skip("needs mpiexec (make venv installs mpich)")
-    out = run_benchmark("families.py", "--quick")
-    rows = {r[0]: r for r in map(str.split, out.splitlines()) if r and r[0] in ("gru", "vit", "cnn")
+    out = run_benchmark("families.py", "--quick", "--only", "gru", "lstm", "vit", "cnn")
+    rows = {r[0]: r for r in map(str.split, out.splitlines()) if r and r[0] in ("gru", "lstm", "vit", "cnn")
             and len(r) >= 9}
-    assert sorted(rows) == ["cnn", "gru", "vit"], out
+    assert sorted(rows) == ["cnn", "gru", "lstm", "vit"], out
     for name, r in rows.items():
         serial, lp1, lp2 = map(float, r[1:4])
         assert serial > 0 and lp1 > 0 and lp2 > 0

@@ -25,12 +25,7 @@ TOL = 1e-10
 I, H, B = 3, 5, 4
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py)
 
 
 def pair(num_layers=1, bias=True, batch_first=False, seed=0, **kw):
@@ -131,10 +126,10 @@ def test_unbatched_input_and_return_sequence_false():
 def test_short_sequences(L):
     """Converged, two layers deep, nn.GRU's output and gradients; over 200 positions the weight
     gradients are summed over four pieces of the sequence (at least 64 positions, the last 8)."""
-    from propagators.torch import gru
+    from propagators.torch import rnn
     from propagators.torch.module import _chunks
 
-    assert [len(p) for p in _chunks(np.arange(200), gru._PIECE_STEPS)] == [64, 64, 64, 8]
+    assert [len(p) for p in _chunks(np.arange(200), rnn._PIECE_STEPS)] == [64, 64, 64, 8]
     ref, par = pair(num_layers=2, cf=2, max_levels=3)
     x, h0 = torch.randn(L, B, I), torch.randn(2, B, H)
     (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, torch.randn(L, B, H),
@@ -544,13 +539,13 @@ def test_packed_sequences_and_reverse_weights_of_a_one_way_gru_raise_clearly():
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gru.md"
 
 
-@pytest.mark.parametrize("k", range(3))
+@pytest.mark.parametrize("k", range(4))
 def test_docs_examples_run(k):
     """The one-rank examples of docs/gru.md run as printed (their asserts included)."""
     import re
 
     blocks = [b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "MPI" not in b]
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # the examples build float32 models, as written
     try:
@@ -596,7 +591,7 @@ def test_a_gru_solve_without_progress_warns_and_a_converging_one_does_not():
 def test_affine_scan_and_composition_equal_the_recurrence(k):
     """The frozen coarse step's log-depth evaluation: h_{j+1} = a_j h_j + b_j at every j (scan) and at
     the end (composition), for lengths with and without an odd carry."""
-    from propagators.torch.gru import _affine_compose, _affine_scan
+    from propagators.torch.rnn import _affine_compose, _affine_scan
 
     torch.manual_seed(10)
     a, b, h0 = torch.rand(3, k, B, H), torch.randn(3, k, B, H), torch.randn(3, B, H)
@@ -634,7 +629,7 @@ def test_adjoint_step_without_forcing_is_the_vjp_of_the_forward_step(m):
 def test_input_windows_equal_indexing(i0, k):
     """The windows of inputs a step reads: a strided view where the starts are evenly spaced, else an
     indexed copy; the same values either way, and rows outside the array raise as indexing does."""
-    from propagators.torch.gru import _positions, _windows
+    from propagators.torch.rnn import _positions, _windows
 
     x = torch.randn(12, 2, 3)
     i0 = np.array(i0, dtype=np.int64)

@@ -20,12 +20,15 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.switch` -- :class:`SerialSwitch`: gradient error against minibatch noise,
   switching to serial or adapting the cycles;
 * :mod:`~propagators.torch.gru` -- :class:`ParallelGRU`: a GRU parallel over the sequence.
+* :mod:`~propagators.torch.lstm` -- :class:`ParallelLSTM`: an LSTM parallel over the sequence (both on the
+  machinery of :mod:`~propagators.torch.rnn`).
 """
 from .adjoint import AdjointPropagator, parameter_vjp
 from .coarsening import FeatureMapTransfer, SpatialCoarsening, galerkin_weight, rediscretized_weight
 from .data_parallel import allreduce_gradients
 from .grad_norm import clip_grad_norm_, grad_norm
 from .gru import ParallelGRU
+from .lstm import ParallelLSTM
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
 from .module import ConvergenceWarning, LayerDict, LayerParallel, ODENet, serial_forward
 from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
@@ -41,7 +44,7 @@ __all__ = [
     "ODEPropagator", "LayerStack", "AdjointPropagator", "parameter_vjp",
     "DistributionPlan", "LayerParallel", "LayerDict", "ConvergenceWarning", "ODENet", "serial_forward",
     "allreduce_gradients", "grad_norm", "clip_grad_norm_",
-    "ParallelGRU",
+    "ParallelGRU", "ParallelLSTM",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",
     "AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "ViT", "make_vit",

@@ -8,109 +8,24 @@ pass solves this recursion with MGRIT over the positions, and
 ``lam_i = J_i^T lam_{i+1} + dL/dh_i`` with MGRIT in reverse time, then forms
 the gradients of every weight and of the input from vector-Jacobian products
 at all steps at once. At convergence output and gradients equal
-``torch.nn.GRU``'s. See docs/gru.md (semantics, the coarse step, usage,
-limitations) and docs/theory.md (the adjoint).
-
-Every phase that involves several ranks (input checks, the solves, the ghost
-exchange, the gathers, the gradient reduction) runs inside a communicator
-session, so an exception on one rank makes every rank raise.
+``torch.nn.GRU``'s. This module holds the GRU's propagators (the cell, its
+coarse step and their adjoints); the module machinery it shares with
+``ParallelLSTM`` is :mod:`propagators.torch.rnn`. See docs/gru.md (semantics,
+the coarse step, usage, limitations) and docs/theory.md (the adjoint).
 """
 from __future__ import annotations
-
-import contextlib
-import math
-import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mgrit
-from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
-from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
-
-from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _check_output_gradient, _chunks,
-                     _differing_inputs, _eager_under_compile, _exporting, _functorch_active, _input_sums,
-                     _iterations, _no_transforms, _uids, _warn_solve)
-from .plan import DistributionPlan
-from .schemes import inject_layer
+from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
 
 __all__ = ["ParallelGRU", "GRUPropagator", "GRUAdjointPropagator"]
 
-COARSE_STEPS = ("frozen", "inject")
 
-
-def _positions(i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
-    """Rows ``i0[j] + 0..k-1 - offset`` of a window of precomputed input projections."""
-    return torch.as_tensor(np.asarray(i0, dtype=np.int64)[:, None] + np.arange(k) - offset)
-
-
-def _affine_scan(a, b):
-    """All partial compositions of the affine maps ``h -> a_j h + b_j`` along dimension 1.
-
-    Returns ``(A, B)`` with ``A_j h + B_j`` the result of applying maps ``0..j`` in
-    order to ``h``: the states of the recurrence ``h_{j+1} = a_j h_j + b_j`` at every
-    position, in ``ceil(log2 k)`` rounds of whole-tensor operations (Hillis-Steele)
-    instead of ``k`` rounds of small ones. Products and sums only, no division.
-    """
-    k, d = a.shape[1], 1
-    while d < k:
-        b = torch.cat([b[:, :d], torch.addcmul(b[:, d:], a[:, d:], b[:, :-d])], dim=1)
-        a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
-        d *= 2
-    return a, b
-
-
-def _affine_compose(a, b):
-    """``(A, B)`` of the composition of all the affine maps ``h -> a_j h + b_j`` along dimension 1
-    (map 0 applied first): pairs of neighbours composed, ``ceil(log2 k)`` rounds."""
-    while a.shape[1] > 1:
-        k = a.shape[1]
-        e = k - k % 2
-        na, nb = a[:, 1:e:2] * a[:, 0:e:2], torch.addcmul(b[:, 1:e:2], a[:, 1:e:2], b[:, 0:e:2])
-        if k % 2:
-            na, nb = torch.cat([na, a[:, -1:]], dim=1), torch.cat([nb, b[:, -1:]], dim=1)
-        a, b = na, nb
-    return a[:, 0], b[:, 0]
-
-
-#: the least steps of a piece of the weight gradients (ParallelGRU._step_gradients)
-_PIECE_STEPS = 64
-#: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
-_SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, or solve settings (fwd_iters, "
-                "bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
-
-
-def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
-    """``x[i0[j] + 0..k-1 - offset]`` stacked: shape ``(len(i0), k) + x.shape[1:]``.
-
-    When the starts are evenly spaced (every batched sweep of MGRIT, and a single
-    interval) and the windows lie inside ``x``, a strided view of ``x`` (no copy);
-    otherwise an indexed copy. Rows outside ``x`` raise ``IndexError``.
-    """
-    i0 = np.asarray(i0, dtype=np.int64)
-    n = len(i0)
-    if n and int(i0.min()) < offset:  # (an indexed copy would wrap around to the last rows)
-        raise IndexError(f"a window starts at position {int(i0.min())}, before the first row ({offset})")
-    first = int(i0[0]) - offset if n else 0
-    stride = int(i0[1] - i0[0]) if n > 1 else 1
-    if (n and stride >= 0 and first >= 0 and first + stride * (n - 1) + k <= x.shape[0]
-            and (n < 3 or (np.diff(i0) == stride).all())):
-        s0 = x.stride(0)
-        return x.as_strided((n, k) + tuple(x.shape[1:]), (stride * s0, s0) + tuple(x.stride()[1:]),
-                            x.storage_offset() + first * s0)
-    return x[_positions(i0, k, offset).to(x.device)]
-
-
-def _steps(t0, t1) -> tuple:
-    """Integer start positions and lengths of intervals on the integer time grid."""
-    a = np.rint(np.asarray(t0, dtype=np.float64)).astype(np.int64)
-    b = np.rint(np.asarray(t1, dtype=np.float64)).astype(np.int64)
-    return a, b - a
-
-
-class GRUPropagator(mgrit.Propagator):
+class GRUPropagator(_CellPropagator):
     """The forward propagator of one GRU layer; time points are sequence positions.
 
     The fine step over ``[i, i + 1]`` is the GRU cell of ``torch.nn.GRU``::
@@ -142,13 +57,6 @@ class GRUPropagator(mgrit.Propagator):
     coarse : {"frozen", "inject"}
     """
 
-    def __init__(self, weight_hh, bias_hh, gi, offset: int = 0, coarse: str = "frozen"):
-        if coarse not in COARSE_STEPS:
-            raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
-        self.W, self.b, self.gi = weight_hh, bias_hh, gi
-        self.offset, self.coarse = int(offset), coarse
-        self.H = int(weight_hh.shape[1])
-
     def hidden(self, U):
         """``W_h h + b_h`` for stacked states ``U`` (..., B, H): one matrix product."""
         return F.linear(U, self.W, self.b)
@@ -161,13 +69,16 @@ class GRUPropagator(mgrit.Propagator):
         n = (gi[..., 2 * H:] + r * gh[..., 2 * H:]).tanh_()
         return r, z, n
 
-    def span(self, m: int) -> int:
-        """Inputs a step over ``m`` positions reads."""
-        return m if self.coarse == "frozen" else 1
-
-    def inputs(self, i0: np.ndarray, k: int):
-        """Input projections at positions ``i0 + 0..k-1``: shape (n, k, B, 3H)."""
-        return _windows(self.gi, i0, k, self.offset)
+    def gate_gradients(self, h, gi, gh, lam):
+        """One fine step's vector-Jacobian product with ``lam`` (the adjoint at its end), at the states
+        ``h``: the gradients of the gates' input parts ``gi`` and of their hidden parts ``gh`` (the
+        weight gradients are their products with the inputs and the states)."""
+        H = self.H
+        r, z, n = self.gates(gi, gh)
+        dz = lam * (h - n) * z * (1.0 - z)
+        dn = lam * (1.0 - z) * (1.0 - n * n)
+        dr = dn * gh[..., 2 * H:] * r * (1.0 - r)
+        return torch.cat([dr, dz, dn], dim=-1), torch.cat([dr, dz, dn * r], dim=-1)
 
     def advance(self, U, i0: np.ndarray, m: int):
         """States ``U`` at positions ``i0`` advanced by ``m`` positions (all intervals alike)."""
@@ -181,21 +92,8 @@ class GRUPropagator(mgrit.Propagator):
         A, Bc = _affine_compose(z, n - z * n)
         return torch.addcmul(Bc, A, U)
 
-    def step_batch(self, U, t0, t1):
-        i0, m = _steps(t0, t1)
-        if len(m) and (m == m[0]).all():
-            return self.advance(U, i0, int(m[0]))
-        out = torch.empty_like(U)
-        for mm in np.unique(m):
-            sel = np.flatnonzero(m == mm)
-            out[torch.as_tensor(sel, device=U.device)] = self.advance(U[sel], i0[sel], int(mm))
-        return out
 
-    def step(self, u, t0, t1):
-        return self.step_batch(u[None], np.array([t0]), np.array([t1]))[0]
-
-
-class GRUAdjointPropagator(mgrit.Propagator):
+class GRUAdjointPropagator(_CellAdjoint):
     """The adjoint of a :class:`GRUPropagator` with forcing, in reverse time.
 
     Reverse point ``s`` is sequence point ``N - s``. A step covering the
@@ -223,9 +121,6 @@ class GRUAdjointPropagator(mgrit.Propagator):
         ``g_i = dL/dh_i`` from outside the recursion at every point (None: none
         but the terminal one, which is the solve's initial value).
     """
-
-    def __init__(self, forward: GRUPropagator, n_steps: int, U, GH, g0: int, forcing=None):
-        self.fwd, self.N, self.U, self.GH, self.g0, self.g = forward, int(n_steps), U, GH, int(g0), forcing
 
     def back(self, V, i0: np.ndarray, m: int):
         f, H = self.fwd, self.fwd.H
@@ -260,104 +155,8 @@ class GRUAdjointPropagator(mgrit.Propagator):
             lam = lam + _windows(self.g, i0, 1, 0)[:, 0]
         return lam
 
-    def step_batch(self, V, tau0, tau1):
-        s0, m = _steps(tau0, tau1)
-        i0 = self.N - (s0 + m)
-        if len(m) and (m == m[0]).all():
-            return self.back(V, i0, int(m[0]))
-        out = torch.empty_like(V)
-        for mm in np.unique(m):
-            sel = np.flatnonzero(m == mm)
-            out[torch.as_tensor(sel, device=V.device)] = self.back(V[sel], i0[sel], int(mm))
-        return out
 
-    def step(self, v, tau0, tau1):
-        return self.step_batch(v[None], np.array([tau0]), np.array([tau1]))[0]
-
-
-class _Layout:
-    """How the positions of a sequence of length ``L`` are split over the ranks (cached per L)."""
-
-    def __init__(self, L: int, options: dict, size: int, rank: int):
-        self.L = L
-        self.t = np.arange(L + 1, dtype=np.float64)
-        self.hierarchy = build_hierarchy(self.t, **options)
-        self.plan = DistributionPlan.build(L, self.hierarchy, inject_layer, size)
-        self.lo, self.hi = self.plan.fine[rank]
-        self.left, self.right = self.plan.left[rank], self.plan.right[rank]
-        S = self.hierarchy[-1].stride  # longest interval of any level
-        if self.hi >= self.lo:
-            self.w_lo, self.w_hi = max(0, self.lo - S), min(L, self.hi + S)  # input positions a rank reads
-        else:
-            self.w_lo = self.w_hi = 0
-        self.steps = np.arange(max(self.lo - 1, 0), self.hi, dtype=np.int64)  # steps whose end point it owns
-
-
-def _tensor_sums(*tensors) -> tuple:
-    """:func:`_input_sums` of every tensor (None for None), compared between the ranks."""
-    return tuple(None if t is None else _input_sums(t) for t in tensors)
-
-
-def _differing_parts(shared, names, hint: str = "") -> ValueError | None:
-    """The error when the ranks' :func:`_tensor_sums` (``shared``) differ, naming the part."""
-    for k, name in enumerate(names):
-        parts = [sh[k] for sh in shared]
-        if any(p is None for p in parts):
-            if all(p is None for p in parts):
-                continue
-            return ValueError(f"the {name} is given on some ranks and not on others: every rank must pass the "
-                              "same (" + (hint or "the same input, and the same loss from the same output") + ")")
-        differ = _differing_inputs(parts, name, hint)
-        if differ is not None:
-            return differ
-    return None
-
-
-class _GRULayerFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gru, layer, want_seq, anchor, x, h0, *weights):
-        ctx.set_materialize_grads(False)
-        out, hL, saved = gru._layer_forward(layer, x, h0, weights, want_seq, keep=True)
-        ctx.gru, ctx.layer, ctx.saved = gru, layer, saved
-        ctx.save_for_backward(x, *weights)  # autograd's own check: no in-place change before backward
-        if not want_seq:
-            ctx.mark_non_differentiable(out)
-        return out, hL
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_no_transforms("forward-mode differentiation (torch.autograd.forward_ad, torch.func.jvp)",
-                                          "ParallelGRU", "the serial GRU, `model.to_gru()`"))
-
-    @staticmethod
-    def backward(ctx, g_out, g_hL):
-        return _layer_adjoint(ctx, g_out, g_hL)
-
-
-@_eager_under_compile
-def _layer_adjoint(ctx, g_out, g_hL):
-    """The backward pass of :class:`_GRULayerFunction` (eager under torch.compile, like the forward)."""
-    gru, needs = ctx.gru, ctx.needs_input_grad
-    with _announced(gru._comm):  # everything local before the layer's session (a failure reaches every rank)
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "ParallelGRU does not support double backward (backward with create_graph=True): its "
-                "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
-                "with the serial GRU (`model.to_gru()`)")
-        x, *weights = ctx.saved_tensors
-        for g in (g_out, g_hL):
-            if g is not None:
-                _check_output_gradient(g, "a ParallelGRU output", "the GRU")
-        setup = gru._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
-        share = _tensor_sums(g_out, g_hL) if gru._comm.size > 1 else None
-    got = gru._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
-    if isinstance(got, Exception):
-        raise got
-    gx, gh0, gw = got
-    return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
-
-
-class ParallelGRU(nn.Module):
+class ParallelGRU(_ParallelRNN):
     """A multi-layer GRU whose recursion over the sequence is solved by MGRIT.
 
     Same constructor, call and parameters as :class:`torch.nn.GRU` (an empty
@@ -443,491 +242,19 @@ class ParallelGRU(nn.Module):
     (True, True)
     """
 
-    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 device=None, dtype=None, *, cf: int = 4, max_levels: int = 3, min_coarse: int = 2,
-                 relax=("F", "FCF"), cycle: str = "V", coarse: str = "frozen", fwd_iters: int | None = None,
-                 bwd_iters: int | None = None, fwd_tol: float | None = None, bwd_tol: float | None = None,
-                 tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
-                 return_sequence: bool = True, comm=None):
-        super().__init__()
-        self._comm = as_communicator(comm)
-        with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
-            for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
-                                 ("num_layers", num_layers, 1)):
-                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                    raise ValueError(f"`{name}` must be an integer >= {low}, got {v!r}")
-            if (isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.integer, np.floating))
-                    or not 0.0 <= float(dropout) <= 1.0):
-                raise ValueError(f"`dropout` must be a number in [0, 1] (the probability of zeroing an element "
-                                 f"of the output of every layer but the last, as in nn.GRU), got {dropout!r}")
-            if float(dropout) > 0 and num_layers == 1:
-                warnings.warn(f"dropout={dropout} with num_layers=1 does nothing: ParallelGRU, like nn.GRU, drops "
-                              "elements of the outputs of every layer but the last", UserWarning, stacklevel=2)
-            if coarse not in COARSE_STEPS:
-                raise ValueError(f"`coarse` must be one of {COARSE_STEPS}, got {coarse!r}")
-            if tol_type not in ("abs", "rel"):
-                raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
-            if cycle not in ("V", "F"):
-                raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
-            check_levels(cf, max_levels, min_coarse, relax, 1.0)
-            self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
-            self.bias, self.batch_first = bool(bias), bool(batch_first)
-            self.dropout = float(dropout)
-            self.bidirectional = bool(bidirectional)  # (as nn.GRU, bias and batch_first here: any truth value)
-            self.num_directions = 2 if self.bidirectional else 1
-            self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
-            self.cycle, self.coarse = cycle, coarse
-            self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
-            self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-            self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
-            self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
-            self.return_sequence = check_flag(return_sequence, "return_sequence")
-            factory = {"device": device, "dtype": dtype}
-            H = self.hidden_size
-            for l in range(self.num_layers):
-                n_in = self.input_size if l == 0 else H * self.num_directions
-                for sfx in ("", "_reverse")[:self.num_directions]:  # nn.GRU's names and order
-                    self.register_parameter(f"weight_ih_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, n_in, **factory)))
-                    self.register_parameter(f"weight_hh_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, H, **factory)))
-                    if self.bias:
-                        self.register_parameter(f"bias_ih_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, **factory)))
-                        self.register_parameter(f"bias_hh_l{l}{sfx}", nn.Parameter(torch.empty(3 * H, **factory)))
-            self.reset_parameters()
-        self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
-        if self._comm.size > 1:
-            self._agree_on_ranks()
-        self._layouts: dict = {}
-        #: mgrit.Result of the last forward and adjoint solve of every layer, without their states
-        #: (Result.without_states): statistics only, no trajectory held between passes
-        #: (one entry per layer and direction, in h_n's order: layer 0, layer 0 reverse, layer 1, ...);
-        #: a differentiated forward pass clears last_backward, whose entries its backward pass fills
-        self.last_forward: list = [None] * self.num_layers * self.num_directions
-        self.last_backward: list = [None] * self.num_layers * self.num_directions
-        #: the seed of the dropout masks of the last forward pass in training mode (None: no dropout drawn);
-        #: :meth:`dropout_masks` gives its masks
-        self.last_dropout_seed: int | None = None
-
-    def _agree_on_ranks(self) -> None:
-        """Building on several ranks is collective: the ranks agree on the module's id (so that ranks
-        calling two GRUs in different orders raise) and raise alike when they built different GRUs."""
-        settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
-                    self.coarse, self.bidirectional, self.dropout)
-        session = self._comm.session(Call("building a ParallelGRU"), share=(_uids[0], *settings))
-        with session:
-            pass
-        self._uid = _agreed_build(session.shared, "ParallelGRU", ("input_size", "hidden_size", "num_layers", "bias",
-                                                                  "MGRIT settings", "cycle", "coarse",
-                                                                  "bidirectional", "dropout"))
-
-    def reset_parameters(self):
-        """``nn.GRU``'s initialisation: every parameter uniform in ``(-1/sqrt(H), 1/sqrt(H))``."""
-        stdv = 1.0 / math.sqrt(self.hidden_size)
-        for p in self.parameters():
-            nn.init.uniform_(p, -stdv, stdv)
-
-    def flatten_parameters(self):
-        """No-op (kept for code written for ``nn.GRU``)."""
-
-    def layer_weights(self, l: int, reverse: bool = False) -> tuple:
-        """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of layer ``l`` (biases None without bias);
-        ``reverse=True``: of its reverse direction (bidirectional only)."""
-        if reverse and not self.bidirectional:
-            raise ValueError("reverse=True: this ParallelGRU is not bidirectional")
-        sfx = "_reverse" if reverse else ""
-        g = lambda name: getattr(self, f"{name}_l{l}{sfx}", None)  # noqa: E731
-        return g("weight_ih"), g("weight_hh"), g("bias_ih"), g("bias_hh")
-
-    def dropout_masks(self, seed: int, like: torch.Tensor) -> list:
-        """The dropout masks of a forward pass whose seed was ``seed`` (:attr:`last_dropout_seed`).
-
-        ``like`` is an output sequence as ``forward`` returns it (``(L, B, D * hidden_size)``,
-        ``(B, L, D * hidden_size)`` with ``batch_first``, ``(L, D * hidden_size)`` unbatched);
-        the masks come in its layout, dtype and device: one per layer but the last, zeros and
-        ``1 / (1 - dropout)``, so that layer ``l + 1`` read ``output_l * masks[l]`` (``output_l``
-        the output sequence of layer ``l``). Every rank draws the same masks (from a generator
-        seeded with ``seed``, which rank 0 draws from torch's global generator), so one and
-        several ranks give the same pass; they are not ``nn.GRU``'s own masks.
-        """
-        if like.dim() == 2:  # unbatched
-            return [m.squeeze(1) for m in self._masks(seed, (like.shape[0], 1, like.shape[1]), like)]
-        if self.batch_first:
-            return [m.transpose(0, 1) for m in self._masks(seed, (like.shape[1], like.shape[0], like.shape[2]), like)]
-        return self._masks(seed, tuple(like.shape), like)
-
-    def _masks(self, seed: int, shape: tuple, like: torch.Tensor) -> list:
-        """:meth:`dropout_masks` in the module's own layout ``shape`` = ``(L, B, D * hidden_size)``."""
-        g = torch.Generator(device=like.device)
-        g.manual_seed(int(seed))
-        q = 1.0 - self.dropout
-        masks = []
-        for _ in range(self.num_layers - 1):
-            keep = torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(q, generator=g)
-            masks.append(keep / q if q > 0 else keep)
-        return masks
+    _cell = "GRU"
+    _gates = 3
+    _propagator = GRUPropagator
+    _adjoint = GRUAdjointPropagator
 
     def to_gru(self) -> nn.GRU:
         """A ``torch.nn.GRU`` with a copy of the current weights (serial reference, inference, checkpoints)."""
-        p = next(self.parameters())
-        gru = nn.GRU(self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
-                     batch_first=self.batch_first, dropout=self.dropout, bidirectional=self.bidirectional,
-                     device=p.device, dtype=p.dtype)
-        gru.load_state_dict(self.state_dict())
-        return gru
+        return self._to_serial()
 
-    # -- helpers ---------------------------------------------------------------------
-    def _session(self, what: str, signature=None, share=None, agree: str = ""):
-        """A failure-aware communicator session on several ranks; nothing on one. Its handshake names
-        the call, ``what``, and compares the module's id: ranks in different calls raise naming each one's."""
-        if self._comm.size > 1:
-            name = f"{what} of ParallelGRU #{self._uid}"
-            return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
-        return contextlib.nullcontext()
-
-    def _layout(self, L: int) -> _Layout:
-        lay = self._layouts.get(L)
-        if lay is None:
-            lay = self._layouts[L] = _Layout(L, self.options, self._comm.size, self._comm.rank)
-        return lay
-
-    def _mgrit_options(self, exact: bool, forward: bool) -> dict:
-        if exact:
-            return dict(max_levels=1)
-        return dict(**self.options, cycle=self.cycle, tol=self.fwd_tol if forward else self.bwd_tol,
-                    tol_type=self.tol_type, max_iter=self.fwd_iters if forward else self.bwd_iters,
-                    skip=self.skip)
-
-    def _check(self, input, hx):
-        """Shapes, dtypes and devices as ``nn.GRU`` expects them; returns (x (L,B,in), h0, batched)."""
-        if isinstance(input, nn.utils.rnn.PackedSequence):
-            raise TypeError("ParallelGRU does not take a PackedSequence: pad the sequences to one length "
-                            "(e.g. nn.utils.rnn.pad_packed_sequence, or repeat each series' last value) and "
-                            "pass the padded tensor")
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"ParallelGRU expects a torch.Tensor input, got {type(input).__name__}")
-        if not input.is_floating_point():
-            raise TypeError(f"ParallelGRU expects a floating-point input, got dtype {input.dtype}; "
-                            "convert it, e.g. input.float()")
-        if input.dim() not in (2, 3):
-            raise ValueError(f"ParallelGRU expects a 2-D (unbatched) or 3-D (batched) input, got "
-                             f"{input.dim()}-D input of shape {tuple(input.shape)}")
-        if input.shape[-1] != self.input_size:
-            raise ValueError(f"input.size(-1) must equal input_size = {self.input_size}, got input of shape "
-                             f"{tuple(input.shape)}")
-        batched = input.dim() == 3
-        x = input.unsqueeze(1) if not batched else (input.transpose(0, 1) if self.batch_first else input)
-        L, B = int(x.shape[0]), int(x.shape[1])
-        if L < 1:
-            raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
-        p = self.weight_ih_l0
-        if x.dtype != p.dtype or x.device != p.device:
-            raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
-                            "convert one of them (model.to(input) or input.to(...))")
-        units = self.num_layers * self.num_directions
-        shape = (units, B, self.hidden_size) if batched else (units, self.hidden_size)
+    def _initial_states(self, hx, x, batched: bool):
         if hx is None:
-            h0 = x.new_zeros(units, B, self.hidden_size)
-        else:
-            if not isinstance(hx, torch.Tensor):
-                raise TypeError(f"h0 must be a torch.Tensor or None, got {type(hx).__name__}")
-            if tuple(hx.shape) != shape:
-                raise ValueError(f"h0 must have shape {shape} ("
-                                 f"{'num_layers * 2' if self.bidirectional else 'num_layers'}, "
-                                 f"{'batch, ' if batched else ''}"
-                                 f"hidden_size), got {tuple(hx.shape)}")
-            if hx.dtype != x.dtype or hx.device != x.device:
-                raise TypeError(f"h0 is {hx.dtype} on {hx.device}, the input {x.dtype} on {x.device}; "
-                                "give both the same dtype and device")
-            h0 = hx if batched else hx.unsqueeze(1)
-        return x, h0, batched
+            return x.new_zeros(self.num_layers * self.num_directions, x.shape[1], self.hidden_size)
+        return self._checked_state(hx, "h0", x, batched)
 
-    # -- forward ---------------------------------------------------------------------
-    @_eager_under_compile
-    def forward(self, input, hx=None):
-        if _exporting():
-            raise RuntimeError(_NO_EXPORT.format(
-                cls="ParallelGRU", serial="model.to_gru() is the nn.GRU with the same weights (what the solves "
-                                          "converge to)"))
-        if _functorch_active():
-            raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", "ParallelGRU",
-                                              "the serial GRU, `model.to_gru()`"))
-        P = self._comm.size
-        drop = self.training and self.dropout > 0 and self.num_layers > 1
-        rng = torch.random.get_rng_state() if drop else None
-        try:
-            seed, share, session = None, None, None
-            with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
-                x, h0, batched = self._check(input, hx)
-                # every rank draws (the global generators stay in step); rank 0's seed is used on all
-                seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
-                share = (*_tensor_sums(x, h0), seed, tuple(input.shape)) if P > 1 else None
-            session = self._session("the input check of a forward pass", share=share)
-            with session:  # the ranks compare their inputs: every rank holds the whole sequence
-                differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
-            shapes = [] if share is None else [sh[3] for sh in session.shared]
-            if differ is None and len(set(shapes)) > 1:  # (equal sums of zeros, an empty batch on some ranks)
-                r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
-                differ = ValueError(f"the input of rank {r} has shape {shapes[r]}, rank 0's {shapes[0]}: every rank "
-                                    "must pass the same whole sequence")
-            if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
-                differ = ValueError("dropout is drawn on some ranks and not on others: put the ParallelGRU in the "
-                                    "same mode on every rank (model.train() or model.eval() alike)")
-            if differ is not None:
-                raise differ
-        except BaseException:
-            if rng is not None:  # the pass failed on every rank: undo the draw, so the ranks' generators agree
-                torch.random.set_rng_state(rng)
-            raise
-        if drop:
-            seed = seed if share is None else session.shared[0][2]
-        self.last_dropout_seed = seed
-        params = list(self.parameters())
-        track = torch.is_grad_enabled() and (
-            P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
-        inp, last, D = x, [], self.num_directions
-        if x.shape[1] == 0:  # an empty batch (on every rank: the input check compared the shapes): no solve
-            return self._empty_pass(x, h0, params, track, batched)
-        masks = self._masks(seed, (x.shape[0], x.shape[1], D * self.hidden_size), x) if drop else None
-        if track:  # this pass's adjoint solves replace the last ones (units not differentiated stay None)
-            self.last_backward = [None] * len(self.last_backward)
-        for l in range(self.num_layers):
-            want = self.return_sequence or l < self.num_layers - 1
-            outs = []
-            for d in range(D):  # the reverse direction solves on the flipped sequence
-                k = l * D + d
-                w = [v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
-                src = inp.flip(0) if d else inp
-                if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
-                    anchor = torch.zeros((), requires_grad=P > 1)
-                    out, hL = _GRULayerFunction.apply(self, k, want, anchor, src, h0[k], *w)
-                else:
-                    with torch.no_grad():
-                        out, hL, _ = self._layer_forward(k, src, h0[k], w, want, keep=False)
-                last.append(hL)
-                outs.append(out.flip(0) if d and want else out)
-            inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
-            if drop and l < self.num_layers - 1:  # nn.GRU's dropout: on the output of every layer but the last
-                inp = inp * masks[l]
-        return self._returned(inp if self.return_sequence else None, torch.stack(last), batched)
-
-    def _returned(self, output, h_n, batched: bool) -> tuple:
-        """``(output, h_n)`` in the caller's layout (``output`` None without ``return_sequence``)."""
-        if not batched:
-            return (None if output is None else output.squeeze(1)), h_n.squeeze(1)
-        if output is not None and self.batch_first:
-            output = output.transpose(0, 1)
-        return output, h_n
-
-    def _empty_pass(self, x, h0, params, track: bool, batched: bool) -> tuple:
-        """``nn.GRU``'s answer to an empty batch: empty outputs, and zero gradients for the input, ``h0``
-        and every weight (the outputs depend on all of them through a zero)."""
-        L, D, H = x.shape[0], self.num_directions, self.hidden_size
-        zero = x.sum() + h0.sum()
-        for p in params:
-            zero = zero + p.sum()
-        zero = zero * 0 if track else 0.0
-        output = x.new_zeros(L, 0, D * H) + zero if self.return_sequence else None
-        return self._returned(output, h0.new_zeros(h0.shape) + zero, batched)
-
-    def _split(self, weights):
-        w_ih, w_hh = weights[0], weights[1]
-        b_ih, b_hh = (weights[2], weights[3]) if self.bias else (None, None)
-        return w_ih, w_hh, b_ih, b_hh
-
-    def _unit(self, k: int) -> str:
-        """The name of solve unit ``k`` (a layer, or one direction of a layer)."""
-        l, d = divmod(k, self.num_directions)
-        return f"layer {l}" + (" (reverse)" if d else "")
-
-    def _layer_forward(self, k, x, h0, weights, want_seq: bool, keep: bool):
-        """Solve unit ``k`` (layer ``k`` or, bidirectional, one direction of a layer: see :meth:`_unit`) on
-        the sequence ``x`` in its own order; returns (output sequence or an empty tensor, h_L, what backward
-        needs)."""
-        P, r = self._comm.size, self._comm.rank
-        L, B = int(x.shape[0]), int(x.shape[1])
-        exact = self.exact_eval and not self.training
-        lay = self._layout(L)
-        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
-        xd = x.detach()
-        gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
-        prop = GRUPropagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
-        if P == 1:
-            res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
-                              comm=self._comm, final_residual=True)
-            U, g0 = res.u, lay.lo
-            out = U[1:].clone() if want_seq else x.new_zeros(0)
-            hL = U[-1].clone()
-        else:
-            # the solve runs inside this session (InSession): one session per layer and pass, whose
-            # handshake compares what the solve needs every rank to agree on
-            opts = self._mgrit_options(exact, True)
-            sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes())
-            with self._session(f"the forward solve of {self._unit(k)}", sig, agree=_SOLVE_AGREE):
-                res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **opts, comm=InSession(self._comm),
-                                  final_residual=True)
-                U, g0 = res.u, lay.lo
-                if keep:
-                    U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
-                out = self._gather_points(U[max(1, lay.lo) - g0:] if lay.hi >= lay.lo else U[:0],
-                                          max(1, lay.lo), L, x) if want_seq else x.new_zeros(0)
-                root = lay.plan.owner_of_point(L)
-                hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
-        self.last_forward[k] = res.without_states()  # (statistics only: no trajectory held between passes)
-        _warn_solve(res, f"forward (GRU {self._unit(k)})", "fwd_iters", None if exact else self.fwd_tol,
-                    self.tol_type)
-        saved = (prop, U, g0, L, B, exact) if keep else None
-        return out, hL, saved
-
-    def _gather_points(self, piece, start: int, L: int, like):
-        """Rows ``start ..`` of the sequence from every rank, as the full ``(L, ...)`` tensor on every rank.
-
-        ``piece`` holds this rank's points ``start .. start + len(piece) - 1`` (1-based
-        points: point ``i`` is output position ``i - 1``)."""
-        parts = self._comm.gather((start, piece.detach().cpu()), root=None)
-        parts = [p for s, p in sorted(parts, key=lambda sp: sp[0]) if len(p)]
-        full = torch.cat(parts).to(like.device)
-        if full.shape[0] != L:  # pragma: no cover - the blocks cover every point by construction
-            raise RuntimeError(f"gathered {full.shape[0]} positions, expected {L}")
-        return full
-
-    # -- backward --------------------------------------------------------------------
-    def _adjoint_setup(self, saved, weights, g_out, g_hL, need_x: bool, need_h0: bool):
-        """The local part of a layer's backward pass, before its collective part: the adjoint
-        propagator, its terminal state, the solve's options and the signature of the layer's session."""
-        prop, U, g0, L, B, exact = saved
-        H = self.hidden_size
-        w_ih = weights[0].detach()
-        zeros = U.new_zeros(B, H)
-        terminal = zeros
-        forcing = None
-        if g_out is not None and g_out.numel():
-            g_out = g_out.detach()
-            terminal = g_out[L - 1]
-            forcing = torch.cat([zeros[None], g_out])  # g_i at points 0..L (none at point 0)
-        if g_hL is not None:
-            terminal = terminal + g_hL.detach()
-        GH = prop.hidden(U)  # hidden projections at the stored states: one matrix product
-        adj = GRUAdjointPropagator(prop, L, U, GH, g0, forcing)
-        opts = self._mgrit_options(exact, False)
-        sig = None if self._comm.size == 1 else args_signature(
-            tuple(opts.items()), tuple(terminal.shape), str(terminal.dtype), self._layout(L).t.tobytes(), need_x,
-            need_h0)
-        return w_ih, zeros, terminal, GH, adj, opts, sig
-
-    def _layer_backward(self, k, saved, x, setup, need_x: bool, need_h0: bool, share=None):
-        prop, U, g0, L, B, exact = saved
-        P, r = self._comm.size, self._comm.rank
-        lay = self._layout(L)
-        w_ih, zeros, terminal, GH, adj, opts, sig = setup
-        # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
-        # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
-        # handshake compares what the solve and the reductions need every rank to agree on
-        session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _SOLVE_AGREE)
-        with session:
-            if share is not None:
-                differ = _differing_parts(session.shared, ("gradient of the output sequence",
-                                                           "gradient of the last hidden state"), _DIFFERENT_LOSS)
-                if differ is not None:
-                    return differ  # every rank found it: raised after the session (no one waits)
-            with torch.no_grad():
-                res = mgrit.solve(adj, terminal.contiguous(), lay.t, **opts, initial_guess=0.0,
-                                  comm=ReversedInSession(self._comm) if P > 1 else self._comm,
-                                  partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
-            self.last_backward[k] = res.without_states()
-            _warn_solve(res, f"adjoint (GRU {self._unit(k)})", "bwd_iters", self.bwd_tol, self.tol_type)
-            lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
-            gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
-            if P == 1:
-                return (gx_piece if need_x else None), (lam[0] if need_h0 else None), gw
-            flat = torch.cat([g.reshape(-1) for g in gw])
-            flat = self._comm.allreduce_array(flat)  # the weights are shared by all steps of all ranks
-            sizes = [g.numel() for g in gw]
-            gw = [v.view_as(g) for v, g in zip(torch.split(flat, sizes), gw)]
-            gx = self._gather_points(gx_piece, int(lay.steps[0]) + 1 if len(lay.steps) else L + 1, L, x) \
-                if need_x else None
-            gh0 = None
-            if need_h0:
-                root = lay.plan.owner_of_point(0)
-                gh0 = self._comm.bcast_state(lam[0].clone() if r == root else None, zeros, root=root)
-        return gx, gh0, gw
-
-    def _step_gradients(self, prop, U, GH, g0, lam, lay, x, w_ih, need_x: bool):
-        """Weight gradients (this rank's steps) and the input gradient at their positions.
-
-        For every fine step ``t`` this rank owns (the step ending at its point
-        ``t + 1``), the cell's vector-Jacobian product with ``lam_{t+1}``: three
-        matrix products per piece of at least 64 steps, at most eight pieces (so
-        that the gates' temporaries are a piece's, not every step's), the weight
-        gradients summed over the pieces.
-        """
-        H = self.hidden_size
-        t = lay.steps
-        n_in = x.shape[-1]
-        if not len(t):
-            gw = [torch.zeros_like(w) for w in self._detached_weights(prop, w_ih)]
-            return gw, x[:0]
-        gw, a = None, 0
-        gx = x.new_empty((len(t),) + tuple(x.shape[1:-1]) + (w_ih.shape[1],)) if need_x else x[:0]
-        for tp in _chunks(t, _PIECE_STEPS):
-            h, gh = _windows(U, tp, 1, g0)[:, 0], _windows(GH, tp, 1, g0)[:, 0]
-            gi = _windows(prop.gi, tp, 1, prop.offset)[:, 0]
-            lm = _windows(lam, tp + 1, 1, lay.lo)[:, 0]
-            rr, z, n = prop.gates(gi, gh)
-            dz = lm * (h - n) * z * (1.0 - z)
-            dn = lm * (1.0 - z) * (1.0 - n * n)
-            dr = dn * gh[..., 2 * H:] * rr * (1.0 - rr)
-            dgi = torch.cat([dr, dz, dn], dim=-1)  # (steps, B, 3H)
-            dgh = torch.cat([dr, dz, dn * rr], dim=-1)
-            dgi2, dgh2 = dgi.reshape(-1, 3 * H), dgh.reshape(-1, 3 * H)
-            part = [dgi2.t() @ _windows(x, tp, 1, 0)[:, 0].reshape(-1, n_in), dgh2.t() @ h.reshape(-1, H)]
-            if self.bias:
-                part += [dgi2.sum(0), dgh2.sum(0)]
-            gw = part if gw is None else [g.add_(q) for g, q in zip(gw, part)]
-            if need_x:
-                torch.matmul(dgi, w_ih, out=gx[a: a + len(tp)])
-            a += len(tp)
-        return gw, gx
-
-    def _detached_weights(self, prop, w_ih):
-        out = [w_ih, prop.W]
-        if self.bias:
-            out += [prop.W.new_zeros(prop.W.shape[0]), prop.W.new_zeros(prop.W.shape[0])]
-        return out
-
-    # -- diagnostics -----------------------------------------------------------------
-    @property
-    def forward_residuals(self) -> list:
-        """Residual history of the last forward solve of every layer (and direction: ``last_forward``'s order)."""
-        return [[] if res is None else list(res.residuals) for res in self.last_forward]
-
-    @property
-    def backward_residuals(self) -> list:
-        """Residual history of the last adjoint solve of every layer (and direction); ``[]`` for one that
-        the last differentiated pass did not solve (nothing needed its gradient)."""
-        return [[] if res is None else list(res.residuals) for res in self.last_backward]
-
-    @property
-    def forward_residual(self) -> float | None:
-        """Largest residual norm over the layers (and directions) of the trajectories the last forward pass
-        returned (0: exact)."""
-        vals = [res.final_residual for res in self.last_forward if res is not None]
-        return max(vals) if vals else None
-
-    @property
-    def backward_residual(self) -> float | None:
-        """Largest residual norm over the layers (and directions) of the adjoints of the last backward pass
-        (0: exact)."""
-        vals = [res.final_residual for res in self.last_backward if res is not None]
-        return max(vals) if vals else None
-
-    def extra_repr(self) -> str:
-        o = self.options
-        s = (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, bias={self.bias}, "
-             f"batch_first={self.batch_first}, ")
-        s += f"dropout={self.dropout}, " if self.dropout else ""
-        s += "bidirectional=True, " if self.bidirectional else ""
-        s += (f"cf={o['cf']}, max_levels={o['max_levels']}, relax={o['relax']}, "
-              f"coarse={self.coarse!r}, fwd_iters={self.fwd_iters}, bwd_iters={self.bwd_iters}")
-        if self._comm.size > 1:
-            s += f", ranks={self._comm.size}"
-        return s
+    def _final_states(self, states):
+        return states  # h_n

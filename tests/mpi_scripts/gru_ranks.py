@@ -18,28 +18,11 @@ success and exits 1 otherwise.
 import torch
 
 from checks import fail, rank, size, world
+from rnn_checks import TIGHT, check, raised_on_every_rank, same_randn
 import mgrit
 from propagators.torch import ParallelGRU
 
 torch.set_default_dtype(torch.float64)
-TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
-TOL = 1e-10
-
-
-
-def same_randn(*shape, requires_grad=False):
-    """The same random tensor on every rank (every rank passes the whole sequence)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(11)).requires_grad_(requires_grad)
-
-
-def check(name, a, b, tol=TOL):
-    if a is None or b is None:
-        fail(f"{name}: missing ({a is None}, {b is None})")
-    err = float((a.detach() - b.detach()).abs().max())
-    if not err < tol:
-        fail(f"{name}: max difference {err:.3e} >= {tol:.0e}")
-
-
 def case(L, layers, bias, batch_first, with_h0, return_sequence, cf, levels, relax, steps=1, bidirectional=False):
     torch.manual_seed(1000 + L + 10 * layers)  # the same weights and data on every rank
     I, H, B = 3, 4, 2
@@ -113,17 +96,7 @@ def value_error_everywhere(call, text: str, what: str) -> None:
 def raises_everywhere(par, x, error, text: str, what: str) -> None:
     """``par(x)`` raises ``error`` (mentioning ``text``) on the last rank, RemoteRankError (naming
     it) on the others; then the module still works on a good input of the same length."""
-    bad = rank == size - 1
-    try:
-        par(x)
-    except mgrit.RemoteRankError as exc:
-        if bad or text not in str(exc):
-            fail(f"{what}: unexpected RemoteRankError: {exc}")
-    except error as exc:
-        if not bad or text not in str(exc):
-            fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
-    else:
-        fail(f"{what}: no rank raised")
+    raised_on_every_rank(lambda: par(x), error, text, what)
     y, _ = par(same_randn(x.shape[0], 2, 3))  # the communicator is still usable
     if y.shape != (x.shape[0], 2, 4):
         fail(f"{what}: output shape {tuple(y.shape)} after the failure")

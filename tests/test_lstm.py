@@ -1,0 +1,274 @@
+"""ParallelLSTM: an LSTM whose recursion over the sequence is solved by MGRIT, forward and adjoint.
+
+Converged solves equal torch.nn.LSTM with copied weights (output, h_n, c_n and the gradients
+of the input, h0, c0 and every weight, float64, 1e-10) on one rank here and on 2 and 3
+ranks through mpiexec (tests/mpi_scripts/lstm_ranks.py), one- and two-way, with dropout
+between layers equal to the masked stack of one-layer LSTMs; the propagators' steps are
+the LSTM cell and the exact vector-Jacobian products of the coarse steps; bad inputs raise
+errors that say what to pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from launch import assert_all_ok, launch, needs_mpiexec
+
+torch = pytest.importorskip("torch")
+
+from propagators.torch import ParallelLSTM  # noqa: E402
+from propagators.torch.lstm import LSTMAdjointPropagator, LSTMPropagator  # noqa: E402
+
+TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
+TOL = 1e-10
+I, H, B = 3, 5, 4
+
+
+pytestmark = pytest.mark.usefixtures("float64")  # (tests/conftest.py)
+
+
+def maxdiff(a, b) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def run_both(ref, par, x, hx, seed=9):
+    """Forward and backward of both with the same random loss on output (when par returns it), h_n and
+    c_n; returns
+    (output, h_n, c_n, input grad, h0 grad, c0 grad, {name: weight grad}) of each."""
+    out = []
+    for m in (ref, par):
+        xs = x.clone().requires_grad_(True)
+        hs = None if hx is None else tuple(v.clone().requires_grad_(True) for v in hx)
+        m.zero_grad()
+        o, (h, c) = m(xs, hs)
+        g = torch.Generator().manual_seed(seed)
+        loss = (h * torch.randn(h.shape, generator=g)).sum() + (c * torch.randn(c.shape, generator=g)).sum()
+        if par.return_sequence:
+            loss = loss + (o * torch.randn(o.shape, generator=g)).sum()
+        loss.backward()
+        grads = {k: None if p.grad is None else p.grad.clone() for k, p in m.named_parameters()}
+        out.append((o, h, c, xs.grad, None if hs is None else hs[0].grad, None if hs is None else hs[1].grad, grads))
+    return out
+
+
+@pytest.mark.parametrize("num_layers, bias, batch_first, bidirectional, with_hx, coarse, L", [
+    (1, True, False, False, True, "frozen", 17),
+    (2, True, True, False, False, "frozen", 23),
+    (2, False, False, True, True, "frozen", 19),
+    (3, True, True, True, False, "inject", 13),
+    (2, True, False, False, True, "frozen", 1),
+    (1, True, False, False, False, "frozen", 200),
+])
+def test_converged_output_and_gradients_equal_nn_lstm(num_layers, bias, batch_first, bidirectional, with_hx,
+                                                      coarse, L):
+    torch.manual_seed(num_layers + 2 * bias + L)
+    kw = dict(num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional)
+    ref = torch.nn.LSTM(I, H, **kw)
+    par = ParallelLSTM(I, H, **kw, coarse=coarse, cf=2, max_levels=4, **TIGHT)
+    assert list(par.state_dict()) == list(ref.state_dict())
+    par.load_state_dict(ref.state_dict())
+    D = 2 if bidirectional else 1
+    x = torch.randn(B, L, I) if batch_first else torch.randn(L, B, I)
+    hx = (torch.randn(D * num_layers, B, H), torch.randn(D * num_layers, B, H)) if with_hx else None
+    a, b = run_both(ref, par, x, hx)
+    for k, name in enumerate(("output", "h_n", "c_n", "input gradient", "h0 gradient", "c0 gradient")):
+        if a[k] is None:
+            assert b[k] is None, name
+            continue
+        assert b[k].shape == a[k].shape and maxdiff(b[k], a[k]) < TOL, name
+    assert set(b[6]) == set(a[6])
+    for k in a[6]:
+        assert maxdiff(b[6][k], a[6][k]) < TOL, k
+    assert par.forward_residual < 1e-12 and par.backward_residual < 1e-12
+
+
+def test_unbatched_input_return_sequence_false_and_eval_mode():
+    """Unbatched (L, input_size) input with (h0, c0) of (D * layers, H); return_sequence=False gives
+    (None, (h_n, c_n)); eval() steps through the positions exactly (residual 0) at the default cycles."""
+    torch.manual_seed(5)
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
+    par = ParallelLSTM(I, H, num_layers=2, bidirectional=True, return_sequence=False, **TIGHT)
+    par.load_state_dict(ref.state_dict())
+    x, hx = torch.randn(11, I), (torch.randn(4, H), torch.randn(4, H))
+    a, b = run_both(ref, par, x, hx)
+    assert b[0] is None
+    for k in range(1, 6):
+        assert maxdiff(b[k], a[k]) < TOL, k
+    quick = ParallelLSTM(I, H, num_layers=2, bidirectional=True)
+    quick.load_state_dict(ref.state_dict())
+    quick.eval()
+    with torch.no_grad():
+        out, (h, c) = quick(x, hx)
+        ro, (rh, rc) = ref(x, hx)
+    assert maxdiff(out, ro) < 1e-13 and maxdiff(h, rh) < 1e-13 and maxdiff(c, rc) < 1e-13
+    assert quick.forward_residual == 0.0
+
+
+def test_state_dicts_initialisation_and_to_lstm_are_nn_lstms():
+    torch.manual_seed(0)
+    par = ParallelLSTM(I, H, num_layers=2, bidirectional=True, dropout=0.25)
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, dropout=0.25)
+    assert [(k, tuple(v.shape)) for k, v in par.state_dict().items()] == \
+        [(k, tuple(v.shape)) for k, v in ref.state_dict().items()]
+    assert all(float(p.detach().abs().max()) <= 1 / np.sqrt(H) for p in par.parameters())
+    lstm = par.to_lstm()
+    assert isinstance(lstm, torch.nn.LSTM) and lstm.dropout == 0.25 and lstm.bidirectional
+    x = torch.randn(6, 2, I)
+    par.eval()
+    lstm.eval()
+    with torch.no_grad():
+        assert maxdiff(par(x)[0], lstm(x)[0]) < 1e-13
+    assert "bidirectional=True" in repr(par) and "dropout=0.25" in repr(par)
+
+
+def test_fine_step_is_the_lstm_cell_and_step_batch_mixes_lengths():
+    torch.manual_seed(8)
+    cell = torch.nn.LSTMCell(I, H)
+    x, h, c = torch.randn(6, B, I), torch.randn(B, H), torch.randn(B, H)
+    gi = torch.nn.functional.linear(x, cell.weight_ih, cell.bias_ih)
+    prop = LSTMPropagator(cell.weight_hh.detach(), cell.bias_hh.detach(), gi.detach(), 0)
+    s = torch.cat([h, c], dim=-1)
+    with torch.no_grad():
+        h1, c1 = cell(x[2], (h, c))
+        assert maxdiff(prop.step(s, 2.0, 3.0), torch.cat([h1, c1], dim=-1)) < 1e-14
+        S = torch.stack([s, s, s])
+        out = prop.step_batch(S, np.array([1.0, 0.0, 1.0]), np.array([2.0, 3.0, 4.0]))  # lengths 1, 3, 3
+        assert maxdiff(out[0], torch.cat(cell(x[1], (h, c)), dim=-1)) < 1e-14
+        assert maxdiff(out[1], prop.step(s, 0.0, 3.0)) == 0.0
+        assert maxdiff(out[2], prop.step(s, 1.0, 4.0)) == 0.0
+        assert maxdiff(prop.step(s, 2.0, 2.0), s) == 0.0  # an empty interval
+
+
+def frozen_states(prop, s0, i0: int, k: int):
+    """The forward step over [i0, i0 + k] written out: every intermediate (h, c), the gates frozen at s0."""
+    gh = prop.hidden(s0)
+    c, hs, cs = s0[..., prop.H:], [], []
+    for j in range(k):
+        i, f, g, o = prop.gates(prop.gi[i0 + j], gh)
+        c = f * c + i * g
+        hs.append(o * torch.tanh(c))
+        cs.append(c)
+    return hs, cs
+
+
+@pytest.mark.parametrize("coarse, m, forced", [("frozen", 1, True), ("frozen", 4, True), ("frozen", 5, False),
+                                               ("inject", 3, True)])
+def test_adjoint_step_is_the_vjp_of_the_forward_step(coarse, m, forced):
+    """lam_{i0} = [g_{i0}, 0] + (dPhi/ds_{i0})^T [g_{i0+1..i1-1} on h, lam_{i1}], checked against autograd
+    through the step written out (and that step is the propagator's)."""
+    torch.manual_seed(9 + m)
+    L, i0 = 9, 2
+    W, b = torch.randn(4 * H, H) * 0.5, torch.randn(4 * H)
+    prop = LSTMPropagator(W, b, torch.randn(L, B, 4 * H), 0, coarse)
+    s0 = torch.randn(B, 2 * H, requires_grad=True)
+    k = prop.span(m)
+    hs, cs = frozen_states(prop, s0, i0, k)
+    forcing = torch.randn(L + 1, B, H) if forced else None
+    lam1 = torch.randn(B, 2 * H)
+    outs = hs[:-1] + [hs[-1], cs[-1]]
+    cot = ([forcing[i0 + j + 1] for j in range(k - 1)] if forced else [torch.zeros(B, H)] * (k - 1)) \
+        + [lam1[:, :H], lam1[:, H:]]
+    ref = torch.autograd.grad(outs, s0, cot)[0]
+    if forced:
+        ref[:, :H] += forcing[i0]
+    S = s0.detach()[None]
+    adj = LSTMAdjointPropagator(prop, L, S, prop.hidden(S), i0, forcing)
+    tau1 = float(L - i0)
+    assert maxdiff(adj.step(lam1, tau1 - m, tau1), ref) < 1e-13
+    assert maxdiff(prop.step(s0.detach(), float(i0), float(i0 + m)), torch.cat([hs[-1], cs[-1]], dim=-1)) < 1e-14
+
+
+def test_fewer_cycles_approximate_and_more_cycles_improve():
+    """At the default 2/1 cycles the output is an approximation; more cycles shrink its error and the
+    residual of what was returned."""
+    torch.manual_seed(3)
+    ref = torch.nn.LSTM(I, H)
+    x = torch.randn(64, B, I)
+    with torch.no_grad():
+        exact = ref(x)[0]
+    errs, res = [], []
+    for iters in (1, 2, 4):
+        par = ParallelLSTM(I, H, fwd_iters=iters)
+        par.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            errs.append(maxdiff(par(x)[0], exact))
+        res.append(par.forward_residual)
+    assert errs[0] > 1e-6 and errs[2] < errs[1] < errs[0]
+    assert res[2] < res[1] < res[0]
+
+
+def test_dropout_between_layers_equals_the_masked_serial_stack():
+    torch.manual_seed(4)
+    par = ParallelLSTM(I, H, num_layers=3, dropout=0.4, bidirectional=True, batch_first=True, **TIGHT)
+    x = torch.randn(B, 12, I)
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, (h, c) = par(xp)
+    masks = par.dropout_masks(par.last_dropout_seed, out)
+    inp, hs, cs, grus = xs, [], [], []
+    for l in range(3):
+        g = torch.nn.LSTM(I if l == 0 else 2 * H, H, batch_first=True, bidirectional=True)
+        g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in par.state_dict().items()
+                           if k.endswith(f"_l{l}") or k.endswith(f"_l{l}_reverse")})
+        o, (hl, cl) = g(inp)
+        hs.append(hl)
+        cs.append(cl)
+        grus.append(g)
+        inp = o * masks[l] if l < 2 else o
+    assert maxdiff(out, inp) < TOL and maxdiff(h, torch.cat(hs)) < TOL and maxdiff(c, torch.cat(cs)) < TOL
+    w = torch.randn_like(out)
+    ((out * w).sum() + c.sum()).backward()
+    ((inp * w).sum() + torch.cat(cs).sum()).backward()
+    assert maxdiff(xp.grad, xs.grad) < TOL
+    params = dict(par.named_parameters())
+    for l, g in enumerate(grus):
+        for name, q in g.named_parameters():
+            assert maxdiff(params[name.replace("_l0", f"_l{l}")].grad, q.grad) < TOL, (l, name)
+
+
+def test_an_empty_batch_gives_nn_lstms_empty_outputs_and_zero_gradients():
+    par = ParallelLSTM(I, H, num_layers=2)
+    x = torch.randn(7, 0, I, requires_grad=True)
+    out, (h, c) = par(x)
+    assert out.shape == (7, 0, H) and h.shape == c.shape == (2, 0, H)
+    (out.sum() + h.sum() + c.sum()).backward()
+    assert x.grad.shape == x.shape and all(float(p.grad.abs().sum()) == 0.0 for p in par.parameters())
+
+
+@pytest.mark.parametrize("make, hx, exc, match", [
+    (lambda: torch.randn(5, B, I), lambda: torch.randn(1, B, H), TypeError, r"hx must be a tuple \(h0, c0\)"),
+    (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H),), TypeError, "tuple"),
+    (lambda: torch.randn(5, B, I), lambda: (torch.randn(2, B, H), torch.randn(1, B, H)), ValueError,
+     r"h0 must have shape \(1, 4, 5\)"),
+    (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H), torch.randn(1, B + 1, H)), ValueError,
+     r"c0 must have shape"),
+    (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H), torch.randn(1, B, H).float()), TypeError,
+     "c0 is torch.float32"),
+    (lambda: torch.randn(5, B, I + 1), lambda: None, ValueError, "input_size"),
+    (lambda: torch.nn.utils.rnn.pack_sequence([torch.randn(3, I)]), lambda: None, TypeError,
+     "ParallelLSTM does not take a PackedSequence"),
+])
+def test_bad_inputs_raise_and_say_what_to_pass(make, hx, exc, match):
+    with pytest.raises(exc, match=match):
+        ParallelLSTM(I, H)(make(), hx())
+
+
+def test_bad_settings_and_unsupported_uses_raise():
+    with pytest.raises(ValueError, match="proj_size=2"):
+        ParallelLSTM(I, H, proj_size=2)
+    with pytest.raises(ValueError, match="`dropout` must be a number in"):
+        ParallelLSTM(I, H, dropout=2.0)
+    with pytest.warns(UserWarning, match="ParallelLSTM, like nn.LSTM"):
+        ParallelLSTM(I, H, dropout=0.5)
+    par = ParallelLSTM(I, H)
+    x = torch.randn(6, B, I, requires_grad=True)
+    out = par(x)[0].sum()
+    with pytest.raises(RuntimeError, match="ParallelLSTM does not support double backward.*to_lstm"):
+        torch.autograd.grad(out, x, create_graph=True)
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+@pytest.mark.parametrize("n", [2, 3])
+def test_parallel_lstm_on_ranks_equals_nn_lstm(n):
+    pytest.importorskip("mpi4py")
+    rc, out = launch(n, "lstm_ranks.py")
+    assert_all_ok(n, rc, out)
