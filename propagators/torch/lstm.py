@@ -202,6 +202,7 @@ class ParallelLSTM(_ParallelRNN):
     _gates = 4
     _propagator = LSTMPropagator
     _adjoint = LSTMAdjointPropagator
+    _state_names = ("initial state (h0, c0)", "gradient of the final state (h_n, c_n)")
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
@@ -213,6 +214,7 @@ class ParallelLSTM(_ParallelRNN):
                                  "and project the output with an nn.Linear after the module if needed")
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,
                          dtype, comm=comm, **options)
+        self.proj_size = 0  # (read by code written for nn.LSTM)
 
     def to_lstm(self) -> nn.LSTM:
         """A ``torch.nn.LSTM`` with a copy of the current weights (serial reference, inference, checkpoints)."""
@@ -223,8 +225,8 @@ class ParallelLSTM(_ParallelRNN):
         if hx is None:
             return x.new_zeros(units, B, 2 * H)
         if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-            raise TypeError(f"hx must be a tuple (h0, c0) of tensors, as for nn.LSTM, or None; got "
-                            f"{type(hx).__name__}")
+            got = f"a {type(hx).__name__} of {len(hx)}" if isinstance(hx, (tuple, list)) else type(hx).__name__
+            raise TypeError(f"hx must be a tuple (h0, c0) of two tensors, as for nn.LSTM, or None; got {got}")
         h0, c0 = (self._checked_state(v, name, x, batched) for v, name in zip(hx, ("h0", "c0")))
         return torch.cat([h0, c0], dim=-1)
 

@@ -74,7 +74,7 @@ def _affine_compose(a, b):
     return a[:, 0], b[:, 0]
 
 
-#: the least steps of a piece of the weight gradients (ParallelGRU._step_gradients)
+#: the least steps of a piece of the weight gradients (_ParallelRNN._step_gradients)
 _PIECE_STEPS = 64
 #: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
 _SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, or solve settings (fwd_iters, "
@@ -263,7 +263,8 @@ class _ParallelRNN(nn.Module):
     :class:`~propagators.torch.ParallelLSTM` (their docstrings describe the
     interface). A subclass sets ``_cell`` (torch's module name), ``_gates``
     (gate blocks per weight matrix), ``_propagator`` and ``_adjoint`` (its
-    propagator classes, whose states hold the hidden state first) and defines
+    propagator classes, whose states hold the hidden state first),
+    ``_state_names`` when its state is more than ``h``, and defines
     :meth:`_initial_states` and :meth:`_final_states`.
     """
 
@@ -271,6 +272,8 @@ class _ParallelRNN(nn.Module):
     _gates = 0
     _propagator = None
     _adjoint = None
+    #: how the ranks' comparisons name the initial states and the gradient of the final ones
+    _state_names = ("initial hidden state", "gradient of the last hidden state")
 
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
@@ -349,8 +352,8 @@ class _ParallelRNN(nn.Module):
         with session:
             pass
         self._uid = _agreed_build(session.shared, name, ("input_size", "hidden_size", "num_layers", "bias",
-                                                                  "MGRIT settings", "cycle", "coarse",
-                                                                  "bidirectional", "dropout"))
+                                                         "MGRIT settings", "cycle", "coarse", "bidirectional",
+                                                         "dropout"))
 
     def reset_parameters(self):
         """torch's initialisation (``nn.GRU``, ``nn.LSTM``): every parameter uniform in
@@ -502,7 +505,7 @@ class _ParallelRNN(nn.Module):
                 share = (*_tensor_sums(x, h0), seed, tuple(input.shape)) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
             with session:  # the ranks compare their inputs: every rank holds the whole sequence
-                differ = None if share is None else _differing_parts(session.shared, ("input", "initial hidden state"))
+                differ = None if share is None else _differing_parts(session.shared, ("input", self._state_names[0]))
             shapes = [] if share is None else [sh[3] for sh in session.shared]
             if differ is None and len(set(shapes)) > 1:  # (equal sums of zeros, an empty batch on some ranks)
                 r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
@@ -526,7 +529,8 @@ class _ParallelRNN(nn.Module):
         inp, last, D = x, [], self.num_directions
         if x.shape[1] == 0:  # an empty batch (on every rank: the input check compared the shapes): no solve
             return self._empty_pass(x, h0, params, track, batched)
-        masks = self._masks(seed, (x.shape[0], x.shape[1], D * self.hidden_size), x) if drop else None
+        with _announced(self._comm):  # (local work: a failure here reaches every rank in its next handshake)
+            masks = self._masks(seed, (x.shape[0], x.shape[1], D * self.hidden_size), x) if drop else None
         if track:  # this pass's adjoint solves replace the last ones (units not differentiated stay None)
             self.last_backward = [None] * len(self.last_backward)
         for l in range(self.num_layers):
@@ -534,8 +538,9 @@ class _ParallelRNN(nn.Module):
             outs = []
             for d in range(D):  # the reverse direction solves on the flipped sequence
                 k = l * D + d
-                w = [v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
-                src = inp.flip(0) if d else inp
+                with _announced(self._comm):
+                    w = [v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
+                    src = inp.flip(0) if d else inp
                 if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
                     anchor = torch.zeros((), requires_grad=P > 1)
                     out, hL = _LayerFunction.apply(self, k, want, anchor, src, h0[k], *w)
@@ -543,10 +548,12 @@ class _ParallelRNN(nn.Module):
                     with torch.no_grad():
                         out, hL, _ = self._layer_forward(k, src, h0[k], w, want, keep=False)
                 last.append(hL)
-                outs.append(out.flip(0) if d and want else out)
-            inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
-            if drop and l < self.num_layers - 1:  # torch's dropout: on the output of every layer but the last
-                inp = inp * masks[l]
+                outs.append(out)
+            with _announced(self._comm):
+                outs = [o.flip(0) if d and want else o for d, o in enumerate(outs)]
+                inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
+                if drop and l < self.num_layers - 1:  # torch's dropout: on the output of every layer but the last
+                    inp = inp * masks[l]
         return self._returned(inp if self.return_sequence else None, torch.stack(last), batched)
 
     def _returned(self, output, states, batched: bool) -> tuple:
@@ -595,11 +602,12 @@ class _ParallelRNN(nn.Module):
         P, r = self._comm.size, self._comm.rank
         L, B = int(x.shape[0]), int(x.shape[1])
         exact = self.exact_eval and not self.training
-        lay = self._layout(L)
-        w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
-        xd = x.detach()
-        gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
-        prop = self._propagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
+        with _announced(self._comm):  # local work before the layer's session: a failure reaches every rank
+            lay = self._layout(L)
+            w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
+            xd = x.detach()
+            gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
+            prop = self._propagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
         if P == 1:
             res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
                               comm=self._comm, final_residual=True)
@@ -676,8 +684,8 @@ class _ParallelRNN(nn.Module):
         session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _SOLVE_AGREE)
         with session:
             if share is not None:
-                differ = _differing_parts(session.shared, ("gradient of the output sequence",
-                                                           "gradient of the last hidden state"), _DIFFERENT_LOSS)
+                differ = _differing_parts(session.shared, ("gradient of the output sequence", self._state_names[1]),
+                                          _DIFFERENT_LOSS)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session (no one waits)
             with torch.no_grad():

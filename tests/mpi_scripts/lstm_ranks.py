@@ -133,6 +133,45 @@ def failures_raise_everywhere():
     finally:
         lstm_module.LSTMAdjointPropagator.step_batch = original
     still_trains(par, "after a failing adjoint step")
+    # local work of a forward pass that fails on the last rank only: building a layer's propagator, drawing
+    # the dropout masks; the others raise RemoteRankError at their next handshake, and all go on alike
+    from propagators.torch import rnn as rnn_module
+
+    drop = ParallelLSTM(I, H, num_layers=2, dropout=0.3, comm=world, **TIGHT)
+    for what, cls, name in (("a failing propagator set-up", lstm_module.LSTMPropagator, "__init__"),
+                            ("failing dropout masks", rnn_module._ParallelRNN, "_masks")):
+        original = getattr(cls, name)
+
+        def failing_local(self, *args, **kwargs):
+            raise MemoryError(f"injected: {what}")
+
+        if bad:
+            setattr(cls, name, failing_local)
+        try:
+            raised_on_every_rank(lambda: drop(same_randn(9, B, I)), MemoryError, f"injected: {what}", what)
+        finally:
+            setattr(cls, name, original)
+        still_trains(drop, f"after {what}")
+    # a c0 that differs between the ranks, and a loss that differs only through c_n: named as such
+    x = same_randn(9, B, I)
+    c0 = same_randn(1, B, H) * (2.0 if bad else 1.0)
+    value_error = "initial state (h0, c0) of rank"
+    try:
+        par(x, (same_randn(1, B, H), c0))
+    except ValueError as exc:
+        if value_error not in str(exc):
+            fail(f"a c0 that differs: unexpected ValueError: {exc}")
+    else:
+        fail("a c0 that differs: no error")
+    y, (h, c) = par(same_randn(9, B, I, requires_grad=True))
+    try:
+        (y.sum() + c.sum() * (2.0 if bad else 1.0)).backward()
+    except ValueError as exc:
+        if "gradient of the final state (h_n, c_n)" not in str(exc):
+            fail(f"a loss that differs through c_n: unexpected ValueError: {exc}")
+    else:
+        fail("a loss that differs through c_n: no error")
+    still_trains(par, "after a c0 and a loss that differ")
 
 
 case(13, 1, False, False, True, True, 2, 3, steps=3)
