@@ -688,3 +688,36 @@ def test_torch_func_transforms_are_a_clear_error_and_compile_runs_eagerly():
     ref(x)[1].square().sum().backward()
     assert maxdiff(gx, x.grad) < 1e-10
     assert all(maxdiff(p.grad, q.grad) < 1e-10 for p, q in zip(par.parameters(), ref.parameters()))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_a_device_bidirectional_and_dropout_equal_nn_gru_and_the_masked_stack(device):
+    """On the device (float64; benchmarks/gpu.py runs the CUDA case): converged, bidirectional, two
+    layers, output and every gradient equal nn.GRU's there; with dropout, the masked stack of one-layer
+    GRUs, the masks drawn by a generator of that device."""
+    torch.manual_seed(18)
+    ref = torch.nn.GRU(I, H, num_layers=2, bidirectional=True).to(device)
+    par = ParallelGRU(I, H, num_layers=2, bidirectional=True, cf=2, **TIGHT).to(device)
+    par.load_state_dict(ref.state_dict())
+    x, h0 = torch.randn(19, B, I, device=device), torch.randn(4, B, H, device=device)
+    wo, wn = torch.randn(19, B, 2 * H, device=device), torch.randn(4, B, H, device=device)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = run_both(ref, par, x, h0, wo, wn)
+    assert o.device.type == device and maxdiff(o, o_r) < TOL and maxdiff(n, n_r) < TOL
+    assert maxdiff(gx, gx_r) < TOL and maxdiff(gh, gh_r) < TOL
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+    drop = ParallelGRU(I, H, num_layers=3, dropout=0.3, **TIGHT).to(device)
+    x = torch.randn(13, B, I, device=device)
+    out, _ = drop(x)
+    masks = drop.dropout_masks(drop.last_dropout_seed, out)
+    assert all(m.device.type == device for m in masks)
+    inp = x
+    for l in range(3):
+        g = torch.nn.GRU(I if l == 0 else H, H).to(device)
+        g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in drop.state_dict().items() if k.endswith(f"_l{l}")})
+        inp = g(inp)[0] * masks[l] if l < 2 else g(inp)[0]
+    assert maxdiff(out, inp) < TOL

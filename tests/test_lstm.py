@@ -272,3 +272,35 @@ def test_parallel_lstm_on_ranks_equals_nn_lstm(n):
     pytest.importorskip("mpi4py")
     rc, out = launch(n, "lstm_ranks.py")
     assert_all_ok(n, rc, out)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_a_device_equals_nn_lstm_and_the_masked_stack(device):
+    """On the device (float64; benchmarks/gpu.py runs the CUDA case): converged, bidirectional, two
+    layers, equal to nn.LSTM there; with dropout, the masked stack of one-layer LSTMs, the masks drawn
+    by a generator of that device."""
+    torch.manual_seed(17)
+    kw = dict(num_layers=2, bidirectional=True, batch_first=True)
+    ref = torch.nn.LSTM(I, H, **kw).to(device)
+    par = ParallelLSTM(I, H, **kw, cf=2, **TIGHT).to(device)
+    par.load_state_dict(ref.state_dict())
+    x = torch.randn(B, 19, I, device=device)
+    hx = (torch.randn(4, B, H, device=device), torch.randn(4, B, H, device=device))
+    a, b = run_both(ref, par, x, hx)
+    for k in range(6):
+        assert b[k].device.type == device and maxdiff(b[k], a[k]) < TOL, k
+    for k in a[6]:
+        assert maxdiff(b[6][k], a[6][k]) < TOL, k
+    drop = ParallelLSTM(I, H, num_layers=2, dropout=0.5, **TIGHT).to(device)
+    x = torch.randn(13, B, I, device=device)
+    out, _ = drop(x)
+    (mask,) = drop.dropout_masks(drop.last_dropout_seed, out)
+    assert mask.device.type == device
+    first, second = (torch.nn.LSTM(I if l == 0 else H, H).to(device) for l in range(2))
+    first.load_state_dict({k: v for k, v in drop.state_dict().items() if k.endswith("_l0")})
+    second.load_state_dict({k.replace("_l1", "_l0"): v for k, v in drop.state_dict().items() if k.endswith("_l1")})
+    assert maxdiff(out, second(first(x)[0] * mask)[0]) < TOL
