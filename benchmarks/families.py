@@ -67,6 +67,9 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--launches", type=int, default=3)
+    p.add_argument("--no-onednn", action="store_true",
+                   help="torch.backends.mkldnn off: torch's recurrent modules without oneDNN's fused kernels "
+                        "(nn.LSTM has one on CPUs, nn.GRU none), to see where nn.LSTM's speed comes from")
     p.add_argument("--quick", action="store_true",
                    help="small sizes, 3 repetitions, one launch (overrides the size options)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -137,6 +140,7 @@ def child(a):
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = not a.no_onednn
     result = {}
     for family in a.only:
         serial, x, what = build(family, a, "serial")
@@ -162,6 +166,7 @@ def launch(a) -> list:
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child", "--only", *a.only]
     cmd += [f"--{k}={getattr(a, k)}" for k in ("seq", "hidden", "blocks", "dim", "stage", "channels", "batch",
                                               "repeat")]
+    cmd += ["--no-onednn"] if a.no_onednn else []
     return mpi_results(cmd, a.launches)
 
 
@@ -172,6 +177,7 @@ def main(argv=None):
     if not (Path(sys.executable).parent / "mpiexec").exists():
         raise SystemExit("mpiexec not found next to this Python: run `make venv` (it installs mpich)")
     torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = not a.no_onednn
     alone = {}
     for family in a.only:  # the strongest baseline: serial with the machine to itself (no mpiexec)
         serial, x, _ = build(family, a, "serial")
