@@ -85,6 +85,10 @@ def test_converged_output_and_gradients_equal_nn_gru(num_layers, bias, batch_fir
 def test_parameter_names_and_state_dicts_are_nn_grus():
     ref, par = pair(num_layers=3, bias=True)
     assert list(par.state_dict()) == list(ref.state_dict())
+    assert (par.mode, par.proj_size) == (ref.mode, ref.proj_size) == ("GRU", 0)
+    assert len(par.all_weights) == len(ref._all_weights) == 3
+    for w, names in zip(par.all_weights, ref._all_weights):  # the same grouping and order as nn.GRU's
+        assert [id(p) for p in w] == [id(getattr(par, n)) for n in names]
     assert [tuple(p.shape) for p in par.parameters()] == [tuple(p.shape) for p in ref.parameters()]
     back = torch.nn.GRU(I, H, num_layers=3)
     back.load_state_dict(par.state_dict())

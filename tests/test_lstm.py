@@ -118,6 +118,11 @@ def test_state_dicts_initialisation_and_to_lstm_are_nn_lstms():
     with torch.no_grad():
         assert maxdiff(par(x)[0], lstm(x)[0]) < 1e-13
     assert "bidirectional=True" in repr(par) and "dropout=0.25" in repr(par)
+    # the attributes code written for torch's modules reads
+    assert (par.mode, par.proj_size) == (ref.mode, ref.proj_size) == ("LSTM", 0)
+    assert len(par.all_weights) == len(ref._all_weights) == 4
+    for w, names in zip(par.all_weights, ref._all_weights):  # the same grouping and order as nn.LSTM's
+        assert [id(p) for p in w] == [id(getattr(par, n)) for n in names]
 
 
 def test_fine_step_is_the_lstm_cell_and_step_batch_mixes_lengths():

@@ -214,7 +214,6 @@ class ParallelLSTM(_ParallelRNN):
                                  "and project the output with an nn.Linear after the module if needed")
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,
                          dtype, comm=comm, **options)
-        self.proj_size = 0  # (read by code written for nn.LSTM)
 
     def to_lstm(self) -> nn.LSTM:
         """A ``torch.nn.LSTM`` with a copy of the current weights (serial reference, inference, checkpoints)."""

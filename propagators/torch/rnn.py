@@ -365,6 +365,23 @@ class _ParallelRNN(nn.Module):
     def flatten_parameters(self):
         """No-op (kept for code written for torch's recurrent modules)."""
 
+    @property
+    def mode(self) -> str:
+        """torch's name of the cell (``"GRU"``, ``"LSTM"``), as ``nn.GRU.mode``."""
+        return self._cell
+
+    @property
+    def proj_size(self) -> int:
+        """Always 0 (no projections), as torch's recurrent modules report it."""
+        return 0
+
+    @property
+    def all_weights(self) -> list:
+        """The parameters of every layer and direction, in torch's order and grouping
+        (``[weight_ih, weight_hh, bias_ih, bias_hh]`` per layer and direction)."""
+        return [[v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
+                for l in range(self.num_layers) for d in range(self.num_directions)]
+
     def layer_weights(self, l: int, reverse: bool = False) -> tuple:
         """``(weight_ih, weight_hh, bias_ih, bias_hh)`` of layer ``l`` (biases None without bias);
         ``reverse=True``: of its reverse direction (bidirectional only)."""
