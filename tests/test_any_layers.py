@@ -1507,6 +1507,26 @@ def test_the_ranks_input_sums_tell_shuffled_sign_flipped_and_scaled_inputs_not_r
     assert abs(s[2] - float(v.double().abs() @ k)) < 1e-9 and abs(s[3] - float(v.double() @ k)) < 1e-9
 
 
+@pytest.mark.parametrize("shape, dtype", [((16, 16), torch.float32), ((4096,), torch.float32),
+                                          ((4097,), torch.float32), ((70, 61), torch.float64),
+                                          ((3, 5), torch.complex128), ((4, 9), torch.float16),
+                                          ((0, 3), torch.float32), ((2, 3, 1000), torch.float64)])
+def test_input_sums_with_numpy_on_the_cpu_equal_torchs(shape, dtype, monkeypatch):
+    """CPU inputs are summed with numpy (small ones directly in float64, large ones in the 61-wide
+    layout): the same four sums as torch's path, up to rounding far below the ranks' tolerance."""
+    import propagators.torch.module as M
+
+    torch.manual_seed(5)
+    x = (torch.randn(shape, dtype=torch.complex128 if dtype.is_complex else torch.float64) * 3).to(dtype)
+    fast = M._input_sums(x)
+    monkeypatch.setattr(M, "_NUMPY_SUMS", set())
+    ref = M._input_sums(x)
+    assert fast[4] == ref[4]
+    for a, b in zip(fast[:4], ref[:4]):
+        assert abs(a - b) <= 1e-13 * max(abs(b), 1.0), (a, b)
+    assert not M._differing_inputs([fast, ref])
+
+
 def test_parameter_data_replaced_between_forward_and_backward_is_a_clear_error():
     """``p.data = ...`` bumps no version counter: the closed-form backward of dense layers would mix the
     forward's and the new weights; it raises instead. Between steps it is fine (the next pass binds anew)."""

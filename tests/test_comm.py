@@ -122,6 +122,29 @@ def test_norm2_exact_is_todays_value_for_ordinary_magnitudes_whatever_the_split(
     assert temporal_norm(x, 2, SerialComm()) == expected
 
 
+any_finite = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(any_finite, max_size=64), st.integers(0, 64))
+def test_few_value_bins_hold_the_same_exact_total_as_the_vectorised_ones(values, cut):
+    """Up to 64 finite values are binned with Python integers, more with numpy: other bins, the same
+    exact total. Bins of both kinds, from any split (ranks with few and with many values), add up
+    to the same root bit for bit, over the whole float range (subnormals, squares that overflow)."""
+    from mgrit.comm import _FEW
+
+    x = np.array(values, dtype=np.float64)
+    pad = np.zeros(_FEW + 1)  # zeros add nothing but send the values down the vectorised path
+    few, vectorised = square_bins(x), square_bins(np.concatenate([x, pad]))
+    assert square_bins_root(few) == square_bins_root(vectorised)
+    k = min(cut, len(x))
+    mixed = square_bins(x[:k]) + square_bins(np.concatenate([x[k:], pad]))
+    assert square_bins_root(mixed) == square_bins_root(vectorised)
+    if len(x) and np.all(np.abs(x[x != 0]) > 1e-150) and np.all(np.abs(x) < 1e150):
+        assert square_bins_root(few) == math.sqrt(math.fsum((x * x).tolist()))
+    assert math.isnan(square_bins_root(square_bins(np.append(x, np.nan))))  # (a NaN leaves the few-value path)
+
+
 def test_exact_many_and_temporal_norms_equal_the_single_reductions():
     """One reduction for several parts gives each part's value bit for bit (2-norm, sum, max,
     temporal norms with p = 2, 1 and inf); an unknown kind is a ValueError."""
