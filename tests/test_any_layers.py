@@ -4,6 +4,7 @@ networks on 2 and 3 ranks are in mpi_scripts/torch_any_layers.py."""
 from __future__ import annotations
 
 import copy
+import math
 import io
 import pickle
 import sys
@@ -1016,11 +1017,58 @@ def test_complex_states_give_serial_gradients_on_the_dense_path(act):
         assert rel(p.grad, q.grad) < 1e-9
 
 
-def test_nan_output_gradient_names_the_loss():
-    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2)
-    y = lp(torch.randn(3, 4))
-    with pytest.raises(ValueError, match="gradient of the LayerParallel output contains NaN or Inf"):
-        (y * float("nan")).sum().backward()
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_output_gradient_gives_non_finite_gradients_as_torch(bad):
+    """A NaN loss, or an overflow of a scaled loss, gives NaN gradients, as the serial network's
+    non-finite ones, and the next pass is exact again."""
+    torch.manual_seed(4)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2,
+                       fwd_iters=20, bwd_iters=20).double()
+    serial = lp.to_serial()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    xs = x.detach().clone().requires_grad_(True)
+    (lp(x) * bad).sum().backward()
+    (serial(xs) * bad).sum().backward()
+    assert not torch.isfinite(x.grad).any() and not torch.isfinite(xs.grad).all()
+    for p, q in zip(lp.parameters(), serial.parameters()):
+        assert not torch.isfinite(p.grad).any() and not torch.isfinite(q.grad).all()
+    lp.zero_grad(), serial.zero_grad()
+    x.grad = xs.grad = None
+    lp(x).square().sum().backward()
+    serial(xs).square().sum().backward()
+    assert rel(x.grad, xs.grad) < 1e-9
+    assert all(rel(p.grad, q.grad) < 1e-9 for p, q in zip(lp.parameters(), serial.parameters()))
+
+
+def test_grad_scaler_skips_the_overflow_step_and_trains_on():
+    """torch.amp.GradScaler: a scale that overflows the float32 loss gives inf / NaN gradients, the
+    scaler skips that step and lowers its scale, and the following steps update the parameters as
+    the serial network's."""
+    torch.manual_seed(6)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2,
+                       fwd_iters=20, bwd_iters=20).float()
+    serial = lp.to_serial()
+    x = torch.randn(3, 4, dtype=torch.float32) * 3
+    runs = []
+    for model in (lp, serial):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-7)
+        # (2**127 times the output gradient, about 1e6, overflows float32; the backoff then leaves 2**7)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, backoff_factor=2.0 ** -120)
+        scales, losses = [], []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = 1e6 * model(x).square().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            losses.append(loss.item())
+        runs.append((scales, losses, [p.detach().clone() for p in model.parameters()]))
+    (s_lp, l_lp, p_lp), (s_serial, l_serial, p_serial) = runs
+    assert s_lp == s_serial == [2.0 ** 7] * 3  # the first step was skipped, by both
+    assert l_lp[0] == pytest.approx(l_lp[1], rel=1e-6) and l_lp[2] < l_lp[1]  # then it trains
+    assert l_lp == pytest.approx(l_serial, rel=1e-5)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(p_lp, p_serial))
 
 
 def test_ode_propagator_follows_parameter_changes_or_refresh():
@@ -1346,9 +1394,21 @@ def test_a_tolerance_below_the_rounding_floor_says_so():
     torch.manual_seed(3)
     layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).float() for _ in range(16)]
     lp = LayerParallel(layers, cf=2, max_levels=3, relax="FCF", fwd_iters=30, fwd_tol=1e-14)
-    with pytest.warns(ConvergenceWarning, match="stopped decreasing.*float64"):
+    with pytest.warns(ConvergenceWarning, match="stopped decreasing.*float32 rounds at about 1e-07.*float64"):
         with torch.no_grad():
             lp(torch.randn(3, 4, dtype=torch.float32))
+    # the advice names the states' dtype: in float64 there is no finer one to suggest
+    from types import SimpleNamespace
+
+    from propagators.torch.module import _warn_solve
+
+    stalled = SimpleNamespace(residuals=[None, 1e-3, 3e-17, 3.1e-17, 3e-17, 3.1e-17], final_residual=3.1e-17,
+                              converged=False, iterations=6)
+    for dtype, advice in ((torch.float64, "float64 rounds at about 2e-16 of the states\\): raise the tolerance$"),
+                          (torch.bfloat16, "bfloat16 rounds at about 8e-03 of the states\\): raise the tolerance "
+                                           "or compute in float64$")):
+        with pytest.warns(ConvergenceWarning, match=advice):
+            _warn_solve(stalled, "forward", "fwd_iters", 1e-30, "abs", dtype)
 
 
 def test_inference_mode_gives_what_no_grad_gives():

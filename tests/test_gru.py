@@ -725,3 +725,67 @@ def test_on_a_device_bidirectional_and_dropout_equal_nn_gru_and_the_masked_stack
         g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in drop.state_dict().items() if k.endswith(f"_l{l}")})
         inp = g(inp)[0] * masks[l] if l < 2 else g(inp)[0]
     assert maxdiff(out, inp) < TOL
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_a_non_finite_loss_gives_non_finite_gradients_as_torch_and_the_scaler_skips_it(cls):
+    """A NaN loss, or an overflowing scaled one (torch.amp.GradScaler's first steps), gives NaN
+    gradients as torch's module gives non-finite ones: the scaler skips the step and lowers its scale
+    alike for both, and the next steps train alike."""
+    from propagators.torch import ParallelLSTM
+
+    torch.manual_seed(23)
+    ref = getattr(torch.nn, cls)(I, H, num_layers=2).float()
+    par = {"GRU": ParallelGRU, "LSTM": ParallelLSTM}[cls](I, H, num_layers=2, cf=2, fwd_iters=60, bwd_iters=60,
+                                                          fwd_tol=1e-6, bwd_tol=1e-6, tol_type="rel").float()
+    par.load_state_dict(ref.state_dict())
+    x = torch.randn(9, B, I, dtype=torch.float32)
+    xp = x.clone().requires_grad_(True)
+    (par(xp)[0].sum() * float("nan")).backward()
+    assert not torch.isfinite(xp.grad).any() and not any(torch.isfinite(p.grad).any() for p in par.parameters())
+    runs = []
+    for model in (ref, par):
+        model.zero_grad()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-7)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, backoff_factor=2.0 ** -120)
+        scales = []
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(1e6 * model(x)[0].square().sum()).backward()  # (2**127 x 1e6 overflows float32)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append((scales, [p.detach().clone() for p in model.parameters()]))
+    (s_ref, p_ref), (s_par, p_par) = runs
+    assert s_ref == s_par == [2.0 ** 7] * 3
+    assert all(maxdiff(a, b) < 1e-5 for a, b in zip(p_ref, p_par))
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_shapes_on_the_meta_device_bad_weights_and_bad_arguments(cls):
+    """As torch's modules: shape inference on the meta device, torch's TypeError for a bias or
+    batch_first that is not a bool; a replaced weight of another shape or a deleted one is named before
+    any solve; a bad tolerance is an error when the module is built."""
+    from propagators.torch import ParallelLSTM
+
+    make = {"GRU": ParallelGRU, "LSTM": ParallelLSTM}[cls]
+    x = torch.empty(7, B, I, device="meta")
+    got, want = make(I, H, num_layers=2, bidirectional=True).to("meta")(x), \
+        getattr(torch.nn, cls)(I, H, num_layers=2, bidirectional=True).to("meta")(x)
+    assert got[0].shape == want[0].shape and got[0].is_meta
+    assert [t.shape for t in torch.utils._pytree.tree_leaves(got[1])] == \
+        [t.shape for t in torch.utils._pytree.tree_leaves(want[1])]
+    for flag in ("bias", "batch_first"):
+        with pytest.raises(TypeError, match=f"{flag} should be of type bool"):
+            make(I, H, **{flag: 1})
+    for kw in ({"fwd_tol": -1.0}, {"bwd_tol": float("nan")}, {"fwd_tol": "1e-8"}, {"bwd_tol": True}):
+        with pytest.raises(ValueError, match=f"`{next(iter(kw))}` must be a number >= 0"):
+            make(I, H, **kw)
+    m = make(I, H)
+    m.bias_hh_l0 = torch.nn.Parameter(torch.zeros(1, m._gates * H))
+    with pytest.raises(ValueError, match=r"bias_hh_l0 must be a tensor of shape \(\d+,\)"):
+        m(torch.randn(5, B, I))
+    m = make(I, H)
+    del m.weight_ih_l0
+    with pytest.raises(ValueError, match="weight_ih_l0 must be a tensor of shape"):
+        m(torch.randn(5, B, I))

@@ -40,7 +40,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
-         "shuffled", "loss", "n_layers", "shard", "modules", "argument", "calls", "skip"]
+         "shuffled", "loss", "nanloss", "nanin", "n_layers", "shard", "modules", "argument", "calls", "skip"]
 #: ranks whose handshakes differ: every rank raises ValueError naming the call (the arguments of one call,
 #: or each rank's call), none waits
 MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "fwd_iters"],
@@ -55,6 +55,7 @@ MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of 
             "order": ["the collective calls differ", "in the forward pass (an MGRIT solve) of LayerParallel #"]}
 #: ranks that disagree: every rank raises ValueError with this in its message
 DISAGREE = {"shuffled": "input of rank", "loss": "gradient of the block's output",
+            "nanloss": "gradient of the block's output",
             "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters"}
 
 

@@ -159,10 +159,24 @@ _DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same ou
                    "(README, Several ranks)")
 
 
-def _check_output_gradient(gy, output: str = "the LayerParallel output", follows: str = "the block"):
-    if not bool(torch.isfinite(gy).all()):
-        raise ValueError(f"the gradient of {output} contains NaN or Inf on this rank (it comes from the loss: "
-                         f"check the loss and what follows {follows})")
+def _finite_output_gradient(gy, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> bool:
+    """Whether the gradient of an output is finite. When it is not (an overflow of a scaled loss, which
+    ``torch.amp.GradScaler`` then skips, or a NaN loss) the backward pass returns NaN gradients, as
+    torch's layers would, instead of running an adjoint solve that could only diverge."""
+    try:
+        return bool(torch.isfinite(gy).all())
+    except RuntimeError as exc:  # the first operation on a gradient batched by torch's legacy vmap
+        if "Batching rule" not in str(exc):
+            raise
+        raise RuntimeError(_no_transforms(
+            what="vectorized Jacobians (torch.autograd.functional.jacobian(vectorize=True), "
+                 "torch.autograd.grad(is_grads_batched=True))", cls=cls, serial=serial)) from exc
+
+
+def _nan_like(t):
+    """NaN in the shape, dtype and device of ``t`` (None stays None): the gradients of a pass whose
+    output gradient was not finite."""
+    return None if t is None else torch.full_like(t, math.nan)
 
 
 #: why torch.func transforms and forward-mode derivatives stop at a LayerParallel
@@ -214,14 +228,7 @@ def _adjoint_pass(ctx, gy):
     try:
         with _announced(lp._comm):  # the local checks first: a rank that fails tells the others
             _backward_checks(ctx)
-            try:
-                _check_output_gradient(gy)
-            except RuntimeError as exc:  # the first operation on a gradient batched by torch's legacy vmap
-                if "Batching rule" not in str(exc):
-                    raise
-                raise RuntimeError(_no_transforms(
-                    what="vectorized Jacobians (torch.autograd.functional.jacobian(vectorize=True), "
-                         "torch.autograd.grad(is_grads_batched=True))")) from exc
+            finite = _finite_output_gradient(gy)  # (the ranks compare their gy's sums, finite or not, below)
             sig = lp._adjoint_signature(gy)
             share = _input_sums(gy) if lp._comm.size > 1 else None
         # one session around the whole backward pass on the module's communicator (so that it hears
@@ -237,7 +244,9 @@ def _adjoint_pass(ctx, gy):
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
                         uncached_parametrizations():
-                    gx, grads = lp._adjoint(ctx.saved, gy, ctx.param_ids)
+                    gx, grads = lp._adjoint(ctx.saved, gy if finite else torch.zeros_like(gy), ctx.param_ids)
+                if not finite:  # (every rank alike: the handshake found the same gy, finite or not, on all)
+                    gx, grads = _nan_like(gx), [_nan_like(g) for g in grads]
                 if any(c.mode != "dense" for c in kp.k.classes):  # the adjoint called the layers
                     lp._restamp()
         if differ is not None:
@@ -370,6 +379,8 @@ def _input_gap(s, s0) -> float:
     (NaN and Inf left out)."""
     scales = (max(abs(s[0]), abs(s0[0])), max(abs(s[1]), abs(s0[1])), max(abs(s[2]), abs(s0[2])),
               max(abs(s[2]), abs(s0[2])))  # (the signed sum relative to the weighted magnitudes)
+    if any(math.isfinite(a) != math.isfinite(b) for a, b in zip(s[:4], s0[:4])):
+        return math.inf  # NaN or Inf on some ranks only: different inputs
     return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:4], s0[:4], scales)
                 if math.isfinite(a) and math.isfinite(b)), default=0.0)
 
@@ -598,7 +609,7 @@ class LayerParallel(nn.Module):
             self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-            self.fwd_tol, self.bwd_tol = fwd_tol, bwd_tol
+            self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
             if tol_type not in ("abs", "rel"):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
             self.tol_type = tol_type
@@ -1118,7 +1129,7 @@ class LayerParallel(nn.Module):
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast_state(U[-1].clone() if r == root else None, x, root=root)
         # after the checks: an error comes first
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type)
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype)
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -1276,7 +1287,7 @@ class LayerParallel(nn.Module):
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res.without_states()
-        _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type)
+        _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type, res.u.dtype)
         A = res.u  # A[s]: the adjoint at forward point hi - s
         # what the gradients below no longer need, freed before they allocate theirs: the adjoint
         # solve's coarse levels and what its sweeps bound
@@ -1518,6 +1529,14 @@ def _check_T(T) -> float:
 TOL_ITERS = 100
 
 
+def _tolerance(value, name: str):
+    """A solve's tolerance: None, or a number >= 0 (checked when the module is built, not at its first pass)."""
+    if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+                              or not value >= 0):
+        raise ValueError(f"`{name}` must be a number >= 0 or None (a tolerance of the residual), got {value!r}")
+    return value if value is None else float(value)
+
+
 def _iterations(value, tol, default: int, name: str) -> int:
     """The cycles of a solve: ``value``; when None, ``default`` without a tolerance and at most
     :data:`TOL_ITERS` with one (a tolerance capped at the few cycles of training would rarely be met)."""
@@ -1527,10 +1546,17 @@ def _iterations(value, tol, default: int, name: str) -> int:
     return int(value)
 
 
-def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs") -> None:
+def _rounding(dtype) -> str:
+    """How finely ``dtype`` (float32 when not known) resolves the states, in words."""
+    dtype = torch.float32 if dtype is None else dtype
+    eps = torch.finfo(dtype).eps
+    return f"{str(dtype).replace('torch.', '')} rounds at about {eps:.0e} of the states"
+
+
+def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None) -> None:
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, or when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
-    stalling solve: its gradients are not worth much)."""
+    stalling solve: its gradients are not worth much). ``dtype``: the states' (named in the advice)."""
     first = next((r for r in res.residuals if r is not None), None)
     last = res.final_residual
     if tol is not None and not res.converged:
@@ -1540,8 +1566,8 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs") ->
             seen = [r for r in res.residuals if r is not None]
             if len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]:  # three cycles that did not halve it: a floor
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
-                        "below what the arithmetic resolves (float32 rounds at about 1e-7 of the states): raise "
-                        "the tolerance or compute in float64")
+                        f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance"
+                        + ("" if dtype in (torch.float64, torch.complex128) else " or compute in float64"))
             else:
                 what = (f"raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset "
                         f"for up to {TOL_ITERS})")

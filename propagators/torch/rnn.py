@@ -31,9 +31,9 @@ import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
 
-from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _check_output_gradient, _chunks,
-                     _differing_inputs, _eager_under_compile, _exporting, _functorch_active, _input_sums,
-                     _iterations, _no_transforms, _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _chunks, _differing_inputs,
+                     _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active, _input_sums,
+                     _iterations, _nan_like, _no_transforms, _tolerance, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -244,15 +244,20 @@ def _layer_adjoint(ctx, g_out, g_hL):
                 "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
                 f"with {rnn._serial_hint}")
         x, *weights = ctx.saved_tensors
-        for g in (g_out, g_hL):
-            if g is not None:
-                _check_output_gradient(g, f"a {type(rnn).__name__} output", f"the {rnn._cell}")
-        setup = rnn._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
+        # a gradient with NaN or Inf (an overflow that torch.amp.GradScaler skips, a NaN loss): NaN gradients,
+        # as torch's module gives, after an adjoint solve from zero (the ranks compare the original sums)
+        finite = all(g is None or _finite_output_gradient(g, type(rnn).__name__, rnn._serial_hint)
+                     for g in (g_out, g_hL))
         share = _tensor_sums(g_out, g_hL) if rnn._comm.size > 1 else None
+        if not finite:
+            g_out, g_hL = (None if g is None else torch.zeros_like(g) for g in (g_out, g_hL))
+        setup = rnn._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
     got = rnn._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
     if isinstance(got, Exception):
         raise got
     gx, gh0, gw = got
+    if not finite:  # (every rank alike: the backward's handshake found the same sums, finite or not, on all)
+        gx, gh0, gw = _nan_like(gx), _nan_like(gh0), [_nan_like(g) for g in gw]
     return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
@@ -306,15 +311,19 @@ class _ParallelRNN(nn.Module):
                 raise ValueError(f"`cycle` must be 'V' or 'F', got {cycle!r}")
             check_levels(cf, max_levels, min_coarse, relax, 1.0)
             self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
-            self.bias, self.batch_first = bool(bias), bool(batch_first)
+            for flag, value in (("bias", bias), ("batch_first", batch_first)):
+                if not isinstance(value, bool):  # (torch's words)
+                    raise TypeError(f"{flag} should be of type bool, got: {type(value).__name__}")
+            self.bias, self.batch_first = bias, batch_first
             self.dropout = float(dropout)
-            self.bidirectional = bool(bidirectional)  # (as torch, bias and batch_first here: any truth value)
+            self.bidirectional = bool(bidirectional)  # (as torch: any truth value)
             self.num_directions = 2 if self.bidirectional else 1
             self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
             self.cycle, self.coarse = cycle, coarse
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-            self.fwd_tol, self.bwd_tol, self.tol_type = fwd_tol, bwd_tol, tol_type
+            self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
+            self.tol_type = tol_type
             self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
             self.return_sequence = check_flag(return_sequence, "return_sequence")
             factory = {"device": device, "dtype": dtype}
@@ -345,15 +354,38 @@ class _ParallelRNN(nn.Module):
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks
         calling two modules in different orders raise) and raise alike when they built different ones."""
+        params = list(self.parameters())
         settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
-                    self.coarse, self.bidirectional, self.dropout)
+                    self.coarse, self.bidirectional, self.dropout, str(params[0].dtype))
         name = type(self).__name__
-        session = self._comm.session(Call(f"building a {name}"), share=(_uids[0], *settings))
+        meta = any(p.is_meta for p in params)
+        session = self._comm.session(Call(f"building a {name}"), share=(_uids[0], *settings, meta))
         with session:
-            pass
+            same = all(sh[1:] == session.shared[0][1:] for sh in session.shared)
+            if same and not meta:  # rank 0's initial weights on every rank, as DistributedDataParallel's: the
+                with torch.no_grad():  # ranks' generators may differ (seeded by rank); all use one copy
+                    flat = torch.cat([p.reshape(-1) for p in params])
+                    flat = self._comm.bcast_state(flat if self._comm.rank == 0 else None, flat, root=0)
+                    for p, v in zip(params, torch.split(flat, [p.numel() for p in params])):
+                        p.copy_(v.view_as(p))
         self._uid = _agreed_build(session.shared, name, ("input_size", "hidden_size", "num_layers", "bias",
                                                          "MGRIT settings", "cycle", "coarse", "bidirectional",
-                                                         "dropout"))
+                                                         "dropout", "parameter dtype", "meta device"))
+
+    def __getstate__(self):
+        """Pickling and ``copy.deepcopy`` (torch.save of the module, AveragedModel, ...): on one rank the
+        communicator is replaced by the serial one (an MPI communicator does not pickle); on several ranks
+        a clear error, as LayerParallel's."""
+        if self._comm.size > 1:
+            raise TypeError(
+                f"a {type(self).__name__} on several ranks holds a communicator and cannot be pickled or "
+                f"deep-copied: save model.state_dict() (or model.to_{self._cell.lower()}()) and build a new "
+                "module on every rank to load it into")
+        state = dict(self.__dict__)
+        state["_comm"] = as_communicator(None)
+        state["last_forward"] = [None] * len(self.last_forward)  # (diagnostics only)
+        state["last_backward"] = [None] * len(self.last_backward)
+        return state
 
     def reset_parameters(self):
         """torch's initialisation (``nn.GRU``, ``nn.LSTM``): every parameter uniform in
@@ -478,11 +510,29 @@ class _ParallelRNN(nn.Module):
         L = int(x.shape[0])
         if L < 1:
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
+        self._check_weights()
         p = self.weight_ih_l0
         if x.dtype != p.dtype or x.device != p.device:
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
                             "convert one of them (model.to(input) or input.to(...))")
         return x, self._initial_states(hx, x, batched), batched
+
+    def _check_weights(self) -> None:
+        """Every weight present with torch's shape (a replaced or deleted one is named, before any solve)."""
+        H, G = self.hidden_size, self._gates * self.hidden_size
+        for l in range(self.num_layers):
+            n_in = self.input_size if l == 0 else H * self.num_directions
+            for sfx in ("", "_reverse")[:self.num_directions]:
+                shapes = {"weight_ih": (G, n_in), "weight_hh": (G, H)}
+                if self.bias:
+                    shapes.update(bias_ih=(G,), bias_hh=(G,))
+                for what, shape in shapes.items():
+                    name = f"{what}_l{l}{sfx}"
+                    w = getattr(self, name, None)
+                    if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+                        got = f"shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else f"{type(w).__name__}"
+                        raise ValueError(f"{type(self).__name__}.{name} must be a tensor of shape {shape}, as in "
+                                         f"torch's {self._cell} (got {got})")
 
     def _checked_state(self, v, name: str, x, batched: bool):
         """One initial state tensor (``h0`` or ``c0``) checked against torch's shape, as (units, B, H)."""
@@ -519,7 +569,8 @@ class _ParallelRNN(nn.Module):
                 x, h0, batched = self._check(input, hx)
                 # every rank draws (the global generators stay in step); rank 0's seed is used on all
                 seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
-                share = (*_tensor_sums(x, h0), seed, tuple(input.shape)) if P > 1 else None
+                share = (*_tensor_sums(x, h0), seed, tuple(input.shape),
+                         tuple(_input_sums(p) for p in self.parameters())) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
             with session:  # the ranks compare their inputs: every rank holds the whole sequence
                 differ = None if share is None else _differing_parts(session.shared, ("input", self._state_names[0]))
@@ -531,6 +582,14 @@ class _ParallelRNN(nn.Module):
             if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
                 differ = ValueError(f"dropout is drawn on some ranks and not on others: put the {name} in the "
                                     "same mode on every rank (model.train() or model.eval() alike)")
+            if differ is None and share is not None:  # every rank must hold the same weights
+                names = [n for n, _ in self.named_parameters()]
+                for j, n in enumerate(names):
+                    differ = _differing_inputs([sh[4][j] for sh in session.shared], f"parameter {n}",
+                                               "every rank must hold the same weights (build the module after "
+                                               "seeding every rank alike, or load the same state_dict on every rank)")
+                    if differ is not None:
+                        break
             if differ is not None:
                 raise differ
         except BaseException:
@@ -544,6 +603,10 @@ class _ParallelRNN(nn.Module):
         track = torch.is_grad_enabled() and (
             P > 1 or x.requires_grad or h0.requires_grad or any(p.requires_grad for p in params))
         inp, last, D = x, [], self.num_directions
+        if x.is_meta:  # shape inference (torch's modules answer it on the meta device): no solve
+            L, B, D = x.shape[0], x.shape[1], self.num_directions
+            out = x.new_empty(L, B, D * self.hidden_size) if self.return_sequence else None
+            return self._returned(out, h0.new_empty(h0.shape), batched)
         if x.shape[1] == 0:  # an empty batch (on every rank: the input check compared the shapes): no solve
             return self._empty_pass(x, h0, params, track, batched)
         with _announced(self._comm):  # (local work: a failure here reaches every rank in its next handshake)
@@ -649,7 +712,7 @@ class _ParallelRNN(nn.Module):
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
         self.last_forward[k] = res.without_states()  # (statistics only: no trajectory held between passes)
         _warn_solve(res, f"forward ({self._cell} {self._unit(k)})", "fwd_iters", None if exact else self.fwd_tol,
-                    self.tol_type)
+                    self.tol_type, x.dtype)
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 
@@ -710,7 +773,8 @@ class _ParallelRNN(nn.Module):
                                   comm=ReversedInSession(self._comm) if P > 1 else self._comm,
                                   partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
             self.last_backward[k] = res.without_states()
-            _warn_solve(res, f"adjoint ({self._cell} {self._unit(k)})", "bwd_iters", self.bwd_tol, self.tol_type)
+            _warn_solve(res, f"adjoint ({self._cell} {self._unit(k)})", "bwd_iters", self.bwd_tol, self.tol_type,
+                        res.u.dtype)
             lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
             if P == 1:

@@ -15,7 +15,7 @@ otherwise.
 import torch
 
 from checks import fail, rank, size, world
-from rnn_checks import TIGHT, check, raised_on_every_rank, same_randn
+from rnn_checks import TIGHT, check, raised_on_every_rank, same_randn, weights_inputs_and_copies
 from propagators.torch import ParallelLSTM
 
 torch.set_default_dtype(torch.float64)
@@ -181,4 +181,5 @@ case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2)  # fewer poi
 dropout_with_rank_0s_seed()
 if size > 1:
     failures_raise_everywhere()
+weights_inputs_and_copies(ParallelLSTM)
 print(f"rank {rank} OK", flush=True)

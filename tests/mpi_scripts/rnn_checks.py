@@ -38,3 +38,74 @@ def raised_on_every_rank(call, error, text: str, what: str) -> None:
             fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
     else:
         fail(f"{what}: no rank raised")
+
+
+def value_error_everywhere(call, text: str, what: str) -> None:
+    """``call()`` raises ValueError mentioning ``text`` on this rank (every rank checks its own: an error
+    the ranks agreed on)."""
+    try:
+        call()
+    except ValueError as exc:
+        if text not in str(exc):
+            fail(f"{what}: unexpected ValueError: {exc}")
+    else:
+        fail(f"{what}: no error")
+
+
+def weights_inputs_and_copies(cls):
+    """What every rank must share, and copies: a module built after seeding the ranks differently holds
+    rank 0's weights on every rank (and equals torch's module with them); a weight changed on one rank, or
+    a NaN in one rank's input only, raises on every rank; a NaN loss on every rank gives NaN gradients on
+    every rank, as torch's module does (torch.amp.GradScaler skips such a step), and one on one rank only
+    raises everywhere; deepcopy is a clear error on several ranks and works on one (COMM_SELF)."""
+    import copy
+
+    from mpi4py import MPI
+
+    L, I, H, B = 9, 3, 4, 2
+    torch.manual_seed(900 + rank)  # other weights on every rank before the build
+    par = cls(I, H, num_layers=2, comm=MPI.COMM_WORLD, cf=2, **TIGHT)
+    mine = torch.cat([p.detach().reshape(-1) for p in par.parameters()])
+    if size > 1 and max(float((w - mine).abs().max()) for w in MPI.COMM_WORLD.allgather(mine)) != 0.0:
+        fail(f"{cls.__name__} built after different seeds: the ranks hold different weights")
+    serial = getattr(par, f"to_{par._cell.lower()}")()
+    x = same_randn(L, B, I)
+    check(f"{cls.__name__} built after different seeds: output", par(x)[0], serial(x)[0])
+
+    if size > 1:
+        with torch.no_grad():
+            if rank == size - 1:
+                par.weight_hh_l1.mul_(1.001)
+            value_error_everywhere(lambda: par(x), "parameter weight_hh_l1", "a weight changed on one rank")
+            par.load_state_dict(serial.state_dict())
+        bad = x.clone()
+        if rank == size - 1:
+            bad[3, 0, 1] = float("nan")
+        value_error_everywhere(lambda: par(bad), "input of rank", "a NaN in one rank's input")
+
+    xp = x.clone().requires_grad_(True)
+    par.zero_grad()
+    (par(xp)[0].sum() * float("nan")).backward()
+    if torch.isfinite(xp.grad).any() or any(torch.isfinite(p.grad).any() for p in par.parameters()):
+        fail(f"{cls.__name__}: a NaN loss on every rank gave finite gradients")
+    if size > 1:
+        y = par(x.clone().requires_grad_(True))[0]
+        value_error_everywhere(lambda: (y.sum() * (float("nan") if rank == size - 1 else 1.0)).backward(),
+                                   "differs", "a NaN loss on one rank")
+    xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    par.zero_grad()
+    par(xp)[0].square().sum().backward()
+    serial(xs)[0].square().sum().backward()
+    check(f"{cls.__name__}: the input gradient after the non-finite losses", xp.grad, xs.grad)
+
+    if size > 1:
+        try:
+            copy.deepcopy(par)
+        except TypeError as exc:
+            if "state_dict" not in str(exc):
+                fail(f"deepcopy of a {cls.__name__} on several ranks: unexpected TypeError: {exc}")
+        else:
+            fail(f"deepcopy of a {cls.__name__} on several ranks: no error")
+    one = cls(I, H, comm=MPI.COMM_SELF, cf=2, **TIGHT)
+    twin = copy.deepcopy(one)
+    check(f"deepcopy of a {cls.__name__} on COMM_SELF", twin(x)[0], one(x)[0], tol=1e-15)

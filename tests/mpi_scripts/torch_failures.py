@@ -5,7 +5,7 @@ Usage: mpiexec -n P python torch_failures.py CASE:BAD_RANK [CASE:BAD_RANK ...]
 
 CASE is the phase in which rank BAD_RANK fails:
 
-* ``check``: a bad input on that rank only (an integer tensor);
+* ``check``: a bad input on that rank only (an integer tensor); ``nanin``: a NaN in its input;
 * ``empty``: an empty batch on that rank only;
 * ``halo``: while sending / receiving neighbours' parameters;
 * ``forward``: in a layer, inside the forward MGRIT solve;
@@ -32,7 +32,8 @@ CASE is the phase in which rank BAD_RANK fails:
   from mixed data): ``order``, two blocks of the same settings called in the other order on
   that rank (each handshake compares which block it is for); ``shuffled``, that rank's batch
   in another row order; ``loss``, another loss there (the adjoint's handshake compares the
-  output gradients); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``shard``,
+  output gradients), ``nanloss``, a NaN loss there only (a NaN loss on every rank gives NaN
+  gradients everywhere, as serial autograd: checked after the cases); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``shard``,
   ``allreduce_gradients`` with ``shard_size`` on that rank only; ``modules``, with a module
   of other parameters there.
 * Ranks at different calls of one block: ``calls``, that rank calls ``to_serial()`` where the
@@ -169,6 +170,8 @@ def run_case(case, bad):
             x = torch.randn(5, 4)
         elif case == "shuffled":
             x = x.flip(0)
+        elif case == "nanin":
+            x[1, 2] = float("nan")
         inject(lp, case)
     if case == "interrupt":
         guess = None
@@ -197,7 +200,8 @@ def run_case(case, bad):
             next(iter(lp.parameters())).add_(1.0)
     if case == "bwd_settings" and rank == bad:
         lp.bwd_iters = 2
-    (y.square().sum() + (y.sum() if case == "loss" and rank == bad else 0)).backward()
+    nan = float("nan") if case == "nanloss" and rank == bad else 1.0
+    (y.square().sum() * nan + (y.sum() if case == "loss" and rank == bad else 0)).backward()
 
 
 def clean_step():
@@ -207,6 +211,12 @@ def clean_step():
     ref = ODENet(copy.deepcopy(ls))
     torch.manual_seed(4)
     x = torch.randn(3, 4)
+    xp = x.clone().requires_grad_(True)
+    (lp(xp).square().sum() * float("nan")).backward()  # a NaN loss on every rank: NaN gradients everywhere
+    if torch.isfinite(xp.grad).any() or any(p.grad is not None and torch.isfinite(p.grad).any()
+                                            for p in lp.parameters()):
+        return False
+    lp.zero_grad()
     xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     lp(xp).square().sum().backward()
     ref(xs).square().sum().backward()
