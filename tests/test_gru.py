@@ -789,3 +789,35 @@ def test_shapes_on_the_meta_device_bad_weights_and_bad_arguments(cls):
     del m.weight_ih_l0
     with pytest.raises(ValueError, match="weight_ih_l0 must be a tensor of shape"):
         m(torch.randn(5, B, I))
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_under_autocast_a_pass_computes_in_the_autocast_dtype(cls):
+    """Under torch.autocast (bfloat16 on the CPU) a pass computes in the autocast dtype, as torch's
+    recurrent modules on CUDA: the outputs are the same bits as the module converted to bfloat16 (its
+    weights rounded alike), and the gradients reach the float32 weights and input as those of that
+    module, converted; float64 parameters are not cast (autocast leaves float64 alone)."""
+    from propagators.torch import ParallelLSTM
+
+    make = {"GRU": ParallelGRU, "LSTM": ParallelLSTM}[cls]
+    torch.manual_seed(31)
+    par = make(I, H, num_layers=2, bidirectional=True, cf=2, fwd_iters=4, bwd_iters=4).float()
+    low = make(I, H, num_layers=2, bidirectional=True, cf=2, fwd_iters=4, bwd_iters=4).bfloat16()
+    low.load_state_dict({k: v.bfloat16() for k, v in par.state_dict().items()})
+    x = torch.randn(11, B, I, dtype=torch.float32)
+    h0 = torch.randn(4, B, H, dtype=torch.float32)
+    hx = h0 if cls == "GRU" else (h0, h0.flip(0))
+    xp, xl = x.clone().requires_grad_(True), x.bfloat16().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, last = par(xp, hx)
+    ref, ref_last = low(xl, h0.bfloat16() if cls == "GRU" else (h0.bfloat16(), h0.flip(0).bfloat16()))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    for a, b in zip(torch.utils._pytree.tree_leaves(last), torch.utils._pytree.tree_leaves(ref_last)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    out.float().square().sum().backward()
+    ref.float().square().sum().backward()
+    assert xp.grad.dtype == torch.float32 and torch.equal(xp.grad, xl.grad.float())
+    for p, q in zip(par.parameters(), low.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert par.double()(x.double())[0].dtype == torch.float64

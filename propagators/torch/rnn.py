@@ -230,7 +230,14 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_out, g_hL):
-        return _layer_adjoint(ctx, g_out, g_hL)
+        with _no_autocast(g_out if g_out is not None else g_hL):  # (the solves pick their dtypes themselves)
+            return _layer_adjoint(ctx, g_out, g_hL)
+
+
+def _no_autocast(like):
+    """``torch.autocast`` switched off on the device of ``like`` (a pass's own arithmetic keeps its dtypes)."""
+    dev = like.device.type if isinstance(like, torch.Tensor) else "cpu"
+    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 @_eager_under_compile
@@ -486,9 +493,22 @@ class _ParallelRNN(nn.Module):
                     tol_type=self.tol_type, max_iter=self.fwd_iters if forward else self.bwd_iters,
                     skip=self.skip)
 
-    def _check(self, input, hx):
+    def _autocast_dtype(self, input):
+        """The dtype a pass computes in under ``torch.autocast`` on the input's device (None: the
+        parameters' own): the autocast dtype, as torch's recurrent modules on CUDA (float64 parameters
+        are not cast, as autocast leaves float64 alone)."""
+        dev = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+        p = self.weight_ih_l0 if isinstance(getattr(self, "weight_ih_l0", None), torch.Tensor) else None
+        if p is None or p.dtype == torch.float64 or dev not in ("cpu", "cuda") \
+                or not torch.is_autocast_enabled(dev):
+            return None
+        amp = torch.get_autocast_dtype(dev)
+        return None if amp == p.dtype else amp
+
+    def _check(self, input, hx, amp=None):
         """Shapes, dtypes and devices as torch's module expects them; returns (x (L,B,in), the initial
-        states (num_layers * D, B, S), batched)."""
+        states (num_layers * D, B, S), batched). ``amp``: the autocast dtype of the pass (the input and
+        the initial states are cast to it)."""
         name = type(self).__name__
         if isinstance(input, nn.utils.rnn.PackedSequence):
             raise TypeError(f"{name} does not take a PackedSequence: pad the sequences to one length "
@@ -512,9 +532,19 @@ class _ParallelRNN(nn.Module):
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
         self._check_weights()
         p = self.weight_ih_l0
-        if x.dtype != p.dtype or x.device != p.device:
-            raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}; "
-                            "convert one of them (model.to(input) or input.to(...))")
+        if amp is not None and x.dtype != torch.float64:  # (autocast casts what is not float64)
+            x = x.to(amp)
+
+            def cast(h):
+                fp = isinstance(h, torch.Tensor) and h.is_floating_point() and h.dtype != torch.float64
+                return h.to(amp) if fp else h
+
+            hx = type(hx)(cast(h) for h in hx) if isinstance(hx, (tuple, list)) else cast(hx)
+        want = p.dtype if amp is None else amp
+        if x.dtype != want or x.device != p.device:
+            raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}"
+                            + ("" if amp is None else f" (computed in {amp} under torch.autocast)")
+                            + "; convert one of them (model.to(input) or input.to(...))")
         return x, self._initial_states(hx, x, batched), batched
 
     def _check_weights(self) -> None:
@@ -552,6 +582,11 @@ class _ParallelRNN(nn.Module):
     # -- forward ---------------------------------------------------------------------
     @_eager_under_compile
     def forward(self, input, hx=None):
+        amp = self._autocast_dtype(input)  # under torch.autocast: the pass computes in its dtype, autocast off
+        with _no_autocast(input) if amp is not None else contextlib.nullcontext():
+            return self._forward(input, hx, amp)
+
+    def _forward(self, input, hx, amp):
         name, cell = type(self).__name__, self._cell
         if _exporting():
             raise RuntimeError(_NO_EXPORT.format(
@@ -566,7 +601,7 @@ class _ParallelRNN(nn.Module):
         try:
             seed, share, session = None, None, None
             with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
-                x, h0, batched = self._check(input, hx)
+                x, h0, batched = self._check(input, hx, amp)
                 # every rank draws (the global generators stay in step); rank 0's seed is used on all
                 seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
                 share = (*_tensor_sums(x, h0), seed, tuple(input.shape),
@@ -619,7 +654,7 @@ class _ParallelRNN(nn.Module):
             for d in range(D):  # the reverse direction solves on the flipped sequence
                 k = l * D + d
                 with _announced(self._comm):
-                    w = [v for v in self.layer_weights(l, reverse=d == 1) if v is not None]
+                    w = [v if amp is None else v.to(amp) for v in self.layer_weights(l, reverse=d == 1) if v is not None]
                     src = inp.flip(0) if d else inp
                 if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
                     anchor = torch.zeros((), requires_grad=P > 1)
