@@ -821,3 +821,23 @@ def test_under_autocast_a_pass_computes_in_the_autocast_dtype(cls):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert par.double()(x.double())[0].dtype == torch.float64
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_a_nan_in_the_input_or_the_initial_state_is_named(cls):
+    """NaN or Inf in the input or the initial state: a ValueError naming it (not a solver divergence),
+    in training and in eval mode, as LayerParallel's input check."""
+    from propagators.torch import ParallelLSTM
+
+    m = {"GRU": ParallelGRU, "LSTM": ParallelLSTM}[cls](I, H)
+    x = torch.randn(5, B, I)
+    bad = x.clone()
+    bad[2, 1, 0] = float("nan")
+    h0 = torch.zeros(1, B, H)
+    h0[0, 0, 1] = float("inf")
+    for mode in (m.train, m.eval):
+        mode()
+        with pytest.raises(ValueError, match="got an input that contains NaN or Inf"):
+            m(bad)
+        with pytest.raises(ValueError, match="got an initial .*contains NaN or Inf"):
+            m(x, h0 if cls == "GRU" else (h0, torch.zeros(1, B, H)))

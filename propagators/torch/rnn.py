@@ -545,7 +545,13 @@ class _ParallelRNN(nn.Module):
             raise TypeError(f"input is {x.dtype} on {x.device} but the parameters are {p.dtype} on {p.device}"
                             + ("" if amp is None else f" (computed in {amp} under torch.autocast)")
                             + "; convert one of them (model.to(input) or input.to(...))")
-        return x, self._initial_states(hx, x, batched), batched
+        h0 = self._initial_states(hx, x, batched)
+        if not x.is_meta:
+            for what, v in (("an input", x), (f"an {self._state_names[0]}", h0)):
+                if not bool(torch.isfinite(v).all()):  # (else the solve would report a divergence)
+                    raise ValueError(f"{type(self).__name__} got {what} that contains NaN or Inf: check the data "
+                                     f"and what comes before the {self._cell}")
+        return x, h0, batched
 
     def _check_weights(self) -> None:
         """Every weight present with torch's shape (a replaced or deleted one is named, before any solve)."""

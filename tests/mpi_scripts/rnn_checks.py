@@ -54,8 +54,9 @@ def value_error_everywhere(call, text: str, what: str) -> None:
 
 def weights_inputs_and_copies(cls):
     """What every rank must share, and copies: a module built after seeding the ranks differently holds
-    rank 0's weights on every rank (and equals torch's module with them); a weight changed on one rank, or
-    a NaN in one rank's input only, raises on every rank; a NaN loss on every rank gives NaN gradients on
+    rank 0's weights on every rank (and equals torch's module with them); a weight changed on one rank
+    raises ValueError on every rank, a NaN in one rank's input its ValueError there and RemoteRankError
+    on the others; a NaN loss on every rank gives NaN gradients on
     every rank, as torch's module does (torch.amp.GradScaler skips such a step), and one on one rank only
     raises everywhere; deepcopy is a clear error on several ranks and works on one (COMM_SELF)."""
     import copy
@@ -81,7 +82,7 @@ def weights_inputs_and_copies(cls):
         bad = x.clone()
         if rank == size - 1:
             bad[3, 0, 1] = float("nan")
-        value_error_everywhere(lambda: par(bad), "input of rank", "a NaN in one rank's input")
+        raised_on_every_rank(lambda: par(bad), ValueError, "contains NaN or Inf", "a NaN in one rank's input")
 
     xp = x.clone().requires_grad_(True)
     par.zero_grad()
