@@ -1587,6 +1587,26 @@ def test_input_sums_with_numpy_on_the_cpu_equal_torchs(shape, dtype, monkeypatch
     assert not M._differing_inputs([fast, ref])
 
 
+@pytest.mark.parametrize("n", [35, 5000])  # (both numpy paths: direct and 61-wide)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_input_sums_of_a_non_finite_tensor_warn_nothing_and_differ_from_finite(bad, n):
+    """An Inf loss on several ranks: the ranks compare the output gradient's sums (Inf or NaN) without a
+    numpy warning (an error under ``-W error``), and a finite tensor differs from it."""
+    import warnings
+
+    from propagators.torch.module import _differing_inputs, _input_sums
+
+    x = torch.randn(n)
+    one, every = x.clone(), torch.full_like(x, bad)
+    one[0] = bad  # (Inf times the position weight 0: an invalid operation in numpy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for y in (one, every):
+            s = _input_sums(y)
+            assert not all(math.isfinite(v) for v in s[:4])
+            assert _differing_inputs([_input_sums(x), s]) is not None
+
+
 def test_parameter_data_replaced_between_forward_and_backward_is_a_clear_error():
     """``p.data = ...`` bumps no version counter: the closed-form backward of dense layers would mix the
     forward's and the new weights; it raises instead. Between steps it is fine (the next pass binds anew)."""

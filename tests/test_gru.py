@@ -841,3 +841,8 @@ def test_a_nan_in_the_input_or_the_initial_state_is_named(cls):
             m(bad)
         with pytest.raises(ValueError, match="got an initial .*contains NaN or Inf"):
             m(x, h0 if cls == "GRU" else (h0, torch.zeros(1, B, H)))
+    big = x.float()
+    big[1, 0, 2] = 1e6  # finite in float32, Inf after autocast's cast to float16: the message says so
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(ValueError, match=r"contains NaN or Inf \(after the cast to torch.float16 under"):
+            m.float()(big)

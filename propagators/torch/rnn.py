@@ -549,8 +549,9 @@ class _ParallelRNN(nn.Module):
         if not x.is_meta:
             for what, v in (("an input", x), (f"an {self._state_names[0]}", h0)):
                 if not bool(torch.isfinite(v).all()):  # (else the solve would report a divergence)
-                    raise ValueError(f"{type(self).__name__} got {what} that contains NaN or Inf: check the data "
-                                     f"and what comes before the {self._cell}")
+                    cast = "" if amp is None else f" (after the cast to {amp} under torch.autocast)"
+                    raise ValueError(f"{type(self).__name__} got {what} that contains NaN or Inf{cast}: check the "
+                                     f"data and what comes before the {self._cell}")
         return x, h0, batched
 
     def _check_weights(self) -> None:
@@ -610,8 +611,10 @@ class _ParallelRNN(nn.Module):
                 x, h0, batched = self._check(input, hx, amp)
                 # every rank draws (the global generators stay in step); rank 0's seed is used on all
                 seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
-                share = (*_tensor_sums(x, h0), seed, tuple(input.shape),
-                         tuple(_input_sums(p) for p in self.parameters())) if P > 1 else None
+                share = ((None, None) if x.is_meta else _tensor_sums(x, h0)) + (
+                    seed, tuple(input.shape),
+                    tuple((n, tuple(p.shape), None if p.is_meta else _input_sums(p))
+                          for n, p in self.named_parameters())) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
             with session:  # the ranks compare their inputs: every rank holds the whole sequence
                 differ = None if share is None else _differing_parts(session.shared, ("input", self._state_names[0]))
@@ -623,12 +626,20 @@ class _ParallelRNN(nn.Module):
             if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
                 differ = ValueError(f"dropout is drawn on some ranks and not on others: put the {name} in the "
                                     "same mode on every rank (model.train() or model.eval() alike)")
+            same = ("every rank must hold the same weights (build the module after seeding every rank alike, or "
+                    "load the same state_dict on every rank)")
+            if differ is None and share is not None:  # the same parameters (names and shapes) on every rank
+                layouts = [tuple((n, s) for n, s, _ in sh[4]) for sh in session.shared]
+                r = next((r for r, lay in enumerate(layouts) if lay != layouts[0]), None)
+                if r is not None:
+                    differ = ValueError(f"the parameters of rank {r} ({[f'{n} {s}' for n, s in layouts[r]]}) differ "
+                                        f"from rank 0's ({[f'{n} {s}' for n, s in layouts[0]]}): " + same)
             if differ is None and share is not None:  # every rank must hold the same weights
-                names = [n for n, _ in self.named_parameters()]
-                for j, n in enumerate(names):
-                    differ = _differing_inputs([sh[4][j] for sh in session.shared], f"parameter {n}",
-                                               "every rank must hold the same weights (build the module after "
-                                               "seeding every rank alike, or load the same state_dict on every rank)")
+                for j, (n, _, _) in enumerate(session.shared[0][4]):
+                    sums = [sh[4][j][2] for sh in session.shared]
+                    if any(v is None for v in sums):  # (meta parameters: shapes only)
+                        continue
+                    differ = _differing_inputs(sums, f"parameter {n}", same)
                     if differ is not None:
                         break
             if differ is not None:

@@ -60,6 +60,7 @@ def weights_inputs_and_copies(cls):
     every rank, as torch's module does (torch.amp.GradScaler skips such a step), and one on one rank only
     raises everywhere; deepcopy is a clear error on several ranks and works on one (COMM_SELF)."""
     import copy
+    import warnings
 
     from mpi4py import MPI
 
@@ -79,6 +80,11 @@ def weights_inputs_and_copies(cls):
                 par.weight_hh_l1.mul_(1.001)
             value_error_everywhere(lambda: par(x), "parameter weight_hh_l1", "a weight changed on one rank")
             par.load_state_dict(serial.state_dict())
+        if rank == size - 1:  # a parameter more on one rank: named on every rank, not an IndexError
+            par.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+        value_error_everywhere(lambda: par(x), "the parameters of rank", "a parameter more on one rank")
+        if rank == size - 1:
+            del par.extra
         bad = x.clone()
         if rank == size - 1:
             bad[3, 0, 1] = float("nan")
@@ -89,6 +95,12 @@ def weights_inputs_and_copies(cls):
     (par(xp)[0].sum() * float("nan")).backward()
     if torch.isfinite(xp.grad).any() or any(torch.isfinite(p.grad).any() for p in par.parameters()):
         fail(f"{cls.__name__}: a NaN loss on every rank gave finite gradients")
+    xp = x.clone().requires_grad_(True)
+    with warnings.catch_warnings():  # an Inf loss: NaN gradients, and no numpy warning in the ranks' comparison
+        warnings.simplefilter("error")
+        (par(xp)[0].sum() * float("inf")).backward()
+    if torch.isfinite(xp.grad).any():
+        fail(f"{cls.__name__}: an Inf loss on every rank gave finite gradients")
     if size > 1:
         y = par(x.clone().requires_grad_(True))[0]
         value_error_everywhere(lambda: (y.sum() * (float("nan") if rank == size - 1 else 1.0)).backward(),
@@ -107,6 +119,11 @@ def weights_inputs_and_copies(cls):
                 fail(f"deepcopy of a {cls.__name__} on several ranks: unexpected TypeError: {exc}")
         else:
             fail(f"deepcopy of a {cls.__name__} on several ranks: no error")
+    with torch.device("meta"):  # shape inference on several ranks (meta tensors have no sums to compare)
+        lazy = cls(I, H, num_layers=2, comm=MPI.COMM_WORLD, cf=2, **TIGHT)
+    y = lazy(torch.empty(L, B, I, device="meta"))[0]
+    if y.device.type != "meta" or tuple(y.shape) != (L, B, H):
+        fail(f"{cls.__name__} on the meta device: output {y.device} {tuple(y.shape)}")
     one = cls(I, H, comm=MPI.COMM_SELF, cf=2, **TIGHT)
     twin = copy.deepcopy(one)
     check(f"deepcopy of a {cls.__name__} on COMM_SELF", twin(x)[0], one(x)[0], tol=1e-15)
