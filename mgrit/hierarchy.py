@@ -26,6 +26,13 @@ def per_level(value, n: int, name: str) -> list:
     return [value[min(i, len(value) - 1)] for i in range(n)]
 
 
+def _levels_to_check(max_levels: int, *values) -> int:
+    """How many per-level entries can matter: a grid of fewer than 2^64 points has at most 64 levels (every
+    level at least halves it) and a sequence's last entry repeats, so ``max_levels = 10**9`` costs nothing."""
+    longest = max([len(v) for v in values if isinstance(v, Sequence) and not isinstance(v, (str, bytes))] + [1])
+    return min(int(max_levels), 64 + longest)
+
+
 def is_integer(x) -> bool:
     """True for Python and numpy integers; False for bools (``True`` is no level count).
 
@@ -154,6 +161,7 @@ def check_levels(cf, max_levels, min_coarse, relax, c_weight) -> None:
     """
     check_integer(max_levels, "max_levels", 1)
     check_integer(min_coarse, "min_coarse", 1)
+    max_levels = _levels_to_check(max_levels, cf, relax, c_weight)
     for c in per_level(cf, max_levels, "cf"):
         if not (is_integer(c) and c >= 2):
             note = " (a bool; pass an integer)" if isinstance(c, (bool, np.bool_)) else ""
@@ -198,6 +206,7 @@ def build_hierarchy(
 def levels_of(t: np.ndarray, cf, max_levels: int, min_coarse: int, relax, c_weight) -> Hierarchy:
     """The hierarchy of a checked grid ``t`` (:func:`check_time_grid`) and checked
     settings (:func:`check_levels`); :func:`build_hierarchy` with the checks done."""
+    max_levels = _levels_to_check(max_levels, cf, relax, c_weight)
     cfs = per_level(cf, max_levels, "cf")
     relaxes = per_level(relax, max_levels, "relax")
     weights = per_level(c_weight, max_levels, "c_weight")

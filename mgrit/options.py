@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 
 from .hierarchy import Hierarchy, check_flag, check_integer, check_levels, check_time_grid, levels_of
 
@@ -56,7 +57,9 @@ class Options:
 
     def __post_init__(self):
         tol, norm = self.tol, self.norm
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0):
+        if tol is not None and (isinstance(tol, (bool, np.bool_)) or not isinstance(tol, (int, float, np.integer,
+                                                                                          np.floating))
+                                or not tol >= 0):
             raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
         if self.tol_type not in ("abs", "rel"):
             raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {self.tol_type!r}")
@@ -71,6 +74,7 @@ class Options:
         if self.callback is not None and not callable(self.callback):
             raise TypeError("`callback` must be callable")
         fields = {
+            "tol": None if tol is None else float(tol),  # (a numpy scalar, np.float32(1e-3), as a Python float)
             "norm": math.inf if norm == "inf" else norm,
             "skip": check_flag(self.skip, "skip"),
             "nested": check_flag(self.nested, "nested"),

@@ -46,6 +46,9 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
         X = B.stack(states) if n else B.empty_stack(0, u0)
     else:
         g = initial_guess if B.is_torch(initial_guess) else np.asarray(initial_guess)
+        if B.is_complex(g) and not B.is_complex(u0):  # (numpy would drop the imaginary part with a warning)
+            raise TypeError("`initial_guess` is complex but `u0` is real: pass a complex `u0` to solve for "
+                            "complex states, or a real guess")
         shape, ushape = tuple(g.shape), tuple(u0.shape)
         X = B.empty_stack(n, u0)
         if shape == (n_total,) + ushape:
@@ -60,6 +63,9 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
         return X
     if tuple(X.shape[1:]) != tuple(u0.shape):
         raise ValueError(f"`initial_guess(t)` returned shape {tuple(X.shape[1:])}, expected {tuple(u0.shape)}")
+    if B.is_complex(X) and not B.is_complex(u0):
+        raise TypeError("`initial_guess(t)` returned complex states but `u0` is real: pass a complex `u0` to solve "
+                        "for complex states, or return real ones")
     return X
 
 
@@ -212,6 +218,8 @@ def solve(
         u0 = B.as_state(u0)
         if not B.is_torch(u0) and u0.dtype.kind not in "fc":
             raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")
+        if (u0.numel() if B.is_torch(u0) else u0.size) == 0:
+            raise ValueError(f"`u0` is empty (shape {tuple(u0.shape)}): a state needs at least one value")
         if not B.all_finite(u0):
             raise ValueError("`u0` contains NaN or Inf")
         hierarchy = opts.hierarchy(t)

@@ -40,9 +40,10 @@ import numpy as np
 
 from . import _backend as B
 from . import theory
-from .hierarchy import build_hierarchy, check_time_grid, is_integer, parse_relax, per_level
+from .hierarchy import build_hierarchy, check_levels, check_time_grid, is_integer, parse_relax, per_level
 from .model import StepCost, predict, sequential_time
 from .propagator import Propagator
+from .relax import check_batch, checked_state
 
 __all__ = [
     "choose_settings",
@@ -100,8 +101,9 @@ class _Linearization:
             eps = float(np.finfo(self.u.dtype).eps) if self.u.dtype.kind in "fc" else float(np.finfo(float).eps)
         self.shape = tuple(self.u.shape)
         self.d = int(self.u_np.size)
+        self.checked = False  # (complex states: the step checked to be complex-differentiable, once)
         # central differences: error O(h^2) + rounding O(eps / h); h ~ eps^(1/3) balances them
-        self.fd_step = eps ** (1.0 / 3.0) * max(1.0, float(np.linalg.norm(self.u_np)))
+        self.fd_step = eps ** (1.0 / 3.0) * max(1.0, _scaled_norm(self.u_np))
 
     def apply(self, times, V: np.ndarray) -> np.ndarray:
         """``J V`` for real directions ``V`` of shape (d, k); returns (d, k).
@@ -113,6 +115,9 @@ class _Linearization:
         if np.iscomplexobj(V):
             return self.apply(times, V.real) + 1j * self.apply(times, V.imag)
         times = [float(x) for x in times]
+        if not self.checked and np.iscomplexobj(self.u_np) and len(times) > 1:
+            _check_complex_linear(self.prop, self.u, times[0], times[1])
+        self.checked = True
         if V.shape[1] == 0:
             return np.zeros((self.d, 0))
         return self._torch_jvp(times, V) if self.mode == "torch" else self._fd(times, V)
@@ -133,7 +138,7 @@ class _Linearization:
             U = np.concatenate([self.u[None] + D, self.u[None] - D])
         with np.errstate(all="ignore"):  # an unstable step overflows: the caller sees non-finite values
             for t0, t1 in zip(times[:-1], times[1:]):
-                U = self.prop.step_batch(U, np.full(2 * k, t0), np.full(2 * k, t1))
+                U = _step_batch(self.prop, U, np.full(2 * k, t0), np.full(2 * k, t1))
             out = _to_numpy(U).reshape(2 * k, -1)
             return ((out[:k] - out[k:]) / (2.0 * h)[:, None]).T
 
@@ -175,6 +180,37 @@ class _Linearization:
                     "pass jvp='fd' to use finite differences instead") from exc
             cols.append(_to_numpy(tangent).reshape(-1))
         return np.stack(cols, axis=1)
+
+
+def _check_complex_linear(prop, u, t0: float, t1: float) -> None:
+    """Raise unless the step at the complex state ``u`` is complex-differentiable: its derivative along
+    ``i v`` must be ``i`` times the one along ``v`` (a random real ``v``, central differences). The theory
+    pairs the eigenvalues of a complex-linear Jacobian; a step built with ``conj``, ``.real``, ``.imag`` or
+    ``abs`` is only real-linear, and its predictions would be wrong without a sign."""
+    x = _to_numpy(u).reshape(-1)
+    v = np.random.default_rng(0).standard_normal(x.size)
+    v /= np.linalg.norm(v)
+    eps = float(np.finfo(x.real.dtype).eps)
+    h = eps ** (1.0 / 3.0) * max(1.0, _scaled_norm(x))
+    P = np.stack([x + h * v, x - h * v, x + 1j * h * v, x - 1j * h * v])
+    with np.errstate(all="ignore"):
+        out = _to_numpy(_step_batch(prop, _as_states(P, u), np.full(4, t0), np.full(4, t1))).reshape(4, -1)
+        a, b = (out[0] - out[1]) / (2 * h), (out[2] - out[3]) / (2 * h)
+        gap, size = _scaled_norm(b - 1j * a), max(_scaled_norm(a), _scaled_norm(b))
+    if math.isfinite(gap) and math.isfinite(size) and gap > max(1e-6, 100 * eps ** (2.0 / 3.0)) * size:
+        raise ValueError(
+            "the step is not complex-differentiable at this complex state (its derivative along i*v is not i "
+            f"times the one along v: relative gap {gap / size:.2g}; does it use conj, .real, .imag or abs?). "
+            "The tuner's theory needs a complex-linear Jacobian: pass the state as real numbers instead, its "
+            "real and imaginary parts side by side (np.concatenate([u.real, u.imag])), with a step written for them")
+
+
+def _step_batch(prop, U, t0, t1):
+    """``prop.step_batch(U, t0, t1)`` checked as the solver checks it (array type, shape, no complex states for
+    real ones): a propagator bug is named here, not read as a Jacobian."""
+    out = prop.step_batch(U, t0, t1)
+    check_batch(out, U, 0, "step" if type(prop).step_batch is Propagator.step_batch else "step_batch")
+    return out
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -517,9 +553,11 @@ def _level_setup(lams, n, cf, relax, c_weight):
     K = lams[0].shape[0]
     if any(v.shape != (K,) for v in lams):
         raise ValueError("every level of `lams` needs one value per mode (equal 1-D shapes)")
+    if not is_integer(n) or n < 1:
+        raise ValueError(f"`n` must be an integer >= 1 (fine intervals), got {n!r}")
+    # the rules of mgrit.solve (a cf of 2.7 used to be read as 2, a negative C-weight taken)
+    check_levels(cf, L, 1, relax, c_weight)
     cfs = [int(c) for c in per_level(cf, L - 1, "cf")]
-    if any(c < 2 for c in cfs):
-        raise ValueError(f"`cf` must be integers >= 2, got {cf!r}")
     nrelax = [parse_relax(r) for r in per_level(relax, L - 1, "relax")]
     weights = [float(w) for w in per_level(c_weight, L - 1, "c_weight")]
     sizes = [int(n)]
@@ -613,6 +651,22 @@ def cycle_factors(lams, n: int, cf, relax="FCF", c_weight=1.0) -> np.ndarray:
     return np.linalg.svd(P, compute_uv=False)[:, 0]  # theory.matrix_norm of every mode's matrix
 
 
+def _scaled_norm(X) -> float:
+    """2-norm of all entries of ``X`` without under- or overflow of the squares (as the solver's norms:
+    states near 1e-170 or 1e200 give their true size, not 0 or Inf)."""
+    X = np.asarray(X)
+    if X.size == 0:
+        return 0.0
+    with np.errstate(all="ignore"):
+        square = float(np.sum(np.abs(X) ** 2))
+        if 1e-280 < square < 1e280:  # no square under- or overflowed: the plain norm (its bits)
+            return math.sqrt(square)
+        m = float(np.max(np.abs(X)))
+        if m == 0.0 or not math.isfinite(m):
+            return m
+        return m * float(np.sqrt(np.sum(np.abs(X / m) ** 2)))
+
+
 def _cheap_norms(M):
     """Upper bounds of the 2-norms of a stack of matrices: ``min(||M||_F, sqrt(||M||_1 ||M||_inf))``."""
     A = np.abs(M)
@@ -624,6 +678,8 @@ def _exact_norm(M) -> float:
     """The largest 2-norm in a stack of matrices: SVDs in the order of the cheap bounds, while they can matter."""
     if M.shape[0] == 0 or M.shape[1] == 0:
         return 0.0
+    if not np.all(np.isfinite(M)):  # (an SVD of Inf or NaN gives NaN, which max() would drop)
+        return math.inf
     cheap = _cheap_norms(M)
     best = 0.0
     for k in np.argsort(-cheap, kind="stable"):
@@ -666,9 +722,19 @@ def power_cycles(P, reduction: float, qmax: int = 1000, growth: float = 1.0):
     >>> power_cycles(P, 1e-8)
     (2, 0.0)
     """
+    P = np.asarray(P)
+    if P.ndim != 3 or P.shape[1] != P.shape[2]:
+        raise ValueError(f"`P` must be a stack of square matrices, shape (modes, n, n), got {P.shape}")
+    if isinstance(reduction, bool) or not isinstance(reduction, (int, float, np.integer, np.floating)) \
+            or not 0.0 < reduction < 1.0:
+        raise ValueError(f"`reduction` must be a number in (0, 1), got {reduction!r}")
+    if isinstance(qmax, bool) or not isinstance(qmax, (int, np.integer)) or qmax < 1:
+        raise ValueError(f"`qmax` must be an integer >= 1, got {qmax!r}")
     if P.shape[1] == 0:
         return 1, 0.0
     f1 = _exact_norm(P) * growth
+    if not math.isfinite(f1):  # Inf or NaN in the matrices (an overflowing step): no number of cycles
+        return None, math.inf
     if f1 == 0.0:
         return 1, 0.0
     qcap = None  # ||P^q|| growth^q <= f1^q: q = qcap cycles certainly suffice
@@ -797,7 +863,7 @@ class _AffineModel:
     def norm(self, R) -> float:
         """Temporal 2-norm of the spatial 2-norms of the residuals ``R`` (n_c, K)."""
         X = R if self.basis is None else R @ self.basis.T
-        return float(np.sqrt(np.sum(np.abs(X) ** 2)))
+        return _scaled_norm(X)
 
 
 class _SimulatedSolve:
@@ -1025,7 +1091,7 @@ def _steps(propagator, X: np.ndarray, t0, t1, like) -> np.ndarray:
     if X.shape[0] == 0:
         return np.zeros_like(X)
     with np.errstate(all="ignore"):  # an unstable step overflows: the model then diverges
-        out = propagator.step_batch(_as_states(X, like), np.asarray(t0, dtype=float), np.asarray(t1, dtype=float))
+        out = _step_batch(propagator, _as_states(X, like), np.asarray(t0, dtype=float), np.asarray(t1, dtype=float))
     return _to_numpy(out).reshape(X.shape[0], -1)
 
 
@@ -1062,7 +1128,7 @@ def _batch_jacobians(propagator, X, t0, t1, like, mode):
         eps = float(torch.finfo(like.dtype).eps)
     else:
         eps = float(np.finfo(like.dtype).eps) if like.dtype.kind == "f" else float(np.finfo(float).eps)
-    h = eps ** (1.0 / 3.0) * np.maximum(1.0, np.linalg.norm(X, axis=1))
+    h = eps ** (1.0 / 3.0) * np.maximum(1.0, [_scaled_norm(x) for x in X])
     F = _steps(propagator, X, t0, t1, like)
     J = np.empty((k, d, d))
     chunk = max(1, min(d, (1 << 18) // max(2 * k, 1)))
@@ -1122,7 +1188,7 @@ def _difference_columns(propagator, x, t0, t1, D, like):
     k = D.shape[1]
     norms = np.linalg.norm(D, axis=0)
     norms[norms == 0] = 1.0
-    h = MODAL_PERTURBATION * max(1.0, float(np.linalg.norm(x))) / norms
+    h = MODAL_PERTURBATION * max(1.0, _scaled_norm(x)) / norms
     P = (D * h).T
     out = _steps(propagator, np.concatenate([x[None] + P, x[None] - P]), np.full(2 * k, t0), np.full(2 * k, t1), like)
     return ((out[:k] - out[k:]) / (2.0 * h)[:, None]).T
@@ -1254,7 +1320,8 @@ class Candidate:
     cycles : int or None
         Predicted cycles to reduce the residual by the chooser's ``reduction``,
         ``2 + q`` (XBraid's skipped first cycle and the cycle that measures the
-        first residual included); None when it does not converge.
+        first residual included; ``1 + q`` with ``skip=False``, whose first cycle
+        measures it); None when it does not converge.
     time : float
         Predicted time to that tolerance on the chooser's ``ranks``
         (:func:`mgrit.model.predict`) for ``cycles`` cycles, or for
@@ -1340,7 +1407,8 @@ class Settings:
     choice : Candidate
         The chosen setting.
     candidates : tuple of Candidate
-        Every setting evaluated, cheapest predicted time first.
+        Every setting evaluated: those that meet the target first, then the others, each group by
+        predicted time (cheapest first), ties by factor.
     target : float
     ranks : int
     reduction : float
@@ -1417,7 +1485,7 @@ class Settings:
         return self.choice.expected_cycles
 
     def table(self, limit: int | None = None) -> str:
-        """The candidates as a text table, cheapest first (``limit`` rows, all by default)."""
+        """The candidates as a text table in the order of :attr:`candidates` (``limit`` rows, all by default)."""
         rows = [f"{'cf':>9} {'levels':>6} {'relax':>9} {'w':>4} {'factor':>10} {'rate':>10} {'cycles':>6} "
                 f"{'expected':>10} {'e.cyc':>5} {'time':>11} {'speedup':>8}  note"]
         for c in self.candidates[: limit if limit is not None else len(self.candidates)]:
@@ -1474,6 +1542,11 @@ def _check_state(u):
     u = B.as_state(u)
     if not B.is_torch(u) and u.dtype.kind not in "fc":
         raise TypeError(f"`u0` must be a numeric array, got dtype {u.dtype}")
+    if not B.is_torch(u) and u.dtype.itemsize > (16 if u.dtype.kind == "c" else 8):
+        raise TypeError(f"`u0` is {u.dtype}, which numpy.linalg (the spectra) does not support: tune with "
+                        "u0.astype(np.float64) (or complex128); the solve itself takes it")
+    if (u.numel() if B.is_torch(u) else u.size) == 0:
+        raise ValueError(f"`u0` is empty (shape {tuple(u.shape)}): a state needs at least one value")
     if not B.all_finite(u):
         raise ValueError("`u0` contains NaN or Inf")
     return u
@@ -1517,6 +1590,9 @@ def _cf_schedules(cf):
         cf = DEFAULT_CF
     if is_integer(cf):
         cf = (cf,)
+    if not isinstance(cf, (tuple, list)) or not cf:
+        raise ValueError(f"`cf` must be a non-empty sequence of candidate factors: integers >= 2 or per-level "
+                         f"tuples of them, e.g. (2, 4, 8) or (4, (8, 2)); got {cf!r}")
     out = []
     for c in cf:
         sched = (int(c),) if is_integer(c) else tuple(c) if isinstance(c, (tuple, list)) else None
@@ -1532,6 +1608,9 @@ def _relax_candidates(relax):
         relax = DEFAULT_RELAX
     if isinstance(relax, str):
         relax = (relax,)
+    if not isinstance(relax, (tuple, list)) or not relax:
+        raise ValueError(f"`relax` must be a non-empty sequence of candidates: 'F', 'FCF', ... or per-level "
+                         f"tuples such as ('F', 'FCF'); got {relax!r}")
     out = []
     for r in relax:
         sched = (r,) if isinstance(r, str) else tuple(r) if isinstance(r, (tuple, list)) else None
@@ -1547,11 +1626,14 @@ def _relax_candidates(relax):
 def _weights(c_weights):
     if c_weights is None:
         c_weights = DEFAULT_WEIGHTS
-    if isinstance(c_weights, (int, float)):
+    if isinstance(c_weights, (int, float, np.integer, np.floating)):
         c_weights = (c_weights,)
+    if not isinstance(c_weights, (tuple, list, np.ndarray)) or len(c_weights) == 0:
+        raise ValueError(f"`c_weights` must be a number in (0, 2] or a non-empty sequence of them, got {c_weights!r}")
     out = []
     for w in c_weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not 0.0 < w <= 2.0:
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                or not 0.0 < w <= 2.0:
             raise ValueError(f"`c_weights` must be numbers in (0, 2], got {c_weights!r}")
         out.append(float(w))
     return sorted(set(out))
@@ -1614,7 +1696,7 @@ def _coarse_run(propagator, u0, t, stride):
         states, u, ok = [u0], u0, True
         with np.errstate(all="ignore"):  # a run that blows up is detected below
             for a, b in zip(idx[:-1], idx[1:]):
-                u = propagator.step(u, float(t[a]), float(t[b]))
+                u = checked_state(propagator.step(u, float(t[a]), float(t[b])), u0[None], 0)
                 if not B.all_finite(u) or float(np.max(np.abs(_to_numpy(u)))) > 1e6 * scale:
                     ok = False
                     break
@@ -2070,6 +2152,14 @@ def predict_options(
     >>> p.choice.describe(), p.bound, round(p.predicted_factor, 4)
     ('cf 4, 2 levels, F', True, 0.198)
     """
+    import inspect
+
+    from .solver import solve
+
+    unknown = sorted(set(ignored) - set(inspect.signature(solve).parameters))
+    if unknown:  # (a misspelt option would otherwise be left out silently: max_level for max_levels)
+        raise TypeError(f"predict_options() got unexpected keyword arguments {unknown}: it takes mgrit.solve's "
+                        "options and its own (see its docstring)")
     if cycle != "V":
         raise ValueError(f"only V-cycles are modelled, got cycle={cycle!r}; pass cycle='V'")
     _check_propagator(propagator)
@@ -2127,8 +2217,14 @@ class _Analysis:
             raise ValueError(f"`measure` must be True or False, got {measure!r}")
         if not isinstance(expected, (bool, np.bool_)):
             raise ValueError(f"`expected` must be True or False, got {expected!r}")
-        if isinstance(latency, bool) or not (isinstance(latency, (int, float)) and latency >= 0):
-            raise ValueError(f"`latency` must be a number >= 0, got {latency!r}")
+        if isinstance(latency, bool) or not (isinstance(latency, (int, float, np.integer, np.floating))
+                                             and 0 <= latency < math.inf):
+            raise ValueError(f"`latency` must be a finite number >= 0, got {latency!r}")
+        if cost is not None:
+            costs = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+            if not costs or not all(isinstance(c, StepCost) for c in costs):
+                raise TypeError(f"`cost` must be a mgrit.model.StepCost or a non-empty sequence of them (one per "
+                                f"level), got {cost!r}")
         self.t, self.ranks, self.min_coarse, self.latency = t, int(ranks), int(min_coarse), float(latency)
         self.modes, self.max_points = modes, int(max_points)
         self.max_iter, self.expected_points, self.skip = int(max_iter), int(expected_points), bool(skip)
@@ -2238,7 +2334,7 @@ class _Analysis:
                                                       list(level_relax), w, self.modes, self.max_points,
                                                       self.min_coarse, self.reduction)
         exp, exp_cycles, at_floor = self._expected(key, level_relax, w)
-        cycles = None if q is None else 2 + q
+        cycles = None if q is None else (2 if self.skip else 1) + q  # (without skip the first cycle measures)
         if stable and cycles is None:
             note = "; ".join(x for x in ("does not converge (predicted)", note) if x)
         elif stable and exp is not None and exp_cycles is None:

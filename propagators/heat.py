@@ -116,12 +116,22 @@ class Heat1D(Propagator):
         if n < 3:  # scipy's ?gttrf wrapper needs n >= 3: solve the tiny system densely
             c = self.a * dt / self.dx**2
             A = (1.0 + 2.0 * c) * np.eye(n) - c * (np.eye(n, k=1) + np.eye(n, k=-1))
-            return np.linalg.solve(A, rhs_cols)
+            # column by column: a column's solution does not depend on the others in the batch
+            # (so the same bits on any number of ranks, and step_batch equal to step)
+            out = np.empty(rhs_cols.shape, dtype=np.float64)
+            for j in range(rhs_cols.shape[1]):
+                out[:, j] = np.linalg.solve(A, rhs_cols[:, j])
+            return out
         x, info = lapack.dgttrs(*self._factor(dt), rhs_cols, overwrite_b=overwrite)
         return x
 
     def step(self, u, t0, t1):
         dt = t1 - t0
+        if np.iscomplexobj(u):  # the operator and the forcing are real: real and imaginary parts apart
+            u = np.asarray(u)
+            out = self.step(np.ascontiguousarray(u.real), t0, t1).astype(np.result_type(u.dtype, np.complex128))
+            out.imag = self._solve(dt, np.array(u.imag, dtype=np.float64).reshape(-1, 1))[:, 0]
+            return out
         if self.forcing:
             # source(t1)[0] without the outer product: the same operations, so the same bits
             t = np.array([t1], dtype=np.float64)
@@ -131,6 +141,11 @@ class Heat1D(Propagator):
 
     def step_batch(self, U, t0, t1):
         dt = np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)
+        if np.iscomplexobj(U):  # the operator and the forcing are real: real and imaginary parts apart
+            U = np.asarray(U)
+            out = self.step_batch(np.ascontiguousarray(U.real), t0, t1).astype(np.result_type(U.dtype, np.complex128))
+            out.imag = self._solve_rows(np.array(U.imag, dtype=np.float64, order="C"), dt)
+            return out
         if dt.shape[0] == 0:
             return np.empty(np.shape(U), dtype=np.float64)
         # a fresh C-ordered (n, nx - 2) array: its transpose is the Fortran-ordered
@@ -139,6 +154,12 @@ class Heat1D(Propagator):
             rhs = U + dt[:, None] * self.source(t1)
         else:
             rhs = np.array(U, dtype=np.float64, order="C")
+        return self._solve_rows(rhs, dt)
+
+    def _solve_rows(self, rhs, dt):
+        """The solutions of the rows of the fresh C-ordered ``rhs`` (overwritten), row ``k`` with step ``dt[k]``."""
+        if dt.shape[0] == 0:
+            return rhs
         if np.all(dt == dt[0]):  # one step size: one LAPACK call, no copies
             return self._solve(float(dt[0]), rhs.T, overwrite=True).T
         # group the rows by step size with one stable sort (rows of a group stay in order)

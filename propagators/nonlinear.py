@@ -27,6 +27,10 @@ class _RK4System(Propagator):
 
     substeps: int = 1
 
+    def __post_init__(self):  # (the dataclasses below call it after their __init__)
+        if isinstance(self.substeps, bool) or not isinstance(self.substeps, (int, np.integer)) or self.substeps < 1:
+            raise ValueError(f"`substeps` must be an integer >= 1, got {self.substeps!r}")
+
     def rhs(self, t, U):  # pragma: no cover - abstract in spirit
         raise NotImplementedError
 

@@ -62,7 +62,7 @@ class AdvectionDiffusion1D(Propagator):
             raise ValueError(f"`boundary` must be 'periodic' or 'dirichlet', got {boundary!r}")
         if scheme not in ("upwind", "central"):
             raise ValueError(f"`scheme` must be 'upwind' or 'central', got {scheme!r}")
-        low = 3 if boundary == "periodic" else 4
+        low = 3 if boundary == "periodic" else 5  # (dirichlet: LAPACK's tridiagonal solver needs 3 interior points)
         if isinstance(nx, bool) or not isinstance(nx, (int, np.integer)) or nx < low:
             raise ValueError(f"`nx` must be an integer >= {low} for boundary={boundary!r}, got {nx!r}")
         if not (np.isfinite(c) and np.isfinite(nu) and nu >= 0):

@@ -261,3 +261,60 @@ def test_huge_and_tiny_states_with_default_norms(scale):
     assert big.status is mgrit.Status.MAX_ITER
     for r_big, r_unit in zip(big.residuals, unit.residuals):
         assert r_big == pytest.approx(r_unit * scale, rel=1e-14)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "2"])
+def test_the_rk4_systems_reject_a_substep_count_below_one_or_not_an_integer(bad):
+    """Lorenz and Brusselator with ``substeps <= 0`` used to step as the identity (a loop that never
+    runs); they reject it as VanDerPol does."""
+    from propagators import Brusselator, Lorenz
+
+    for cls in (Lorenz, Brusselator):
+        with pytest.raises(ValueError, match="`substeps` must be an integer >= 1"):
+            cls(substeps=bad)
+    assert np.allclose(Lorenz(substeps=np.int64(2)).step(np.ones(3), 0.0, 0.01),
+                       Lorenz(substeps=2).step(np.ones(3), 0.0, 0.01), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("u0", [np.ones(0), np.ones((3, 0))])
+def test_an_empty_state_is_named(u0):
+    from mgrit import tune
+
+    t = uniform_grid(8, 1.0)
+    with pytest.raises(ValueError, match="`u0` is empty"):
+        mgrit.solve(Dahlquist(-1.0), u0, t)
+    with pytest.raises(ValueError, match="`u0` is empty"):
+        tune.choose_settings(Dahlquist(-1.0), u0, t, measure=False)
+
+
+@pytest.mark.parametrize("guess", [1j, np.full(9, 1j), lambda t: np.array([1j])])
+def test_a_complex_initial_guess_for_a_real_u0_is_refused_not_truncated(guess):
+    """numpy dropped the imaginary part with a ComplexWarning (an error under -W error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="complex"):
+            mgrit.solve(Dahlquist(-1.0), np.ones(1), uniform_grid(8, 1.0), initial_guess=guess)
+
+
+@pytest.mark.parametrize("tol", [np.float32(1e-3), np.float64(1e-9), np.int64(0)])
+def test_a_numpy_scalar_tolerance_is_a_tolerance(tol):
+    t = uniform_grid(64, 1.0)
+    a = mgrit.solve(Dahlquist(-1.0), np.ones(1), t, tol=tol)
+    b = mgrit.solve(Dahlquist(-1.0), np.ones(1), t, tol=float(tol))
+    assert a.iterations == b.iterations and np.array_equal(a.u, b.u)
+    for bad in (np.bool_(True), np.float64(-1.0), np.float64("nan")):
+        with pytest.raises(ValueError, match="`tol` must be a number"):
+            mgrit.solve(Dahlquist(-1.0), np.ones(1), t, tol=bad)
+
+
+def test_tuning_a_long_double_state_is_a_clear_error_and_tiny_dirichlet_grids_are_refused():
+    from mgrit import tune
+    from propagators import AdvectionDiffusion1D
+
+    with pytest.raises(TypeError, match="numpy.linalg"):
+        tune.choose_settings(Dahlquist(-1.0), np.ones(1, np.longdouble), uniform_grid(64, 1.0), measure=False)
+    with pytest.raises(ValueError, match="`nx` must be an integer >= 5"):
+        AdvectionDiffusion1D(4, boundary="dirichlet")
+    p = AdvectionDiffusion1D(5, boundary="dirichlet")
+    A = np.eye(3) - 0.1 * p.matrix()
+    assert np.allclose(A @ p.step(np.ones(3), 0.0, 0.1), np.ones(3), rtol=0, atol=1e-14)

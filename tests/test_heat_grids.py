@@ -76,3 +76,40 @@ def test_a_solve_on_a_non_uniform_grid_is_exact_and_factors_each_step_size_once(
 def test_cache_size_is_validated(bad):
     with pytest.raises(ValueError, match="cache_size"):
         Heat1D(9, cache_size=bad)
+
+
+@pytest.mark.parametrize("forcing", [False, True])
+def test_a_complex_state_is_the_real_problem_plus_i_times_the_unforced_one(forcing):
+    """The operator and the forcing are real: a complex state ``x + i y`` steps to ``S(x) + i S0(y)``
+    (``S0`` without the forcing), in ``step``, ``step_batch`` and a solve; the imaginary part is kept."""
+    heat, free = Heat1D(9, forcing=forcing), Heat1D(9, forcing=False)
+    rng = np.random.default_rng(3)
+    X, Y = rng.standard_normal((6, 7)), rng.standard_normal((6, 7))
+    t = np.array([0.0, 0.1, 0.25, 0.3, 0.5, 0.6, 0.9])  # non-uniform: rows grouped by step size
+    Z = heat.step_batch(X + 1j * Y, t[:-1], t[1:])
+    assert Z.dtype == np.complex128
+    assert np.array_equal(Z.real, heat.step_batch(X, t[:-1], t[1:]))
+    assert np.array_equal(Z.imag, free.step_batch(Y, t[:-1], t[1:]))
+    for k in range(6):
+        assert np.array_equal(heat.step(X[k] + 1j * Y[k], t[k], t[k + 1]), Z[k])
+    grid = np.linspace(0.0, 1.0, 65)
+    u0 = heat.initial()
+    r = mgrit.solve(heat, (1 + 2j) * u0, grid, cf=4, tol=1e-12)
+    re = mgrit.solve(heat, u0, grid, cf=4, tol=1e-12)
+    im = mgrit.solve(free, 2 * u0, grid, cf=4, tol=1e-12)
+    assert np.abs(r.u[-1].imag).max() > 1e-6
+    assert np.allclose(r.u[-1].real, re.u[-1], rtol=0, atol=1e-12)
+    assert np.allclose(r.u[-1].imag, im.u[-1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("nx", [3, 4])
+def test_the_dense_step_of_tiny_grids_does_not_depend_on_the_batch(nx):
+    """nx 3 and 4 solve densely: each right-hand side alone, so a row's result is the same bits in any
+    batch (the same on any number of ranks) and equals ``step``."""
+    heat = Heat1D(nx)
+    U = np.random.default_rng(1).standard_normal((9, nx - 2))
+    t0, t1 = np.linspace(0.0, 0.8, 9), np.linspace(0.1, 0.9, 9)
+    whole = heat.step_batch(U, t0, t1)
+    assert np.array_equal(heat.step_batch(U[5:9], t0[5:9], t1[5:9]), whole[5:9])
+    for k in range(9):
+        assert np.array_equal(heat.step(U[k], t0[k], t1[k]), whole[k])
