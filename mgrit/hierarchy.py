@@ -169,7 +169,8 @@ def check_levels(cf, max_levels, min_coarse, relax, c_weight) -> None:
     for r in per_level(relax, max_levels, "relax"):
         parse_relax(r)
     for w in per_level(c_weight, max_levels, "c_weight"):
-        if not (isinstance(w, (int, float, np.floating)) and not isinstance(w, bool) and 0.0 < w <= 2.0):
+        if not (isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, (bool, np.bool_))
+                and 0.0 < w <= 2.0):
             raise ValueError(f"`c_weight` must be in (0, 2], got {c_weight!r}")
 
 

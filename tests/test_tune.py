@@ -597,3 +597,29 @@ def test_the_cycle_matrices_take_the_solvers_rules(kw, text):
     args.update(kw)
     with pytest.raises(ValueError, match=text):
         tune.cycle_factors(**args)
+
+
+def test_a_curved_holomorphic_complex64_step_is_not_refused_and_array_options_are_options():
+    """The complex check compares two difference sizes: the truncation error of a curved holomorphic step
+    (complex64 tanh layer) shrinks, a real-linear step's gap does not. numpy arrays and ranges of
+    candidates, and numpy integer weights, are accepted as before."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 16, dtype=torch.complex64, generator=g) * 2.5
+    u = torch.randn(16, dtype=torch.complex64, generator=g)
+
+    class CNet(mgrit.Propagator):
+        def step(self, x, t0, t1):
+            return x + (t1 - t0) * torch.tanh(W @ x)
+
+    for jvp in ("auto", "fd"):
+        assert tune.jacobian(CNet(), u, 0.0, 1.0, jvp=jvp).shape == (16, 16)
+    with pytest.raises(ValueError, match="not complex-differentiable"):
+        tune.jacobian(_RealSplit(), np.array([1.0 + 1.0j]), 0.0, 0.1, jvp="fd")
+    heat, t = Heat1D(17, forcing=False), np.linspace(0.0, 1.0, 129)
+    a = tune.choose_settings(heat, heat.initial(), t, cf=np.array([2, 4, 8]), relax=np.array(["F", "FCF"]), **FAST)
+    b = tune.choose_settings(heat, heat.initial(), t, cf=range(2, 9, 2), **FAST)
+    assert a.options["cf"] in (2, 4, 8) and b.options["cf"] in (2, 4, 6, 8)
+    assert np.allclose(tune.cycle_factors([[0.5], [0.25]], 16, 4, c_weight=np.int64(1)),
+                       tune.cycle_factors([[0.5], [0.25]], 16, 4, c_weight=1.0))
