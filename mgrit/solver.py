@@ -51,6 +51,10 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
                             "complex states, or a real guess")
         shape, ushape = tuple(g.shape), tuple(u0.shape)
         X = B.empty_stack(n, u0)
+        if B.is_torch(u0) and not B.is_torch(g):  # a numpy guess for torch states: same values, u0's device
+            import torch
+
+            g = torch.as_tensor(g, device=X.device)
         if shape == (n_total,) + ushape:
             X[:] = g[index.start : index.stop]
             return X
@@ -59,7 +63,7 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
                 f"`initial_guess` has shape {shape}; give a scalar, a state of shape {ushape}, "
                 f"a trajectory of shape {(n_total,) + ushape}, or a callable of t"
             )
-        X[:] = g if B.is_torch(g) or not B.is_torch(u0) else float(g)
+        X[:] = g
         return X
     if tuple(X.shape[1:]) != tuple(u0.shape):
         raise ValueError(f"`initial_guess(t)` returned shape {tuple(X.shape[1:])}, expected {tuple(u0.shape)}")

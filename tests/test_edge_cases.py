@@ -260,7 +260,7 @@ def test_huge_and_tiny_states_with_default_norms(scale):
         big = mgrit.solve(Dahlquist(-1.0), np.array([1.0, 2.0]) * scale, t, **kw)
     assert big.status is mgrit.Status.MAX_ITER
     for r_big, r_unit in zip(big.residuals, unit.residuals):
-        assert r_big == pytest.approx(r_unit * scale, rel=1e-14)
+        assert r_big == pytest.approx(r_unit * scale, rel=1e-14, abs=0.0)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "2"])
@@ -294,6 +294,25 @@ def test_a_complex_initial_guess_for_a_real_u0_is_refused_not_truncated(guess):
         warnings.simplefilter("error")
         with pytest.raises(TypeError, match="complex"):
             mgrit.solve(Dahlquist(-1.0), np.ones(1), uniform_grid(8, 1.0), initial_guess=guess)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+@pytest.mark.parametrize("form", ["scalar", "state", "trajectory"])
+def test_a_numpy_initial_guess_for_torch_states_equals_the_same_guess_as_tensors(dtype, form):
+    """A numpy (or Python complex) guess for a torch ``u0`` raised TypeError ("only length-1 arrays",
+    "float() argument ... not 'complex'", "can't assign a numpy.ndarray"); it is the same iterate as the
+    tensor guess."""
+    rng = np.random.default_rng(3)
+    complex_ = dtype == torch.complex128
+    shape = {"scalar": (), "state": (3,), "trajectory": (len(T), 3)}[form]
+    g = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if complex_ else 0.0)
+    g_np = complex(g) if form == "scalar" and complex_ else g
+    u0 = torch.tensor([1.0, -2.0, 0.5], dtype=dtype)
+    kw = dict(cf=2, max_levels=3, tol=None, max_iter=1)
+    got = mgrit.solve(Decay(), u0, T, initial_guess=g_np, **kw)
+    want = mgrit.solve(Decay(), u0, T, initial_guess=torch.as_tensor(g, dtype=dtype), **kw)
+    assert got.u.dtype == dtype and torch.equal(got.u, want.u)
+    assert not torch.equal(got.u[1:], mgrit.solve(Decay(), u0, T, **kw).u[1:])  # the guess mattered
 
 
 @pytest.mark.parametrize("tol", [np.float32(1e-3), np.float64(1e-9), np.int64(0)])
