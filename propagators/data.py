@@ -7,7 +7,10 @@ idx files when you have them on disk.
 from __future__ import annotations
 
 import gzip
+import math
+import numbers
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +28,11 @@ def read_idx(path) -> np.ndarray:
     path = Path(path)
     with open(path, "rb") as fh:
         compressed = fh.read(2) == b"\x1f\x8b"  # gzip's signature, whatever the file's name
-    with (gzip.open if compressed else open)(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with (gzip.open if compressed else open)(path, "rb") as fh:
+            data = fh.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: the gzip stream is cut short or corrupt ({exc}); copy the file again") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
         raise ValueError(f"{path} is not an idx file (bad magic number)")
     ndim = data[3]
@@ -35,7 +41,7 @@ def read_idx(path) -> np.ndarray:
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     dtype = np.dtype(_IDX_TYPES[data[2]])
     nbytes = len(data) - 4 - 4 * ndim
-    if nbytes != int(np.prod(shape)) * dtype.itemsize:
+    if nbytes != math.prod(shape) * dtype.itemsize:  # Python integers: no wrap-around for huge sizes
         raise ValueError(f"{path}: header says {shape} values of {dtype.itemsize} byte(s) but the file holds "
                          f"{nbytes} bytes of data (a truncated or corrupt file?)")
     body = np.frombuffer(data, dtype=dtype, offset=4 + 4 * ndim)
@@ -43,10 +49,12 @@ def read_idx(path) -> np.ndarray:
 
 
 def load_mnist(directory, kind: str = "train"):
-    """Images scaled to [0, 1] (n, 784) and labels (n,) from MNIST idx files in ``directory``.
+    """Images (n, rows * cols) as float32 and labels (n,) as int64 from MNIST idx files in ``directory``.
 
     Looks for ``{kind}-images-idx3-ubyte[.gz]`` and ``{kind}-labels-idx1-ubyte[.gz]``
-    with ``kind`` "train" or "t10k".
+    with ``kind`` "train" or "t10k". Byte images (MNIST's own, type code 0x08)
+    are scaled to [0, 1] by 1/255; images stored as floats are returned as they
+    are (already scaled). Labels must be whole numbers of an integer type.
     """
     d = Path(directory)
 
@@ -63,16 +71,30 @@ def load_mnist(directory, kind: str = "train"):
                          f"(n,); got {images.shape} and {labels.shape}")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
+    if images.dtype.kind not in "uif":
+        raise ValueError(f"MNIST images in {d} hold {images.dtype} values; expected bytes (MNIST's own) or floats")
+    if labels.dtype.kind not in "ui":
+        raise ValueError(f"MNIST labels in {d} hold {labels.dtype} values; class labels must be an integer type "
+                         "(MNIST's own are bytes)")
     n, rows, cols = images.shape
-    return images.reshape(n, rows * cols).astype(np.float32) / 255.0, labels.astype(np.int64)
+    X = images.reshape(n, rows * cols).astype(np.float32)
+    if images.dtype == np.uint8:  # MNIST's grey levels 0..255
+        X /= np.float32(255.0)
+    return X, labels.astype(np.int64)
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
     """scikit-learn's 8 x 8 digits, standardised, split into train and test sets.
 
     Returns ``(X_train, y_train, X_test, y_test)`` as numpy arrays (float32, int64).
-    The split is stratified and fixed by ``seed``.
+    The split is stratified and fixed by ``seed``; ``test_fraction`` lies in
+    [0, 1) (0: every sample in the training set, an empty test set); every
+    class keeps at least one training sample.
     """
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, numbers.Real) \
+            or not 0.0 <= float(test_fraction) < 1.0:
+        raise ValueError(f"`test_fraction` must be a number in [0, 1) (the share of each class held out), "
+                         f"got {test_fraction!r}")
     from sklearn.datasets import load_digits as _load
 
     data = _load()
@@ -81,7 +103,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
     test = np.zeros(len(y), dtype=bool)
     for c in np.unique(y):
         idx = rng.permutation(np.flatnonzero(y == c))
-        test[idx[: int(round(test_fraction * len(idx)))]] = True
+        test[idx[: min(int(round(test_fraction * len(idx))), len(idx) - 1)]] = True  # one sample per class trains
     mean, std = X[~test].mean(0), X[~test].std(0) + 1e-3
     X = (X - mean) / std
     return X[~test], y[~test], X[test], y[test]

@@ -74,3 +74,45 @@ def test_idx_files_cut_short_compressed_without_suffix_or_empty(tmp_path):
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros((0, 2), np.uint8), 0x08)
     with pytest.raises(ValueError, match="labels 1-dimensional"):
         load_mnist(tmp_path)
+
+
+def test_digits_test_fraction_is_validated_and_every_class_keeps_a_training_sample():
+    for bad in (-0.1, 1.0, 1.5, float("nan"), True, "0.2", None):
+        with pytest.raises(ValueError, match="test_fraction"):
+            load_digits(bad)
+    X_train, y_train, X_test, y_test = load_digits(0.0)
+    assert len(X_test) == 0 and len(X_train) == 1797 and np.all(np.isfinite(X_train))
+    X_train, y_train, X_test, y_test = load_digits(0.9999)  # rounds to the whole class: one sample kept
+    assert np.array_equal(np.bincount(y_train, minlength=10), np.ones(10)) and np.all(np.isfinite(X_test))
+
+
+def test_a_cut_short_gzip_stream_names_the_file(tmp_path):
+    write_idx(tmp_path / "ok.gz", np.arange(600, dtype=np.uint8).reshape(6, 10, 10) % 7, 0x08)
+    raw = (tmp_path / "ok.gz").read_bytes()
+    (tmp_path / "cut.gz").write_bytes(raw[: len(raw) // 2])  # was a bare EOFError from gzip
+    with pytest.raises(ValueError, match=r"cut\.gz.*cut short or corrupt"):
+        read_idx(tmp_path / "cut.gz")
+    (tmp_path / "bad.gz").write_bytes(raw[:10] + bytes(b ^ 0xFF for b in raw[10:]))
+    with pytest.raises(ValueError, match=r"bad\.gz"):
+        read_idx(tmp_path / "bad.gz")
+
+
+def test_a_header_whose_sizes_overflow_int64_is_not_read_as_matching(tmp_path):
+    """Three sizes of 2^21 and 2^22 multiply to 2^64: np.prod wrapped to 0, which 'matched' an empty body."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">3I", 2**21, 2**21, 2**22)
+    (tmp_path / "huge").write_bytes(header)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_idx(tmp_path / "huge")
+
+
+def test_mnist_float_images_are_not_divided_by_255_and_labels_must_be_integers(tmp_path):
+    rng = np.random.default_rng(1)
+    images = rng.random((4, 5, 6)).astype(np.float32)  # already in [0, 1]
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, 0x0D)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(4, dtype=np.uint8), 0x08)
+    X, y = load_mnist(tmp_path)
+    np.testing.assert_array_equal(X, images.reshape(4, 30))
+    assert y.dtype == np.int64 and list(y) == [0, 1, 2, 3]
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([0.5, 1, 2, 3]), 0x0E)
+    with pytest.raises(ValueError, match="integer type"):
+        load_mnist(tmp_path)
