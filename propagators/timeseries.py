@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,8 @@ def _parse_values(text: str, timestamps: bool, where: str) -> list:
                              "'(timestamp,value)' pairs")
     else:
         items = text.split(",") if text else []
+        if len(items) > 1 and not items[-1].strip():  # "1,2,3," ends the list; it adds no missing value
+            items.pop()
     out = []
     for item in items:
         s = item.strip()
@@ -143,8 +146,8 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     length : int, optional
         Pad to this length instead of the longest series of the file (e.g. the
         same length for the train and the test split); no series may be longer.
-    dtype : numpy dtype
-        Of ``X``.
+    dtype : numpy floating dtype
+        Of ``X`` (float64 by default).
 
     Returns
     -------
@@ -157,15 +160,24 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         number of channels than ``@dimensions`` (or than the first case), a
         label that ``@classLabel`` does not list, a value that is not a number,
         or series of unequal length in a file that declares ``@equalLength true``.
-        The message names the line. Also: a series longer than ``length``.
+        The message names the line. Also: a series longer than ``length``, a
+        ``length`` that is not a whole number >= 1, a ``dtype`` that is not a
+        floating type. A trailing comma after a channel's last value is read
+        as the end of the list, and a UTF-8 byte-order mark is skipped.
     """
     if pad not in PADS:
         raise ValueError(f"`pad` must be one of {PADS}, got {pad!r}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
+        raise ValueError(f"`length` must be a whole number of time points >= 1 (or None: the longest series), "
+                         f"got {length!r}")
+    if np.dtype(dtype).kind != "f":
+        raise ValueError(f"`dtype` must be a floating type (float32, float64, ...): the series are real values "
+                         f"and missing ones or padding may be NaN; got {np.dtype(dtype)}")
     path = Path(path)
     header: dict = {}
     cases, labels = [], []
     in_data = False
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte-order mark before the first tag is skipped
         for lineno, raw in enumerate(fh, start=1):
             line = raw.strip()
             if not line or line.startswith(("#", "%")):  # comments (UnitTest's start with '%#')

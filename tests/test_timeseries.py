@@ -194,3 +194,31 @@ def test_basic_motions_and_unknown_names():
     assert np.bincount(ds.y).tolist() == [10, 10, 10, 10] and not math.isnan(float(ds.X.sum()))
     with pytest.raises(FileNotFoundError, match="BasicMotions"):
         load_aeon_dataset("NoSuchSet")
+
+
+def test_a_byte_order_mark_and_trailing_commas_read_as_the_plain_file(tmp_path):
+    """A BOM made the first tag 'not a header tag'; a trailing comma added a missing value (length 5)."""
+    plain = load_ts(write(tmp_path, EQUAL))
+    p = tmp_path / "bom.ts"
+    p.write_bytes(b"\xef\xbb\xbf" + EQUAL.encode())
+    bom = load_ts(p)
+    assert bom.name == "Tiny" and np.array_equal(bom.X, plain.X) and np.array_equal(bom.y, plain.y)
+    commas = load_ts(write(tmp_path, EQUAL.replace("4:up", "4,:up").replace("-1e-1:down", "-1e-1,:down"), "c.ts"))
+    assert commas.X.shape == (3, 1, 4) and np.array_equal(commas.X, plain.X)
+    assert list(commas.lengths) == [4, 4, 4]
+    gap = load_ts(write(tmp_path, "@data\n1,,3:4,5,6\n", "g.ts"), missing=None)  # an inner empty value is missing
+    assert gap.X.shape == (1, 2, 3) and math.isnan(gap.X[0, 0, 1])
+
+
+@pytest.mark.parametrize("length", [3.7, 7.0, 0, -2, True, "5"])
+def test_length_must_be_a_whole_number(tmp_path, length):
+    with pytest.raises(ValueError, match="`length` must be a whole number"):
+        load_ts(write(tmp_path, UNEQUAL), length=length)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, bool])
+def test_dtype_must_be_floating(tmp_path, dtype):
+    """An integer dtype turned the NaN of missing values and padding into arbitrary integers."""
+    with pytest.raises(ValueError, match="floating"):
+        load_ts(write(tmp_path, UNEQUAL), pad="nan", dtype=dtype)
+    assert load_ts(write(tmp_path, UNEQUAL), dtype=np.float32).X.dtype == np.float32
