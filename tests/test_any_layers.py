@@ -1066,8 +1066,8 @@ def test_grad_scaler_skips_the_overflow_step_and_trains_on():
         runs.append((scales, losses, [p.detach().clone() for p in model.parameters()]))
     (s_lp, l_lp, p_lp), (s_serial, l_serial, p_serial) = runs
     assert s_lp == s_serial == [2.0 ** 7] * 3  # the first step was skipped, by both
-    assert l_lp[0] == pytest.approx(l_lp[1], rel=1e-6) and l_lp[2] < l_lp[1]  # then it trains
-    assert l_lp == pytest.approx(l_serial, rel=1e-5)
+    assert l_lp[0] == pytest.approx(l_lp[1], rel=1e-6, abs=0.0) and l_lp[2] < l_lp[1]  # then it trains
+    assert l_lp == pytest.approx(l_serial, rel=1e-5, abs=0.0)
     assert all(rel(a, b) < 1e-5 for a, b in zip(p_lp, p_serial))
 
 

@@ -86,7 +86,7 @@ def test_solver_iteration_matrix_matches_theory(scheme, z, m, n_coarse, norm_f, 
     T = iteration_matrix(scheme, z, m, n_coarse, relax)
     np.testing.assert_allclose(E, T, rtol=0, atol=1e-13)
     expected = norm_f if relax == "F" else norm_fcf
-    assert np.linalg.norm(E, 2) == pytest.approx(expected, rel=1e-6)
+    assert np.linalg.norm(E, 2) == pytest.approx(expected, rel=1e-6, abs=0.0)
 
     # closed form and Southworth's two-sided bound, n = N_c - 1 - r
     lam, mu = amplification(scheme, z, m)
@@ -95,7 +95,7 @@ def test_solver_iteration_matrix_matches_theory(scheme, z, m, n_coarse, norm_f, 
     c_r = abs(lam) ** (r * m) * abs(lam**m - mu)
     B_n = np.eye(n) - mu * np.eye(n, k=-1)
     sigma_min = np.linalg.svd(B_n, compute_uv=False)[-1]
-    assert np.linalg.norm(E, 2) == pytest.approx(c_r / sigma_min, rel=1e-10)
+    assert np.linalg.norm(E, 2) == pytest.approx(c_r / sigma_min, rel=1e-10, abs=0.0)
     a = abs(mu)
     lower = c_r / np.sqrt(1 + a * a - 2 * a * np.cos(np.pi / (n + 1)))
     upper = c_r / np.sqrt(1 + a * a - 2 * a * np.cos(np.pi / (2 * n + 1)))

@@ -172,10 +172,10 @@ def test_temporal_norms_match_numpy(shape, rng):
     for p, value in expected.items():
         res = mgrit.solve(prop, u0, t, cf=m, max_levels=2, relax="F", skip=False, tol=None,
                           max_iter=1, norm=p, initial_guess=guess)
-        assert res.residuals[0] == pytest.approx(value, rel=1e-13)
+        assert res.residuals[0] == pytest.approx(value, rel=1e-13, abs=0.0)
     res = mgrit.solve(prop, u0, t, cf=m, max_levels=2, relax="F", skip=False, tol=None,
                       max_iter=1, norm="inf", initial_guess=guess)
-    assert res.residuals[0] == pytest.approx(expected[math.inf], rel=1e-13)
+    assert res.residuals[0] == pytest.approx(expected[math.inf], rel=1e-13, abs=0.0)
 
 
 class WeightedNorm(Dahlquist):
@@ -237,7 +237,7 @@ def test_factors_are_residual_ratios():
     r, f = res.residuals, res.factors
     assert f[0] is None and f[1] is None
     for k in range(2, len(r)):
-        assert f[k] == pytest.approx(r[k] / r[k - 1], rel=1e-15)
+        assert f[k] == pytest.approx(r[k] / r[k - 1], rel=1e-15, abs=0.0)
 
 
 # --------------------------------------------------------------------------- costs

@@ -45,7 +45,7 @@ def test_reference_table(scheme, z, m, n_c, ref_f, ref_fcf):
         assert f"{exact:.6e}" == ref
         # the same number from the assembled matrix and from the dense multilevel cycle
         E = th.two_level_matrix(lam, mu, m, n_c, relax)
-        assert th.matrix_norm(E) == pytest.approx(exact, rel=1e-12)
+        assert th.matrix_norm(E) == pytest.approx(exact, rel=1e-12, abs=0.0)
         E2 = th.multilevel_matrix([lam, mu], m * n_c, m, relax)
         assert np.allclose(E2, E, rtol=0, atol=1e-14)
 
@@ -67,7 +67,7 @@ def test_worst_case_backward_euler(m):
             assert th.limit_bound(lam, mu, m, relax) <= factor
         lam, mu = th.dahlquist_factors(z, m)
         assert th.two_level_norm(lam, mu, m, 512, relax) <= factor
-        assert th.two_level_norm(lam, mu, m, 512, relax) == pytest.approx(factor, rel=1e-3)
+        assert th.two_level_norm(lam, mu, m, 512, relax) == pytest.approx(factor, rel=1e-3, abs=0.0)
 
 
 def test_worst_case_forward_euler_is_in_the_stable_range():
@@ -194,7 +194,7 @@ def test_matrix_propagators_reduce_to_eigenvalues():
     Phi, Psi = Q @ np.diag(lam) @ Q.T, Q @ np.diag(mu) @ Q.T
     for relax in ("F", "FCF"):
         want = max(th.two_level_norm(a, b, 4, 10, relax) for a, b in zip(lam, mu))
-        assert th.two_level_norm(Phi, Psi, 4, 10, relax) == pytest.approx(want, rel=1e-10)
+        assert th.two_level_norm(Phi, Psi, 4, 10, relax) == pytest.approx(want, rel=1e-10, abs=0.0)
         E = th.two_level_matrix(Phi, Psi, 4, 10, relax)
         E2 = th.multilevel_matrix([Phi, Psi], 40, 4, relax)
         assert np.allclose(E, E2, atol=1e-14)
@@ -258,7 +258,7 @@ def test_two_level_solver_matches_theory(scheme, z, m, n_c, relax):
         Ek = np.linalg.matrix_power(E, k)
         assert np.allclose(Es, Ek, rtol=0, atol=1e-10 * max(1.0, np.abs(Ek).max()))
         assert th.matrix_norm(Es) == pytest.approx(th.matrix_norm(Ek), rel=1e-9, abs=1e-12)
-    assert th.matrix_norm(E) == pytest.approx(th.two_level_norm(lam, mu, m, n_c, relax), rel=1e-12)
+    assert th.matrix_norm(E) == pytest.approx(th.two_level_norm(lam, mu, m, n_c, relax), rel=1e-12, abs=0.0)
 
 
 @pytest.mark.parametrize("relax", ["F", "FCF"])
@@ -280,7 +280,7 @@ def test_maximizing_error_is_reduced_by_exactly_the_norm(relax):
         e1 = np.linalg.norm(res.u[m::m] - exact[m::m])
         ratio = e1 / np.linalg.norm(v)
         if i == 0:
-            assert ratio == pytest.approx(norm, rel=1e-10)
+            assert ratio == pytest.approx(norm, rel=1e-10, abs=0.0)
         else:
             assert ratio <= norm * (1 + 1e-10)
 
@@ -343,12 +343,12 @@ def test_heat_equation_block_matrices_match_solver(relax):
     E = th.two_level_matrix(Phi, Psi, m, n_c, relax)
     Es = solver_iteration_matrix(prop, prop.initial(), t, m, 2, relax)
     assert np.allclose(Es, E, atol=1e-10)
-    assert th.two_level_norm(Phi, Psi, m, n_c, relax) == pytest.approx(th.matrix_norm(Es), rel=1e-9)
+    assert th.two_level_norm(Phi, Psi, m, n_c, relax) == pytest.approx(th.matrix_norm(Es), rel=1e-9, abs=0.0)
     # symmetric commuting Phi, Psi: the norm is the worst eigenvalue's, below its sharp bound
     lam_d2 = -4.0 / (1.0 / (nx - 1)) ** 2 * np.sin(np.arange(1, nx - 1) * np.pi / (2 * (nx - 1))) ** 2
     lams, mus = th.dahlquist_factors(lam_d2 * h, m)
     worst = max(th.two_level_norm(a, b, m, n_c, relax) for a, b in zip(lams, mus))
-    assert th.matrix_norm(E) == pytest.approx(worst, rel=1e-9)
+    assert th.matrix_norm(E) == pytest.approx(worst, rel=1e-9, abs=0.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -386,8 +386,8 @@ def test_hessenthaler_trend_theory():
     f1, fcf1 = _hessenthaler_theory("F", 1), _hessenthaler_theory("FCF", 1)
     # two levels: the two-level theory
     lam, mu = th.dahlquist_factors(-0.05, 2)
-    assert f1[0] == pytest.approx(th.two_level_norm(lam, mu, 2, 64, "F"), rel=1e-12)
-    assert fcf1[0] == pytest.approx(th.two_level_norm(lam, mu, 2, 64, "FCF"), rel=1e-12)
+    assert f1[0] == pytest.approx(th.two_level_norm(lam, mu, 2, 64, "F"), rel=1e-12, abs=0.0)
+    assert fcf1[0] == pytest.approx(th.two_level_norm(lam, mu, 2, 64, "FCF"), rel=1e-12, abs=0.0)
     # F degrades steadily; every level costs more than the one before
     assert np.all(np.diff(f1) > 0) and np.all(np.diff(np.diff(f1)) > 0)
     assert f1[-1] > 10 * f1[0]

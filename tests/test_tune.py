@@ -71,11 +71,11 @@ def test_large_state_arnoldi_finds_the_extreme_heat_eigenvalues():
     assert sp.method == "arnoldi" and sp.values.shape == (24, 2)
     exact = 1.0 / (1.0 - h * heat_eigenvalues(nx))
     ritz = sp[1].real
-    assert ritz.max() == pytest.approx(exact.max(), rel=1e-10)  # the smoothest mode converges first
+    assert ritz.max() == pytest.approx(exact.max(), rel=1e-10, abs=0.0)  # the smoothest mode converges first
     assert exact.min() - 1e-12 <= ritz.min() and ritz.max() <= exact.max() + 1e-12
     top = int(np.argmax(ritz))
     lam = (1.0 - 1.0 / sp[1][top]) / h
-    assert sp[2][top] == pytest.approx(1.0 / (1.0 - 2 * h * lam), rel=1e-8)
+    assert sp[2][top] == pytest.approx(1.0 / (1.0 - 2 * h * lam), rel=1e-8, abs=0.0)
 
 
 def test_finite_differences_and_torch_jvp_agree_for_an_ode_net():
@@ -122,7 +122,7 @@ def test_two_level_residual_factor_is_the_theory_norm():
     for relax in ("F", "FCF"):
         lam, mu = th.dahlquist_factors(-1.0, 8)
         f = tune.cycle_factors([[lam], [mu]], 8 * 16, 8, relax)[0]
-        assert f == pytest.approx(th.two_level_norm(lam, mu, 8, 16, relax), rel=1e-12)
+        assert f == pytest.approx(th.two_level_norm(lam, mu, 8, 16, relax), rel=1e-12, abs=0.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_simulated_solve_follows_the_options():
         p = tune.predict_options(heat, u0, t, reduction=1e-6, measure=False, samples=1, **opts)
         res = mgrit.solve(heat, u0, t, tol=1e-6, tol_type="rel", **opts)
         assert p.expected_cycles == res.iterations, opts
-        assert p.expected_factor == pytest.approx(tune.average_factor(res.residuals), rel=1e-6), opts
+        assert p.expected_factor == pytest.approx(tune.average_factor(res.residuals), rel=1e-6, abs=0.0), opts
     # options the simulated solve does not follow: no expected factor, and the reason
     p = tune.predict_options(heat, u0, t, measure=False, samples=1, nested=True)
     assert p.expected_factor is None and "nested" in p.expected_model
@@ -365,7 +365,7 @@ def test_options_build_the_chosen_hierarchy_and_the_model_time():
     # the model time is mgrit.model.predict for the predicted cycles, on 8 ranks
     h = mgrit.build_hierarchy(t, **{k: v for k, v in s.options.items() if k != "cycle"})
     direct = predict(h, 8, s.predicted_cycles, latency=0.5).time
-    assert s.predicted_time == pytest.approx(direct, rel=1e-12)
+    assert s.predicted_time == pytest.approx(direct, rel=1e-12, abs=0.0)
     assert "chosen" in str(s) and "<- chosen" in s.table()
     # every candidate meeting the target is at least as slow (model) as the choice
     assert all(c.time >= s.predicted_time for c in s.candidates if c.meets_target)
@@ -623,3 +623,17 @@ def test_a_curved_holomorphic_complex64_step_is_not_refused_and_array_options_ar
     assert a.options["cf"] in (2, 4, 8) and b.options["cf"] in (2, 4, 6, 8)
     assert np.allclose(tune.cycle_factors([[0.5], [0.25]], 16, 4, c_weight=np.int64(1)),
                        tune.cycle_factors([[0.5], [0.25]], 16, 4, c_weight=1.0))
+
+
+@pytest.mark.parametrize("dtype, scale", [(d, s) for d in (np.float32, np.complex64) for s in (1e-30, 3e-23, 1.0, 1e30)]
+                         + [(d, s) for d in (np.float64, np.complex128) for s in (1e-170, 3e-23, 1.0, 1e200)])
+def test_the_tuners_state_norm_is_accurate_at_every_scale_of_its_dtype(dtype, scale):
+    """The tuner sized its difference steps and its complex-linearity gaps with a norm that guarded only
+    float64's range: float32 states near 3e-23 were 1-25% off (their squares subnormal in float32)."""
+    from mgrit.tune import _scaled_norm
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 2.0, 50) * (1j if np.dtype(dtype).kind == "c" else 1)
+    X = (x * scale).astype(dtype)
+    want = scale * np.linalg.norm(X.astype(np.complex128) / scale)  # the stored entries' norm, squares in range
+    assert _scaled_norm(X) == pytest.approx(want, rel=10 * float(np.finfo(dtype).eps), abs=0.0)
