@@ -34,42 +34,51 @@ def _check_propagators(propagator, n_levels: int) -> list:
     return props
 
 
+def _guess_like_u0(g, u0, what: str):
+    """A guess (array, tensor or scalar) as an array of ``u0``'s library and device; a complex guess for a
+    real ``u0`` and a tracked tensor are refused (numpy would drop the imaginary part with a warning)."""
+    _check_no_grad(g, "initial_guess")
+    g = g if B.is_torch(g) else np.asarray(g)
+    if B.is_complex(g) and not B.is_complex(u0):
+        raise TypeError(f"{what} complex but `u0` is real: pass a complex `u0` to solve for complex states, "
+                        "or a real guess")
+    if B.is_torch(u0) and not B.is_torch(g):
+        import torch
+
+        return torch.as_tensor(g, device=u0.device)
+    if B.is_torch(g) and not B.is_torch(u0):
+        return g.cpu().numpy()
+    return g
+
+
 def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index: range):
-    """Stack of initial iterates at the local points (the caller sets u0 at t[0])."""
+    """Stack of initial iterates at the local points (the caller sets u0 at t[0]), stored as ``u0``: same
+    library, dtype and device, whatever the guess is given in."""
     n = len(t_local)
+    X = B.empty_stack(n, u0)
+    ushape = tuple(u0.shape)
     if initial_guess is None:
-        X = B.empty_stack(n, u0)
         X[:] = u0
         return X
     if callable(initial_guess):
-        states = [B.as_state(initial_guess(float(tk))) for tk in t_local]
-        X = B.stack(states) if n else B.empty_stack(0, u0)
-    else:
-        g = initial_guess if B.is_torch(initial_guess) else np.asarray(initial_guess)
-        if B.is_complex(g) and not B.is_complex(u0):  # (numpy would drop the imaginary part with a warning)
-            raise TypeError("`initial_guess` is complex but `u0` is real: pass a complex `u0` to solve for "
-                            "complex states, or a real guess")
-        shape, ushape = tuple(g.shape), tuple(u0.shape)
-        X = B.empty_stack(n, u0)
-        if B.is_torch(u0) and not B.is_torch(g):  # a numpy guess for torch states: same values, u0's device
-            import torch
-
-            g = torch.as_tensor(g, device=X.device)
-        if shape == (n_total,) + ushape:
-            X[:] = g[index.start : index.stop]
-            return X
-        if shape not in ((), ushape):
-            raise ValueError(
-                f"`initial_guess` has shape {shape}; give a scalar, a state of shape {ushape}, "
-                f"a trajectory of shape {(n_total,) + ushape}, or a callable of t"
-            )
-        X[:] = g
+        for k, tk in enumerate(t_local):
+            g = _guess_like_u0(initial_guess(float(tk)), u0, "`initial_guess(t)` returned states that are")
+            if tuple(g.shape) != ushape:
+                raise ValueError(f"`initial_guess(t)` returned shape {tuple(g.shape)} at t = {float(tk)}, "
+                                 f"expected {ushape} (the shape of `u0`)")
+            X[k] = g
         return X
-    if tuple(X.shape[1:]) != tuple(u0.shape):
-        raise ValueError(f"`initial_guess(t)` returned shape {tuple(X.shape[1:])}, expected {tuple(u0.shape)}")
-    if B.is_complex(X) and not B.is_complex(u0):
-        raise TypeError("`initial_guess(t)` returned complex states but `u0` is real: pass a complex `u0` to solve "
-                        "for complex states, or return real ones")
+    g = _guess_like_u0(initial_guess, u0, "`initial_guess` is")
+    shape = tuple(g.shape)
+    if shape == (n_total,) + ushape:
+        X[:] = g[index.start : index.stop]
+        return X
+    if shape not in ((), ushape):
+        raise ValueError(
+            f"`initial_guess` has shape {shape}; give a scalar, a state of shape {ushape}, "
+            f"a trajectory of shape {(n_total,) + ushape}, or a callable of t"
+        )
+    X[:] = g
     return X
 
 
@@ -300,7 +309,6 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
     if w is not None:
         n_total = hierarchy[0].n + 1
         X = _initial_states(initial_guess, u0, w.tl, n_total, range(w.g0, w.hi + 1))
-        _check_no_grad(X, "initial_guess")  # a callable may return tracked tensors
         if not B.all_finite(X):
             raise ValueError("`initial_guess` contains NaN or Inf")
         if w.lo == 0:

@@ -315,6 +315,22 @@ def test_a_numpy_initial_guess_for_torch_states_equals_the_same_guess_as_tensors
     assert not torch.equal(got.u[1:], mgrit.solve(Decay(), u0, T, **kw).u[1:])  # the guess mattered
 
 
+@pytest.mark.parametrize("u0, guess", [
+    (np.array([1.0 + 1.0j, -0.5j]), lambda t: np.zeros(2)),  # the imaginary part of u0 was dropped: error 1.0
+    (np.array([0.1, 0.2]), lambda t: np.full(2, 0.3, np.float32)),  # the solve ran in float32: stalled
+    (np.array([0.1, 0.2]), lambda t: torch.full((2,), 0.3, dtype=torch.float64)),  # TypeError
+    (torch.tensor([0.1, 0.2], dtype=torch.float64), lambda t: np.full(2, 0.3)),  # numpy result
+    (torch.tensor([0.1j, 0.2], dtype=torch.complex128), lambda t: torch.full((2,), 0.3, dtype=torch.float64)),
+])
+def test_a_callable_initial_guess_is_stored_as_u0(u0, guess):
+    """A callable's states took their own array type and dtype: the whole solve ran in them. Now they are
+    stored as u0 (library, dtype), and the solve converges to sequential stepping as with an array guess."""
+    got = mgrit.solve(Decay(), u0, T, cf=2, tol=1e-12, initial_guess=guess)
+    assert type(got.u) is type(u0) and got.u.dtype == u0.dtype and got.status.name == "CONVERGED"
+    ref = sequential(Decay(), u0, T)
+    assert max_err(got.u, ref) < 1e-12
+
+
 @pytest.mark.parametrize("tol", [np.float32(1e-3), np.float64(1e-9), np.int64(0)])
 def test_a_numpy_scalar_tolerance_is_a_tolerance(tol):
     t = uniform_grid(64, 1.0)
