@@ -236,12 +236,25 @@ def _bidiagonal_sigma_min(abs_mu: float, n: int) -> float:
     return float(np.linalg.svd(B, compute_uv=False)[-1])
 
 
+def _inverse_bidiagonal_norm(a: float, n: int) -> float:
+    """``||(I - a S)^-1||_2`` for ``a > 1``, ``n x n``: the inverse is lower-triangular Toeplitz with entries
+    ``a^(i-j)``; it is scaled by ``a^(n-1)`` first (entries <= 1), so that the norm neither loses its digits
+    (``sigma_min`` of ``I - a S`` underflows like ``a^-n``) nor overflows before the last product (inf when the
+    norm exceeds the largest float)."""
+    k = np.subtract.outer(np.arange(n), np.arange(n))
+    M = np.where(k >= 0, a ** np.minimum(k - (n - 1.0), 0.0), 0.0)
+    with np.errstate(over="ignore"):
+        return float(np.float64(a) ** (n - 1.0) * np.linalg.norm(M, 2))
+
+
 def two_level_norm(lam, mu, m: int, n_c: int, relax: str = "F") -> float:
     """Exact ``||E||_2`` of the two-level iteration matrix.
 
     For scalars this is ``c_r / sigma_min(B_n)``, ``n = N_c - 1 - r`` (0 when
-    ``n <= 0``: then MGRIT is exact after one iteration). For matrices ``lam``
-    and ``mu`` (``Phi``, ``Psi``), the norm of :func:`two_level_matrix`.
+    ``n <= 0``: then MGRIT is exact after one iteration); for an unstable
+    coarse step (``|mu| > 1``) ``c_r ||B_n^-1||_2``, which grows like
+    ``|mu|^n`` (inf beyond the largest float). For matrices ``lam`` and ``mu``
+    (``Phi``, ``Psi``), the norm of :func:`two_level_matrix`.
 
     Examples
     --------
@@ -256,7 +269,10 @@ def two_level_norm(lam, mu, m: int, n_c: int, relax: str = "F") -> float:
     n = n_c - 1 - parse_relax(relax)
     if n <= 0:
         return 0.0
-    return float(c_factor(lam, mu, m, relax)) / _bidiagonal_sigma_min(abs(mu), n)
+    c = float(c_factor(lam, mu, m, relax))
+    if abs(mu) > 1.0:
+        return 0.0 if c == 0.0 else c * _inverse_bidiagonal_norm(abs(mu), n)
+    return c / _bidiagonal_sigma_min(abs(mu), n)
 
 
 def _geometric_sum(q, n: int):
@@ -289,8 +305,10 @@ def sharp_bounds(lam, mu, m: int, n_c: int, relax: str = "F"):
     """Southworth's two-sided bound on ``||E||_2``, ``n = N_c - 1 - r``.
 
     ``c_r / sqrt(1 + |mu|^2 - 2|mu| cos(pi/(n+1)))`` from below and the same
-    with ``cos(pi/(2n+1))`` from above; both are 0 when ``n <= 0``.
-    Broadcasts over arrays.
+    with ``cos(pi/(2n+1))`` from above; both are 0 when ``n <= 0``. The upper
+    bound holds for ``|mu| <= 1`` (a stable coarse step; it is the exact norm at
+    ``|mu| = 1``); for ``|mu| > 1`` the norm grows like ``|mu|^n`` and the upper
+    value is inf (:func:`two_level_norm` gives it exactly). Broadcasts over arrays.
 
     Returns
     -------
@@ -314,11 +332,13 @@ def sharp_bounds(lam, mu, m: int, n_c: int, relax: str = "F"):
     def bound(angle):
         return c / np.sqrt(1.0 + a * a - 2.0 * a * np.cos(angle))
 
-    return bound(np.pi / (n + 1)), bound(np.pi / (2 * n + 1))
+    upper = bound(np.pi / (2 * n + 1))
+    return bound(np.pi / (n + 1)), np.where(a > 1.0, np.where(c == 0, 0.0, np.inf), upper)[()]
 
 
 def limit_bound(lam, mu, m: int, relax: str = "F"):
-    """``N_c -> inf`` limit of the two-level bounds: ``c_r / (1 - |mu|)`` (needs ``|mu| < 1``).
+    """``N_c -> inf`` limit of the two-level bounds: ``c_r / (1 - |mu|)`` for ``|mu| < 1``; inf for ``|mu| >= 1``
+    (an unstable or undamped coarse step: the norm grows without bound with ``N_c``), 0 where ``c_r = 0``.
 
     Examples
     --------
@@ -326,7 +346,10 @@ def limit_bound(lam, mu, m: int, relax: str = "F"):
     >>> round(float(limit_bound(lam, mu, 4, "F")), 6)
     0.109453
     """
-    return c_factor(lam, mu, m, relax) / (1.0 - np.abs(mu))
+    c, a = c_factor(lam, mu, m, relax), np.abs(mu)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(a >= 1.0, np.inf, c / (1.0 - a))
+    return np.where(c == 0, 0.0, out)[()]
 
 
 def worst_case(m: int, relax: str = "F", scheme: str = "be"):

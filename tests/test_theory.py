@@ -411,3 +411,27 @@ def test_hessenthaler_trend_solver():
     # measured multi-cycle factors stay below the worst single-cycle norm
     assert np.all(f <= _hessenthaler_theory("F", 1))
     assert np.all(fcf <= _hessenthaler_theory("FCF", 1))
+
+
+@pytest.mark.parametrize("n_c", [3, 20, 44, 50])
+def test_an_unstable_coarse_step_gets_its_exact_norm_and_no_false_bounds(n_c):
+    """|mu| > 1 (forward Euler, z = -0.8, m = 4: mu = -2.2): two_level_norm lost its digits from N_c = 44 (the
+    smallest singular value underflows) and divided by zero at 50; sharp_bounds' upper value was 16 orders
+    below the norm and limit_bound was negative."""
+    lam, mu = th.dahlquist_factors(-0.8, 4, "fe")
+    assert abs(mu) > 1
+    exact = th.matrix_norm(th.two_level_matrix(lam, mu, 4, n_c, "F"))
+    assert th.two_level_norm(lam, mu, 4, n_c, "F") == pytest.approx(exact, rel=1e-10, abs=0.0)
+    lo, hi = th.sharp_bounds(lam, mu, 4, n_c, "F")
+    assert lo <= exact and hi == np.inf
+    assert th.limit_bound(lam, mu, 4, "F") == np.inf
+    assert th.two_level_norm(lam, mu, 4, 2000, "F") == np.inf  # beyond the largest float, not a ZeroDivisionError
+
+
+def test_the_norm_and_bounds_are_continuous_through_a_neutral_coarse_step():
+    lam = 0.3
+    at = th.two_level_norm(lam, 1.0, 4, 30, "F")
+    for mu in (1.0 - 1e-9, 1.0 + 1e-9):
+        assert th.two_level_norm(lam, mu, 4, 30, "F") == pytest.approx(at, rel=1e-6, abs=0.0)
+    assert th.sharp_bounds(lam, 1.0, 4, 30, "F")[1] == pytest.approx(at, rel=1e-12, abs=0.0)  # exact at |mu| = 1
+    assert list(th.limit_bound(np.full(3, 0.5), np.array([0.5, 1.0, 0.5**4]), 4, "F")) == [0.875, np.inf, 0.0]
