@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .hierarchy import check_integer
 from .partition import level_ranges
 from .result import Result, convergence_factors
 
@@ -67,6 +68,9 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     ax = _axes(ax)
     if isinstance(results, Result) or _is_history(results):
         results = [results]
+    results = list(results)
+    if labels is not None and (isinstance(labels, str) or len(labels) != len(results)):
+        raise ValueError(f"`labels` must be a sequence of one label per solve ({len(results)}), got {labels!r}")
     for k, res in enumerate(results):
         hist = list(res.residuals) if isinstance(res, Result) else list(res)
         its = [i for i, r in enumerate(hist) if r is not None and r > max(floor, 0.0)]
@@ -132,6 +136,7 @@ def cycle_path(n_levels: int, kind: str = "V") -> list:
     >>> cycle_path(3, "F")
     [0, 1, 2, 1, 2, 1, 0]
     """
+    check_integer(n_levels, "n_levels", 1)
     if kind not in ("V", "F"):
         raise ValueError(f"`kind` must be 'V' or 'F', got {kind!r}")
 
@@ -161,6 +166,9 @@ def cycle(n_levels: int, kind: str = "V", ax=None):
 def training(losses: Sequence[float], residuals: Sequence[float] | None = None,
              labels=("loss", "forward residual"), ax=None):
     """A training curve (per step) with the residual of each step's solve on a second axis."""
+    if residuals is not None and len(residuals) > len(losses):
+        raise ValueError(f"{len(residuals)} residuals for {len(losses)} losses: give at most one residual per "
+                         "training step")
     ax = _axes(ax)
     steps = np.arange(1, len(losses) + 1)
     ax.plot(steps, losses, color="C0", label=labels[0])

@@ -62,3 +62,17 @@ def test_residual_plot_takes_arrays_a_floor_and_styles():
     assert "factor 0.01)" in ax.get_legend().get_texts()[0].get_text()  # plateau left out
     ax = plots.residuals([hist, [None, 1.0, 0.5]])
     assert len(ax.get_lines()) == 2
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: plots.cycle_path(0), "`n_levels` must be an integer >= 1"),  # recursed until RecursionError
+    (lambda: plots.cycle(0), "`n_levels` must be an integer >= 1"),
+    (lambda: plots.cycle_path(2.5), "`n_levels`"),
+    (lambda: plots.residuals([[1.0, 0.1], [1.0, 0.2]], labels=["a"]), "one label per solve"),  # IndexError
+    (lambda: plots.residuals([[1.0, 0.1]], labels="ab"), "one label per solve"),
+    (lambda: plots.training([1.0, 0.5], [1e-3, 1e-4, 1e-5]), "3 residuals for 2 losses"),  # inside matplotlib
+])
+def test_bad_plot_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert plots.cycle_path(1) == [0]
