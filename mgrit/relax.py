@@ -322,10 +322,13 @@ def c_residual(w: LevelState):
         return w.u[0:0]
     r = B.empty_stack((w.nloc - 1 - a) // m + 1, w.u[0])
     new = _phi_from(w, a, out=r)
-    if new is r:
-        r -= w.u[a::m]
-        return r
-    return new - w.u[a::m]
+    if new is not r:
+        if new.dtype == r.dtype:
+            return new - w.u[a::m]
+        r[...] = new  # a step that returns a wider dtype (float64 for float32 states): rounded as C-relaxation
+        #               stores it, so the residual of the fixed point is 0, not the rounding between the dtypes
+    r -= w.u[a::m]
+    return r
 
 
 def sequential_solve(w: LevelState) -> None:

@@ -15,7 +15,9 @@ class Dahlquist(Propagator):
     With ``z = xi (t1 - t0)`` the step multiplies ``u`` by
     ``1 / (1 - z)`` (``scheme="be"``, backward Euler) or ``1 + z``
     (``scheme="fe"``, forward Euler: a linear ResNet layer). The state may be
-    any array; every entry evolves independently.
+    any numpy array or torch tensor; every entry evolves independently, and
+    the result keeps the state's precision (float32 stays float32; a complex
+    ``xi`` makes real states complex of the same precision).
 
     Examples
     --------
@@ -39,8 +41,17 @@ class Dahlquist(Propagator):
         return 1.0 / (1.0 - z) if self.scheme == "be" else 1.0 + z
 
     def step(self, u, t0, t1):
-        return self.factor(t1 - t0) * u
+        f = self.factor(t1 - t0)
+        return (complex(f) if np.iscomplexobj(f) else float(f)) * u  # a Python scalar keeps u's precision
 
     def step_batch(self, U, t0, t1):
-        f = self.factor(np.asarray(t1) - np.asarray(t0))
-        return f.reshape((-1,) + (1,) * (U.ndim - 1)) * U
+        f = self.factor(np.asarray(t1) - np.asarray(t0)).reshape((-1,) + (1,) * (U.ndim - 1))
+        if type(U).__module__.startswith("torch"):
+            import torch
+
+            real = U.real.dtype if U.is_complex() else U.dtype if U.is_floating_point() else torch.float64
+            dtype = real.to_complex() if np.iscomplexobj(f) or U.is_complex() else real
+            return torch.as_tensor(f, device=U.device).to(dtype) * U
+        U = np.asarray(U)
+        real = U.real.dtype if U.dtype.kind in "fc" else np.dtype(np.float64)
+        return f.astype(np.result_type(real, np.complex64) if np.iscomplexobj(f) else real) * U

@@ -29,6 +29,16 @@ from scipy.linalg import lapack
 from mgrit import Propagator, SpatialTransfer
 
 
+def _in_precision_of(out: np.ndarray, u) -> np.ndarray:
+    """``out`` (float64 or complex128) rounded to the precision of the state ``u`` when that is narrower
+    (float32 / complex64 states get float32 / complex64 results, as the solver stores them)."""
+    kind = np.asarray(u).dtype
+    if kind.kind not in "fc" or kind.itemsize >= (16 if kind.kind == "c" else 8):
+        return out
+    real = kind if kind.kind == "f" else np.dtype(f"f{kind.itemsize // 2}")
+    return out.astype(np.result_type(real, np.complex64) if out.dtype.kind == "c" else real)
+
+
 class Heat1D(Propagator):
     """Backward-Euler propagator for the 1-D heat equation.
 
@@ -49,6 +59,11 @@ class Heat1D(Propagator):
     ----------
     factorizations : int
         LU factorizations computed so far (a cost counter).
+
+    A state is the ``nx - 2`` interior values (a stack of them for
+    ``step_batch``); another length is a ValueError. The steps are computed in
+    float64 (LAPACK) and returned in the state's precision when it is narrower
+    (float32 states give float32 results).
 
     Examples
     --------
@@ -126,10 +141,28 @@ class Heat1D(Propagator):
         return x
 
     def step(self, u, t0, t1):
+        self._check_length(u, 1)
+        return _in_precision_of(self._step(u, t0, t1), u)
+
+    def step_batch(self, U, t0, t1):
+        self._check_length(U, 2)
+        return _in_precision_of(self._step_batch(U, t0, t1), U)
+
+    def _check_length(self, u, ndim: int) -> None:
+        shape = np.shape(u)
+        if len(shape) != ndim or shape[-1] != self._sinpx.shape[0]:
+            what = "a state" if ndim == 1 else "a stack of states"
+            raise ValueError(
+                f"{self!r} steps {what} of {self._sinpx.shape[0]} interior values, shape "
+                f"{(self._sinpx.shape[0],) if ndim == 1 else ('n', self._sinpx.shape[0])}; got shape {shape}. With "
+                "spatial coarsening every level needs a Heat1D of its own size: heat_hierarchy(nx, L) gives L "
+                "propagators and L - 1 transfers, for solve(..., max_levels=L)")
+
+    def _step(self, u, t0, t1):  # computed in float64 (complex128), LAPACK's tridiagonal solve
         dt = t1 - t0
         if np.iscomplexobj(u):  # the operator and the forcing are real: real and imaginary parts apart
             u = np.asarray(u)
-            out = self.step(np.ascontiguousarray(u.real), t0, t1).astype(np.result_type(u.dtype, np.complex128))
+            out = self._step(np.ascontiguousarray(u.real), t0, t1).astype(np.complex128)
             out.imag = self._solve(dt, np.array(u.imag, dtype=np.float64).reshape(-1, 1))[:, 0]
             return out
         if self.forcing:
@@ -139,11 +172,11 @@ class Heat1D(Propagator):
             return self._solve(dt, rhs.reshape(-1, 1), overwrite=True)[:, 0]
         return self._solve(dt, np.asarray(u, dtype=np.float64).reshape(-1, 1))[:, 0]
 
-    def step_batch(self, U, t0, t1):
+    def _step_batch(self, U, t0, t1):
         dt = np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)
         if np.iscomplexobj(U):  # the operator and the forcing are real: real and imaginary parts apart
             U = np.asarray(U)
-            out = self.step_batch(np.ascontiguousarray(U.real), t0, t1).astype(np.result_type(U.dtype, np.complex128))
+            out = self._step_batch(np.ascontiguousarray(U.real), t0, t1).astype(np.complex128)
             out.imag = self._solve_rows(np.array(U.imag, dtype=np.float64, order="C"), dt)
             return out
         if dt.shape[0] == 0:

@@ -353,3 +353,41 @@ def test_tuning_a_long_double_state_is_a_clear_error_and_tiny_dirichlet_grids_ar
     p = AdvectionDiffusion1D(5, boundary="dirichlet")
     A = np.eye(3) - 0.1 * p.matrix()
     assert np.allclose(A @ p.step(np.ones(3), 0.0, 0.1), np.ones(3), rtol=0, atol=1e-14)
+
+
+class Wider(mgrit.Propagator):
+    """A step computed and returned in float64 whatever the state's dtype (as a float64 library call)."""
+
+    def step(self, u, t0, t1):
+        return np.asarray(u, dtype=np.float64) / (1.0 + (t1 - t0))
+
+
+@pytest.mark.parametrize("make", [lambda: Dahlquist(-1.0), lambda: __import__("propagators").Heat1D(17), Wider])
+def test_float32_states_converge_with_steps_computed_in_float64(make):
+    """The C-point residual was the float64 step minus the float32 stored state: it floored at float32's
+    rounding (about 1e-7) and the solve ran 100 cycles to MAX_ITER. Now the step is rounded as C-relaxation
+    stores it, and the bundled propagators return the state's precision."""
+    prop = make()
+    u0 = prop.initial() if hasattr(prop, "initial") else np.ones(3)
+    t = uniform_grid(64, 1.0)
+    res = mgrit.solve(prop, u0.astype(np.float32), t, cf=2, tol=1e-9)
+    assert res.status.name == "CONVERGED" and res.u.dtype == np.float32 and res.iterations < 15
+    ref = sequential(prop, u0.astype(np.float64), t)
+    assert max_err(res.u.astype(np.float64), ref) < 1e-5 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_dahlquist_steps_torch_states_and_keeps_their_precision():
+    t = uniform_grid(16, 1.0)
+    for xi, dtype in [(-1.0, torch.float32), (-1.0, torch.float64), (-1.0 + 2.0j, torch.float64),
+                      (-1.0 + 2.0j, torch.complex64)]:
+        prop = Dahlquist(xi)
+        u0 = torch.tensor([1.0, -0.5]).to(dtype)
+        if prop.step(u0, 0.0, 0.1).is_complex() and not u0.is_complex():
+            u0 = u0.to(torch.complex128)
+        res = mgrit.solve(prop, u0, t, cf=2, tol=1e-12 if u0.dtype in (torch.float64, torch.complex128) else 1e-6)
+        assert res.status.name == "CONVERGED" and res.u.dtype == u0.dtype
+        want = mgrit.solve(prop, u0.numpy(), t, cf=2, tol=1e-12).u
+        assert np.abs(res.u.numpy() - want).max() < (1e-12 if u0.dtype in (torch.float64, torch.complex128)
+                                                     else 1e-5)
+        U = torch.stack([u0, 2 * u0])
+        assert torch.equal(prop.step_batch(U, np.zeros(2), np.full(2, 0.1))[0], prop.step(u0, 0.0, 0.1))
