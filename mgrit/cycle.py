@@ -20,11 +20,35 @@ from typing import Callable
 import numpy as np
 
 from . import _backend as B
+from .comm import RemoteRankError
+from .propagator import Propagator
 from .relax import LevelState, advance, c_relax, c_residual, exchange, f_relax, sequential_solve
 
 
 class DivergenceError(FloatingPointError):
     """The iteration produced NaN or Inf; raised instead of returning a result."""
+
+
+def _transferred(out, U, w: LevelState, method: str, fine_shape=None):
+    """``out``, returned by ``w.transfer.<method>(U)``, checked as a stack of ``U``'s rows: the same array
+    library, one row per input row, non-empty states, and for ``interpolate`` the fine states' shape. Reads
+    only metadata."""
+    where = f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}.{method})"
+    if out is None or B.is_torch(out) != B.is_torch(U) or not hasattr(out, "shape"):
+        raise TypeError(f"{where} returned {B.type_name(out)} for a stack of {B.type_name(U)}; it must return "
+                        "a stack of the same kind (numpy arrays for numpy states, tensors for torch states)")
+    shape = tuple(out.shape)
+    if not shape or shape[0] != U.shape[0]:
+        raise ValueError(f"{where} returned shape {shape} for a stack of shape {tuple(U.shape)}: it maps a stack "
+                         f"of n states to n states (n = {U.shape[0]}), one row per state")
+    if fine_shape is not None and shape[1:] != tuple(fine_shape):
+        raise ValueError(f"{where} returned states of shape {shape[1:]}; the states of level {w.level.index} have "
+                         f"shape {tuple(fine_shape)}")
+    if fine_shape is None and shape[0] and int(np.prod(shape[1:])) == 0:
+        raise ValueError(f"{where} restricts states of shape {tuple(U.shape[1:])} to empty states {shape[1:]}: "
+                         "the hierarchy has more levels than this spatial coarsening allows; pass fewer "
+                         "`max_levels` (the last transfer of a list repeats on every coarser level)")
+    return out
 
 
 def _inject(w: LevelState, wc: LevelState):
@@ -37,7 +61,7 @@ def _inject(w: LevelState, wc: LevelState):
     own0 = w.lo - w.g0  # local slot of the first owned point
     ac = own0 if (w.g0 + own0) % m == 0 else w.first(0)
     U = w.u[ac::m]
-    V = w.transfer.restrict(U) if w.transfer is not None else U
+    V = _transferred(w.transfer.restrict(U), U, w, "restrict") if w.transfer is not None else U
     if wc.v is None:
         wc.v = B.empty_stack(wc.nloc, V[0])
         wc.u = B.empty_stack(wc.nloc, V[0])
@@ -62,7 +86,11 @@ def restrict(w: LevelState, wc: LevelState, r) -> None:
     # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
     psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:], out=G)
     # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
-    rc = w.transfer.restrict_residual(r) if w.transfer is not None else r
+    rc = _transferred(w.transfer.restrict_residual(r), r, w, "restrict_residual") if w.transfer is not None else r
+    if w.transfer is not None and tuple(rc.shape[1:]) != tuple(wc.v.shape[1:]):
+        raise ValueError(f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}) restricts "
+                         f"residuals to shape {tuple(rc.shape[1:])} but states to {tuple(wc.v.shape[1:])}: "
+                         "restrict_residual must map to the coarse states' shape")
     # 4. g_c = r_c + A_c-consistent shift: v[k] - Psi(v[k-1]) (in place when Psi was written to G)
     if psi is G:
         B.subtract_into(wc.v[1:], G, G)
@@ -83,7 +111,8 @@ def correct(w: LevelState, wc: LevelState) -> None:
         return
     a = w.first(0)
     if w.transfer is not None:
-        w.u[a :: w.level.cf] += w.transfer.interpolate(wc.u[1:] - wc.v[1:])
+        E = wc.u[1:] - wc.v[1:]
+        w.u[a :: w.level.cf] += _transferred(w.transfer.interpolate(E), E, w, "interpolate", w.u.shape[1:])
         return
     # v is not read again before the next injection overwrites it: E = u_c - v_c is formed there
     E = B.subtract_into(wc.u[1:], wc.v[1:], wc.v[1:])
@@ -107,6 +136,28 @@ def temporal_norms(parts: list, p, comm) -> list:
     kind = {2: "norm2", 1: "sum"}.get(p, "max")
     values = comm.exact_many(parts, kind)
     return [max(v, 0.0) for v in values] if kind == "max" else values
+
+
+def _spatial_norms(prop, R) -> np.ndarray:
+    """``prop.norms(R)``; a user's override is checked: one real value per row, none negative (NaN and Inf
+    pass: they are reported as a divergence)."""
+    out = prop.norms(R)
+    if type(prop).norms is Propagator.norms:
+        return out
+    name = f"{type(prop).__name__}.norms"
+    try:
+        if out.is_complex() if B.is_torch(out) else np.iscomplexobj(out):
+            raise TypeError
+        arr = np.asarray(out.detach().cpu() if B.is_torch(out) else out, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} returned {B.type_name(out)}; it must return one real norm per state of the "
+                        f"stack (a float64 array of shape ({R.shape[0]},))") from None
+    if arr.shape != (R.shape[0],):
+        raise ValueError(f"{name} returned shape {arr.shape} for a stack of {R.shape[0]} states; it must return "
+                         f"one norm per state, shape ({R.shape[0]},)")
+    if bool(np.any(arr < 0)):
+        raise ValueError(f"{name} returned a negative norm ({float(arr[arr < 0][0])!r}); norms are >= 0")
+    return arr
 
 
 # --------------------------------------------------------------------------- level operations
@@ -181,14 +232,31 @@ class Levels(LevelOps):
     def owns(self, l):
         return self.states[l] is not None
 
+    def _on(self, l: int, what: str, fn, *args):
+        """``fn(*args)``; an error of the user's code (a propagator, a spatial transfer) gets a note naming
+        the level and its states, unless its message already names the level."""
+        try:
+            return fn(*args)
+        except (DivergenceError, RemoteRankError):
+            raise
+        except Exception as exc:
+            if hasattr(exc, "add_note") and f"level {l}" not in str(exc):  # (Python >= 3.11)
+                w = self.states[l]
+                transfer = "" if w.transfer is None else f", spatial transfer to level {l + 1}: " \
+                    f"{type(w.transfer).__name__}"
+                exc.add_note(f"mgrit: raised in {what} of level {l} (propagator {type(w.prop).__name__}, states of "
+                             f"shape {tuple(w.u.shape[1:])}{transfer}); with a list of propagators or spatial "
+                             "transfers, check that level's entry (the last entry repeats on coarser levels)")
+            raise
+
     def f_relax(self, l):
-        f_relax(self.states[l])
+        self._on(l, "F-relaxation", f_relax, self.states[l])
 
     def c_relax(self, l):
-        c_relax(self.states[l])
+        self._on(l, "C-relaxation", c_relax, self.states[l])
 
     def c_residual(self, l):
-        return c_residual(self.states[l])
+        return self._on(l, "the C-point residual", c_residual, self.states[l])
 
     def check(self, l, R=None, iteration=0):
         if not B.all_finite(self.states[l].u if R is None else R):
@@ -200,23 +268,23 @@ class Levels(LevelOps):
             )
 
     def restrict(self, l, R):
-        restrict(self.states[l], self.states[l + 1], R)
+        self._on(l, "the FAS restriction", restrict, self.states[l], self.states[l + 1], R)
 
     def inject(self, l):
-        inject_guess(self.states[l], self.states[l + 1])
+        self._on(l, "the injection", inject_guess, self.states[l], self.states[l + 1])
 
     def correct(self, l):
-        correct(self.states[l], self.states[l + 1])
+        self._on(l, "the coarse-grid correction", correct, self.states[l], self.states[l + 1])
 
     def sequential_solve(self, l):
-        sequential_solve(self.states[l])
+        self._on(l, "the sequential solve", sequential_solve, self.states[l])
 
     def residual_norm(self, R):
         return self.residual_norms([R])[0]
 
     def residual_norms(self, Rs):
         w0 = self.states[0]
-        parts = [w0.prop.norms(R) if w0 is not None and R is not None else np.zeros(0) for R in Rs]
+        parts = [_spatial_norms(w0.prop, R) if w0 is not None and R is not None else np.zeros(0) for R in Rs]
         return temporal_norms(parts, self.p, self.comm)
 
     def finish(self):

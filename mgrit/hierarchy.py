@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from . import _backend as B
+
 _RELAX_RE = re.compile(r"^F(CF)*$")
 
 
@@ -142,8 +144,16 @@ class Hierarchy(tuple):
 
 
 def check_time_grid(t) -> np.ndarray:
-    """Validate ``t`` (1-D, at least 2 points, finite, strictly increasing)."""
-    t = np.array(t, dtype=np.float64)
+    """Validate ``t`` (1-D, at least 2 points, real, finite, strictly increasing); a float64 copy."""
+    if B.is_torch(t):
+        t = t.detach().cpu()  # (the grid is data, never differentiated)
+    raw = np.asarray(t)
+    if raw.dtype.kind in "cbUSMm":  # complex (numpy would drop the imaginary part), bools, strings, datetimes
+        raise ValueError(f"`t` must hold real numbers (the time points), got dtype {raw.dtype}")
+    try:
+        t = np.array(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"`t` must hold real numbers (the time points), got {raw.dtype} entries") from None
     if t.ndim != 1 or t.shape[0] < 2:
         raise ValueError(f"`t` must be a 1-D array of at least 2 time points, got shape {t.shape}")
     if not np.all(np.isfinite(t)):

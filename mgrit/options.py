@@ -63,7 +63,8 @@ class Options:
             raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
         if self.tol_type not in ("abs", "rel"):
             raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {self.tol_type!r}")
-        if isinstance(norm, bool) or norm not in (1, 2, math.inf, "inf"):
+        if isinstance(norm, (bool, np.bool_)) or not isinstance(norm, (int, float, str, np.integer, np.floating)) \
+                or norm not in (1, 2, math.inf, "inf"):
             raise ValueError(f"`norm` (temporal) must be 1, 2 or inf, got {norm!r}")
         check_integer(self.max_iter, "max_iter", 1)
         if self.cycle not in ("V", "F"):

@@ -167,7 +167,9 @@ def solve(
         without a ``callback`` that entry's all-reduce is the final residual's (one
         synchronisation of the ranks less, the same values).
     callback : callable, optional
-        Called after every cycle with an :class:`IterationInfo`.
+        Called after every cycle with an :class:`IterationInfo` (once for a
+        one-level solve, the sequential stepping, with residual None;
+        ``Result.residuals`` stays empty there).
     comm : None, mpi4py communicator or Communicator
         Split the time axis over the ranks of this communicator; None runs
         serially. The call is collective: every rank passes the same grid,
@@ -338,6 +340,8 @@ def _run(hierarchy, states, u0, comm, opts: Options) -> Result:
     final = run(Levels(states, comm, opts.norm), hierarchy, opts, after_cycle)
     if len(hierarchy) == 1:
         iterations, converged, status = 1, True, Status.SEQUENTIAL
+        if opts.callback is not None:  # the one "cycle": sequential stepping, which measures no residual
+            opts.callback(IterationInfo(0, None, tuple(w.count if w else 0 for w in states)))
     else:
         iterations = len(residuals)
         status = Status.CONVERGED if converged else (Status.DIVERGED if _diverged(residuals) else Status.MAX_ITER)

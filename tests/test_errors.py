@@ -232,3 +232,56 @@ def test_overflow_to_inf_is_divergence():
     with np.errstate(over="ignore"):
         with pytest.raises(mgrit.DivergenceError, match=r"level \d+ in iteration \d+"):
             solve(propagator=Explode(), t=uniform_grid(64, 1.0), max_levels=2)
+
+
+# --------------------------------------------------------------------------- from the review of the solver API
+def test_complex_or_non_numeric_t_is_refused_and_a_tracked_torch_t_is_a_grid():
+    """A complex grid lost its imaginary part with a ComplexWarning; a torch grid that requires grad raised
+    torch's "Can't call numpy() on Tensor that requires grad"."""
+    torch = pytest.importorskip("torch")
+    for t in (T + 0j, np.array([False, True]), ["0", "1"]):
+        with pytest.raises(ValueError, match="`t` must hold real numbers"):
+            solve(t=t)
+    tracked = torch.tensor(T, requires_grad=True)
+    assert np.array_equal(solve(t=tracked).u, solve().u)
+
+
+@pytest.mark.parametrize("norm", [np.True_, np.False_, [2], np.array([1, 2])])
+def test_norm_must_be_one_of_the_temporal_norms(norm):
+    with pytest.raises(ValueError, match="`norm`"):
+        solve(norm=norm)
+
+
+class _Norms(Dahlquist):
+    def __init__(self, f):
+        super().__init__(-1.0)
+        object.__setattr__(self, "f", f)
+
+    def norms(self, U):
+        return self.f(U)
+
+
+@pytest.mark.parametrize("f, match", [
+    (lambda U: -np.linalg.norm(U, axis=1), "negative norm"),  # was CONVERGED with residuals [None, -0.101]
+    (lambda U: float(np.linalg.norm(U)), r"shape \(\) for a stack of"),  # was accepted as one norm for all
+    (lambda U: np.linalg.norm(U, axis=1)[:-1], "one norm per state"),
+    (lambda U: np.linalg.norm(U, axis=1) + 0j, "one real norm per state"),
+])
+def test_a_users_norms_are_checked(f, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        solve(propagator=_Norms(f), norm=1)
+
+
+def test_a_users_norms_in_another_form_are_read():
+    torch = pytest.importorskip("torch")
+    want = solve(norm=1).residuals
+    for f in (lambda U: list(np.linalg.norm(U, axis=1)), lambda U: torch.as_tensor(np.linalg.norm(U, axis=1))):
+        assert solve(propagator=_Norms(f), norm=1).residuals == want
+
+
+def test_a_one_level_solve_calls_the_callback_once():
+    seen = []
+    res = solve(max_levels=1, callback=seen.append)
+    assert res.status is mgrit.Status.SEQUENTIAL and res.residuals == []
+    assert len(seen) == 1 and seen[0].iteration == 0 and seen[0].residual is None
+    assert seen[0].counts == tuple(res.counts) == (len(T) - 1,)

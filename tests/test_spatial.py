@@ -6,6 +6,8 @@ the coarse grids.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,64 @@ def test_restrict_residual_hook_is_used():
                       tol=1e-10)
     assert FullWeighting.calls == res.iterations - 1  # no residual in the skipped cycle
     assert res.converged and max_err(res.u, ref) <= 1e-7 * scale(ref)
+
+
+# --------------------------------------------------------------------------- mismatched levels, from a review
+T65 = uniform_grid(64, 1.0)
+
+
+def test_more_levels_than_the_spatial_coarsening_allows_is_named():
+    """heat_hierarchy(33, 3) with solve's default max_levels: the last transfer repeated down to states of 0
+    points, and numpy's broadcast error came out of Heat1D."""
+    props, transfers = heat_hierarchy(33, 3)
+    with pytest.raises(ValueError, match=r"spatial transfer of level \d \(HeatTransfer.restrict\).*empty states.*"
+                                         r"max_levels"):
+        mgrit.solve(props, props[0].initial(), T65, spatial=transfers)
+    ok = mgrit.solve(props, props[0].initial(), T65, cf=2, max_levels=3, spatial=transfers, tol=1e-10)
+    assert ok.status.name == "CONVERGED"
+
+
+@pytest.mark.parametrize("case", ["two propagators for three levels", "no transfers"])
+def test_a_propagator_list_that_does_not_match_the_levels_names_the_level(case):
+    props, transfers = heat_hierarchy(33, 3)
+    args = (props[:2], dict(spatial=transfers)) if case.startswith("two") else (props, {})
+    with pytest.raises(ValueError, match=r"Heat1D\(nx=\d+.*steps a state of \d+ interior values.*heat_hierarchy") \
+            as info:
+        mgrit.solve(args[0], props[0].initial(), T65, cf=4, max_levels=3, **args[1])
+    notes = getattr(info.value, "__notes__", None)
+    if notes is not None:  # (Python >= 3.11)
+        assert any(re.search(r"mgrit: raised in .* of level 2 \(propagator Heat1D, states of shape", n) for n in notes)
+
+
+class BadTransfer(mgrit.SpatialTransfer):
+    def __init__(self, restrict=None, interpolate=None):
+        self.r, self.i = restrict, interpolate
+
+    def restrict(self, U):
+        return self.r(U) if self.r else np.ascontiguousarray(U[:, 1::2])
+
+    def interpolate(self, E):
+        return self.i(E) if self.i else HeatTransfer().interpolate(E)
+
+
+@pytest.mark.parametrize("transfer, error, match", [
+    (BadTransfer(restrict=lambda U: None), TypeError, r"level 0 \(BadTransfer.restrict\) returned NoneType"),
+    (BadTransfer(restrict=lambda U: U[1:, 1::2]), ValueError, r"BadTransfer.restrict\) returned shape .* one row"),
+    (BadTransfer(interpolate=lambda E: E), ValueError, r"BadTransfer.interpolate\) returned states of shape \(7,\); "
+                                                        r"the states of level 0 have shape \(15,\)"),
+    (BadTransfer(restrict=lambda U: list(U[:, 1::2])), TypeError, "returned list"),
+])
+def test_what_a_spatial_transfer_returns_is_checked(transfer, error, match):
+    """A restrict returning None, a row short, or an interpolate of the wrong width gave TypeError / broadcast
+    errors from inside the cycle that named neither the transfer nor the level."""
+    fine, coarse = Heat1D(17), Heat1D(9)
+    with pytest.raises(error, match=match):
+        mgrit.solve([fine, coarse], fine.initial(), T65, cf=2, max_levels=2, spatial=transfer, skip=False)
+
+
+def test_heat1d_names_a_state_of_another_size():
+    heat = Heat1D(17)
+    with pytest.raises(ValueError, match=r"Heat1D\(nx=17.*15 interior values.*got shape \(7,\)"):
+        heat.step(np.zeros(7), 0.0, 0.1)
+    with pytest.raises(ValueError, match=r"stack of states.*got shape \(15,\)"):
+        heat.step_batch(np.zeros(15), np.zeros(1), np.ones(1))
