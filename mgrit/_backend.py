@@ -7,6 +7,7 @@ recognised through ``sys.modules``, so numpy-only users never load torch.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -96,8 +97,8 @@ def row_norms(X) -> np.ndarray:
     does not depend on the other rows of the stack.
     """
     n = X.shape[0]
-    if n == 0:
-        return np.zeros(0)
+    if n == 0 or math.prod(X.shape[1:]) == 0:  # no states, or empty ones: norm 0
+        return np.zeros(n)
     if is_torch(X):
         import torch
 

@@ -13,6 +13,7 @@ all ranks (the critical-path cost model), so the two cannot drift apart.
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -25,26 +26,36 @@ from .propagator import Propagator
 from .relax import LevelState, advance, c_relax, c_residual, exchange, f_relax, sequential_solve
 
 
+_NAMED = re.compile(r"(propagator|spatial transfer) of level \d+")  # the solver's own checks name the level
+
+
 class DivergenceError(FloatingPointError):
     """The iteration produced NaN or Inf; raised instead of returning a result."""
 
 
 def _transferred(out, U, w: LevelState, method: str, fine_shape=None):
-    """``out``, returned by ``w.transfer.<method>(U)``, checked as a stack of ``U``'s rows: the same array
-    library, one row per input row, non-empty states, and for ``interpolate`` the fine states' shape. Reads
-    only metadata."""
+    """``out``, returned by ``w.transfer.<method>(U)``, checked as a stack of ``U``'s rows: an array (a list
+    or tuple of numpy states becomes one), one row per input row, non-empty states, and for ``interpolate``
+    states that broadcast to the fine states' shape (they are added to them in place). Reads only metadata."""
     where = f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}.{method})"
-    if out is None or B.is_torch(out) != B.is_torch(U) or not hasattr(out, "shape"):
+    if isinstance(out, (list, tuple)) and not B.is_torch(U):
+        out = np.asarray(out)
+    if out is None or not hasattr(out, "shape") or isinstance(out, (list, tuple)):
         raise TypeError(f"{where} returned {B.type_name(out)} for a stack of {B.type_name(U)}; it must return "
-                        "a stack of the same kind (numpy arrays for numpy states, tensors for torch states)")
+                        "a stack of states (numpy arrays for numpy states, tensors for torch states)")
     shape = tuple(out.shape)
     if not shape or shape[0] != U.shape[0]:
         raise ValueError(f"{where} returned shape {shape} for a stack of shape {tuple(U.shape)}: it maps a stack "
                          f"of n states to n states (n = {U.shape[0]}), one row per state")
-    if fine_shape is not None and shape[1:] != tuple(fine_shape):
-        raise ValueError(f"{where} returned states of shape {shape[1:]}; the states of level {w.level.index} have "
-                         f"shape {tuple(fine_shape)}")
-    if fine_shape is None and shape[0] and int(np.prod(shape[1:])) == 0:
+    if fine_shape is not None:
+        try:
+            fits = np.broadcast_shapes(shape[1:], tuple(fine_shape)) == tuple(fine_shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{where} returned states of shape {shape[1:]}; the states of level {w.level.index} "
+                             f"have shape {tuple(fine_shape)}")
+    elif shape[0] and int(np.prod(shape[1:])) == 0:
         raise ValueError(f"{where} restricts states of shape {tuple(U.shape[1:])} to empty states {shape[1:]}: "
                          "the hierarchy has more levels than this spatial coarsening allows; pass fewer "
                          "`max_levels` (the last transfer of a list repeats on every coarser level)")
@@ -232,31 +243,38 @@ class Levels(LevelOps):
     def owns(self, l):
         return self.states[l] is not None
 
-    def _on(self, l: int, what: str, fn, *args):
+    def _on(self, levels: tuple, what: str, fn, *args):
         """``fn(*args)``; an error of the user's code (a propagator, a spatial transfer) gets a note naming
-        the level and its states, unless its message already names the level."""
+        the operation and the levels it works on (their propagators, state shapes and transfers), unless it
+        is one of the solver's own checks, whose message names the level already."""
         try:
             return fn(*args)
         except (DivergenceError, RemoteRankError):
             raise
         except Exception as exc:
-            if hasattr(exc, "add_note") and f"level {l}" not in str(exc):  # (Python >= 3.11)
-                w = self.states[l]
-                transfer = "" if w.transfer is None else f", spatial transfer to level {l + 1}: " \
-                    f"{type(w.transfer).__name__}"
-                exc.add_note(f"mgrit: raised in {what} of level {l} (propagator {type(w.prop).__name__}, states of "
-                             f"shape {tuple(w.u.shape[1:])}{transfer}); with a list of propagators or spatial "
-                             "transfers, check that level's entry (the last entry repeats on coarser levels)")
+            if hasattr(exc, "add_note") and not _NAMED.search(str(exc)):  # (Python >= 3.11)
+                parts = []
+                for l in levels:
+                    w = self.states[l] if l < len(self.states) else None
+                    if w is None or w.u is None:
+                        continue
+                    transfer = "" if w.transfer is None or l == levels[-1] and len(levels) > 1 else \
+                        f", spatial transfer {type(w.transfer).__name__} to level {l + 1}"
+                    parts.append(f"level {l}: propagator {type(w.prop).__name__}, states of shape "
+                                 f"{tuple(w.u.shape[1:])}{transfer}")
+                exc.add_note(f"mgrit: raised in {what} ({'; '.join(parts)}); with a list of propagators or "
+                             "spatial transfers, check these levels' entries (the last entry repeats on coarser "
+                             "levels)")
             raise
 
     def f_relax(self, l):
-        self._on(l, "F-relaxation", f_relax, self.states[l])
+        self._on((l,), f"the F-relaxation of level {l}", f_relax, self.states[l])
 
     def c_relax(self, l):
-        self._on(l, "C-relaxation", c_relax, self.states[l])
+        self._on((l,), f"the C-relaxation of level {l}", c_relax, self.states[l])
 
     def c_residual(self, l):
-        return self._on(l, "the C-point residual", c_residual, self.states[l])
+        return self._on((l,), f"the C-point residual of level {l}", c_residual, self.states[l])
 
     def check(self, l, R=None, iteration=0):
         if not B.all_finite(self.states[l].u if R is None else R):
@@ -268,16 +286,19 @@ class Levels(LevelOps):
             )
 
     def restrict(self, l, R):
-        self._on(l, "the FAS restriction", restrict, self.states[l], self.states[l + 1], R)
+        self._on((l, l + 1), f"the FAS restriction from level {l} to {l + 1}", restrict, self.states[l],
+                 self.states[l + 1], R)
 
     def inject(self, l):
-        self._on(l, "the injection", inject_guess, self.states[l], self.states[l + 1])
+        self._on((l, l + 1), f"the injection from level {l} to {l + 1}", inject_guess, self.states[l],
+                 self.states[l + 1])
 
     def correct(self, l):
-        self._on(l, "the coarse-grid correction", correct, self.states[l], self.states[l + 1])
+        self._on((l, l + 1), f"the correction of level {l} from {l + 1}", correct, self.states[l],
+                 self.states[l + 1])
 
     def sequential_solve(self, l):
-        self._on(l, "the sequential solve", sequential_solve, self.states[l])
+        self._on((l,), f"the sequential solve of level {l}", sequential_solve, self.states[l])
 
     def residual_norm(self, R):
         return self.residual_norms([R])[0]

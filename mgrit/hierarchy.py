@@ -147,17 +147,21 @@ def check_time_grid(t) -> np.ndarray:
     """Validate ``t`` (1-D, at least 2 points, real, finite, strictly increasing); a float64 copy."""
     if B.is_torch(t):
         t = t.detach().cpu()  # (the grid is data, never differentiated)
-    raw = np.asarray(t)
-    if raw.dtype.kind in "cbUSMm":  # complex (numpy would drop the imaginary part), bools, strings, datetimes
-        raise ValueError(f"`t` must hold real numbers (the time points), got dtype {raw.dtype}")
+    elif isinstance(t, (list, tuple)):  # (0-d tensors among the points, tracked or not)
+        t = [float(x.detach()) if B.is_torch(x) else x for x in t]
+    kind = type(t).__name__
     try:
+        raw = np.asarray(t)
+        kind = f"{kind} of {raw.dtype}"
+        if raw.dtype.kind == "c":  # (numpy would drop the imaginary part with a warning)
+            raise TypeError
         t = np.array(raw, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"`t` must hold real numbers (the time points), got {raw.dtype} entries") from None
+        raise ValueError(f"`t` must hold real numbers (the time points), got a {kind}") from None
     if t.ndim != 1 or t.shape[0] < 2:
         raise ValueError(f"`t` must be a 1-D array of at least 2 time points, got shape {t.shape}")
     if not np.all(np.isfinite(t)):
-        raise ValueError("`t` contains NaN or Inf")
+        raise ValueError("`t` contains NaN or Inf (or None, read as NaN)")
     if not np.all(np.diff(t) > 0):
         raise ValueError("`t` must be strictly increasing")
     return t

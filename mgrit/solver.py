@@ -34,18 +34,25 @@ def _check_propagators(propagator, n_levels: int) -> list:
     return props
 
 
-def _guess_like_u0(g, u0, what: str):
+def _guess_like_u0(g, u0, name: str):
     """A guess (array, tensor or scalar) as an array of ``u0``'s library and device; a complex guess for a
     real ``u0`` and a tracked tensor are refused (numpy would drop the imaginary part with a warning)."""
     _check_no_grad(g, "initial_guess")
     g = g if B.is_torch(g) else np.asarray(g)
+    if not B.is_torch(g) and g.dtype.kind == "O":  # Python numbers (Fractions, Decimals): as floats
+        try:
+            g = g.astype(np.float64)
+        except TypeError:
+            g = g.astype(np.complex128)
+    if (B.is_torch(g) or g.dtype.kind in "fc") and not B.all_finite(g):
+        raise ValueError(f"{name} contains NaN or Inf")
     if B.is_complex(g) and not B.is_complex(u0):
-        raise TypeError(f"{what} complex but `u0` is real: pass a complex `u0` to solve for complex states, "
-                        "or a real guess")
-    if B.is_torch(u0) and not B.is_torch(g):
-        import torch
+        raise TypeError(f"{name} {'returned states that are' if name.endswith('(t)`') else 'is'} complex but `u0` is "
+                        "real: pass a complex `u0` to solve for complex states, or a real guess")
+    if B.is_torch(u0) and not B.is_torch(g):  # through a fresh float64 / complex128 copy: any numpy dtype (longdouble,
+        import torch  # objects such as Fractions), negative strides and read-only arrays convert alike
 
-        return torch.as_tensor(g, device=u0.device)
+        return torch.from_numpy(np.array(g, dtype=np.complex128 if B.is_complex(g) else np.float64)).to(u0.device)
     if B.is_torch(g) and not B.is_torch(u0):
         return g.cpu().numpy()
     return g
@@ -62,23 +69,26 @@ def _initial_states(initial_guess, u0, t_local: np.ndarray, n_total: int, index:
         return X
     if callable(initial_guess):
         for k, tk in enumerate(t_local):
-            g = _guess_like_u0(initial_guess(float(tk)), u0, "`initial_guess(t)` returned states that are")
+            g = _guess_like_u0(initial_guess(float(tk)), u0, "`initial_guess(t)`")
             if tuple(g.shape) != ushape:
                 raise ValueError(f"`initial_guess(t)` returned shape {tuple(g.shape)} at t = {float(tk)}, "
                                  f"expected {ushape} (the shape of `u0`)")
-            X[k] = g
+            with np.errstate(over="ignore"):  # (a value beyond u0's dtype: named by the caller)
+                X[k] = g
         return X
-    g = _guess_like_u0(initial_guess, u0, "`initial_guess` is")
+    g = _guess_like_u0(initial_guess, u0, "`initial_guess`")
     shape = tuple(g.shape)
     if shape == (n_total,) + ushape:
-        X[:] = g[index.start : index.stop]
+        with np.errstate(over="ignore"):
+            X[:] = g[index.start : index.stop]
         return X
     if shape not in ((), ushape):
         raise ValueError(
             f"`initial_guess` has shape {shape}; give a scalar, a state of shape {ushape}, "
             f"a trajectory of shape {(n_total,) + ushape}, or a callable of t"
         )
-    X[:] = g
+    with np.errstate(over="ignore"):
+        X[:] = g
     return X
 
 
@@ -312,7 +322,8 @@ def _setup(hierarchy, props, transfers, u0, initial_guess, comm: Communicator, p
         n_total = hierarchy[0].n + 1
         X = _initial_states(initial_guess, u0, w.tl, n_total, range(w.g0, w.hi + 1))
         if not B.all_finite(X):
-            raise ValueError("`initial_guess` contains NaN or Inf")
+            raise ValueError(f"`initial_guess` has values beyond the range of u0's dtype ({u0.dtype}): stored as "
+                             "u0's states they overflow to Inf; scale the problem or use a wider dtype")
         if w.lo == 0:
             X[0] = u0
         w.u = X

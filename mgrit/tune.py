@@ -1880,9 +1880,16 @@ def _evaluate(modes, col, h_sizes, cfs, relaxes, weight, n_modes, max_points, mi
         for c in cfs:
             red_sizes.append(red_sizes[-1] // c)
         for l in range(L - 1):
-            _, hi = theory.sharp_bounds(sub[l], sub[l + 1], cfs[l], h_sizes[l + 1], relaxes[l])
-            _, lo = theory.sharp_bounds(sub[l], sub[l + 1], cfs[l], red_sizes[l + 1], relaxes[l])
-            with np.errstate(divide="ignore", invalid="ignore"):
+            # an unstable coarse step (|mu| > 1) has no finite upper two-sided bound: its growth is taken from
+            # the column-sum bound, c_r (|mu|^n - 1) / (|mu| - 1) (|mu|^dn for large |mu|, n_full / n_red near 1)
+            unstable = np.abs(np.asarray(sub[l + 1])) > 1.0
+            pair = []
+            for n in (h_sizes[l + 1], red_sizes[l + 1]):
+                up = theory.sharp_bounds(sub[l], sub[l + 1], cfs[l], n, relaxes[l])[1]
+                col = theory.dobrev_bound(sub[l], sub[l + 1], cfs[l], n, relaxes[l])
+                pair.append(np.where(unstable, col, up))
+            hi, lo = pair
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 r = np.where(np.asarray(lo) > 0, np.asarray(hi) / np.asarray(lo), 1.0)
             ratio = max(ratio, float(np.nanmax(r)))
     fac = _exact_norm(P) * ratio

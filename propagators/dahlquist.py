@@ -41,17 +41,22 @@ class Dahlquist(Propagator):
         return 1.0 / (1.0 - z) if self.scheme == "be" else 1.0 + z
 
     def step(self, u, t0, t1):
-        f = self.factor(t1 - t0)
-        return (complex(f) if np.iscomplexobj(f) else float(f)) * u  # a Python scalar keeps u's precision
+        return _scale(self.factor(t1 - t0), u)  # (an array xi: one factor per entry)
 
     def step_batch(self, U, t0, t1):
-        f = self.factor(np.asarray(t1) - np.asarray(t0)).reshape((-1,) + (1,) * (U.ndim - 1))
-        if type(U).__module__.startswith("torch"):
-            import torch
+        f = self.factor(np.asarray(t1) - np.asarray(t0))
+        return _scale(f.reshape((-1,) + (1,) * (np.ndim(U) - 1)), U)
 
-            real = U.real.dtype if U.is_complex() else U.dtype if U.is_floating_point() else torch.float64
-            dtype = real.to_complex() if np.iscomplexobj(f) or U.is_complex() else real
-            return torch.as_tensor(f, device=U.device).to(dtype) * U
-        U = np.asarray(U)
-        real = U.real.dtype if U.dtype.kind in "fc" else np.dtype(np.float64)
-        return f.astype(np.result_type(real, np.complex64) if np.iscomplexobj(f) else real) * U
+
+def _scale(f: np.ndarray, u):
+    """``f * u`` in the precision of ``u`` (float32 states stay float32; a complex ``f`` makes real states
+    complex of that precision), for numpy arrays and torch tensors."""
+    if type(u).__module__.startswith("torch"):
+        import torch
+
+        real = u.real.dtype if u.is_complex() else u.dtype if u.is_floating_point() else torch.float64
+        dtype = real.to_complex() if np.iscomplexobj(f) or u.is_complex() else real
+        return torch.as_tensor(f, device=u.device).to(dtype) * u
+    u = np.asarray(u)
+    real = u.real.dtype if u.dtype.kind in "fc" else np.dtype(np.float64)
+    return np.asarray(f).astype(np.result_type(real, np.complex64) if np.iscomplexobj(f) else real) * u

@@ -52,9 +52,9 @@ def load_mnist(directory, kind: str = "train"):
     """Images (n, rows * cols) as float32 and labels (n,) as int64 from MNIST idx files in ``directory``.
 
     Looks for ``{kind}-images-idx3-ubyte[.gz]`` and ``{kind}-labels-idx1-ubyte[.gz]``
-    with ``kind`` "train" or "t10k". Byte images (MNIST's own, type code 0x08)
-    are scaled to [0, 1] by 1/255; images stored as floats are returned as they
-    are (already scaled). Labels must be whole numbers of an integer type.
+    with ``kind`` "train" or "t10k". Integer images (MNIST's own are bytes, type
+    code 0x08) are grey levels scaled to [0, 1] by 1/255; images stored as
+    floats are returned as they are (already scaled). Labels must be whole numbers of an integer type.
     """
     d = Path(directory)
 
@@ -78,7 +78,7 @@ def load_mnist(directory, kind: str = "train"):
                          "(MNIST's own are bytes)")
     n, rows, cols = images.shape
     X = images.reshape(n, rows * cols).astype(np.float32)
-    if images.dtype == np.uint8:  # MNIST's grey levels 0..255
+    if images.dtype.kind in "ui":  # grey levels 0..255 (MNIST's bytes, or any integer type)
         X /= np.float32(255.0)
     return X, labels.astype(np.int64)
 

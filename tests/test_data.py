@@ -116,3 +116,12 @@ def test_mnist_float_images_are_not_divided_by_255_and_labels_must_be_integers(t
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([0.5, 1, 2, 3]), 0x0E)
     with pytest.raises(ValueError, match="integer type"):
         load_mnist(tmp_path)
+
+
+@pytest.mark.parametrize("code, dtype", [(0x09, np.int8), (0x0B, np.int16), (0x0C, np.int32)])
+def test_mnist_integer_images_of_any_width_are_grey_levels(tmp_path, code, dtype):
+    images = (np.arange(2 * 3 * 4) * 3).astype(dtype).reshape(2, 3, 4)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, code)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(2, dtype=np.uint8), 0x08)
+    X, _ = load_mnist(tmp_path)
+    np.testing.assert_array_equal(X, images.reshape(2, 12).astype(np.float32) / np.float32(255))

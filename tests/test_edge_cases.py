@@ -391,3 +391,16 @@ def test_dahlquist_steps_torch_states_and_keeps_their_precision():
                                                      else 1e-5)
         U = torch.stack([u0, 2 * u0])
         assert torch.equal(prop.step_batch(U, np.zeros(2), np.full(2, 0.1))[0], prop.step(u0, 0.0, 0.1))
+
+
+@pytest.mark.parametrize("guess", [np.longdouble(0.5), __import__("fractions").Fraction(1, 2), np.full(3, 0.5)[::-1],
+                                   np.broadcast_to(0.5, (3,))])
+def test_any_numpy_guess_converts_to_torch_states(guess):
+    """Through torch.as_tensor a longdouble or object guess raised torch's TypeError, a reversed view its
+    negative-stride ValueError, and a read-only array warned on every solve."""
+    u0 = torch.tensor([1.0, -2.0, 0.5])
+    kw = dict(cf=2, max_levels=3, tol=None, max_iter=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = mgrit.solve(Decay(), u0, T, initial_guess=guess, **kw)
+    assert torch.equal(got.u, mgrit.solve(Decay(), u0, T, initial_guess=0.5, **kw).u)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -117,7 +118,7 @@ def test_non_numeric_u0(u0):
     lambda s: np.array([1.0, np.nan if s > 0.5 else 0.0]),
 ])
 def test_non_finite_initial_guess(guess):
-    with pytest.raises(ValueError, match="`initial_guess`"):
+    with pytest.raises(ValueError, match=r"`initial_guess(\(t\))?` contains NaN or Inf"):
         solve(initial_guess=guess)
 
 
@@ -239,11 +240,15 @@ def test_complex_or_non_numeric_t_is_refused_and_a_tracked_torch_t_is_a_grid():
     """A complex grid lost its imaginary part with a ComplexWarning; a torch grid that requires grad raised
     torch's "Can't call numpy() on Tensor that requires grad"."""
     torch = pytest.importorskip("torch")
-    for t in (T + 0j, np.array([False, True]), ["0", "1"]):
+    for t in (T + 0j, ["a", "b"], [object(), object()]):
         with pytest.raises(ValueError, match="`t` must hold real numbers"):
             solve(t=t)
-    tracked = torch.tensor(T, requires_grad=True)
-    assert np.array_equal(solve(t=tracked).u, solve().u)
+    want = solve().u
+    for t in (torch.tensor(T, requires_grad=True), [torch.tensor(x, requires_grad=True) for x in T],
+              [str(x) for x in T]):
+        assert np.array_equal(solve(t=t).u, want)
+    seconds = solve(t=(16 * T).astype("m8[s]"), propagator=Dahlquist(-0.1)).u  # a timedelta grid: its units
+    assert np.array_equal(seconds, solve(t=16 * T, propagator=Dahlquist(-0.1)).u)
 
 
 @pytest.mark.parametrize("norm", [np.True_, np.False_, [2], np.array([1, 2])])
@@ -285,3 +290,12 @@ def test_a_one_level_solve_calls_the_callback_once():
     assert res.status is mgrit.Status.SEQUENTIAL and res.residuals == []
     assert len(seen) == 1 and seen[0].iteration == 0 and seen[0].residual is None
     assert seen[0].counts == tuple(res.counts) == (len(T) - 1,)
+
+
+@pytest.mark.parametrize("guess", [1e5, lambda t: np.full(2, 1e5)])
+def test_a_finite_guess_beyond_u0s_dtype_is_named_as_such(guess):
+    """A guess of 1e5 for float16 states was reported as containing NaN or Inf."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no overflow warning from the cast either)
+        with pytest.raises(ValueError, match=r"beyond the range of u0's dtype \(float16\)"):
+            solve(u0=U0.astype(np.float16), initial_guess=guess)

@@ -150,7 +150,8 @@ def test_a_propagator_list_that_does_not_match_the_levels_names_the_level(case):
         mgrit.solve(args[0], props[0].initial(), T65, cf=4, max_levels=3, **args[1])
     notes = getattr(info.value, "__notes__", None)
     if notes is not None:  # (Python >= 3.11)
-        assert any(re.search(r"mgrit: raised in .* of level 2 \(propagator Heat1D, states of shape", n) for n in notes)
+        assert any(re.search(r"mgrit: raised in the .* level 2 \(level 2: propagator Heat1D, states of shape", n)
+                   for n in notes)
 
 
 class BadTransfer(mgrit.SpatialTransfer):
@@ -169,7 +170,7 @@ class BadTransfer(mgrit.SpatialTransfer):
     (BadTransfer(restrict=lambda U: U[1:, 1::2]), ValueError, r"BadTransfer.restrict\) returned shape .* one row"),
     (BadTransfer(interpolate=lambda E: E), ValueError, r"BadTransfer.interpolate\) returned states of shape \(7,\); "
                                                         r"the states of level 0 have shape \(15,\)"),
-    (BadTransfer(restrict=lambda U: list(U[:, 1::2])), TypeError, "returned list"),
+    (BadTransfer(restrict=lambda U: "coarse"), TypeError, "returned str"),
 ])
 def test_what_a_spatial_transfer_returns_is_checked(transfer, error, match):
     """A restrict returning None, a row short, or an interpolate of the wrong width gave TypeError / broadcast
@@ -185,3 +186,39 @@ def test_heat1d_names_a_state_of_another_size():
         heat.step(np.zeros(7), 0.0, 0.1)
     with pytest.raises(ValueError, match=r"stack of states.*got shape \(15,\)"):
         heat.step_batch(np.zeros(15), np.zeros(1), np.ones(1))
+
+
+def test_an_error_of_the_coarse_propagator_during_restriction_names_the_coarse_level():
+    """The FAS restriction steps level l + 1's propagator; the note named only level l and its propagator."""
+    class Coarse(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            raise ArithmeticError("coarse step failed")
+
+    fine = Heat1D(17)
+    with pytest.raises(ArithmeticError, match="coarse step failed") as info:
+        mgrit.solve([fine, Coarse()], fine.initial(), T65, cf=2, max_levels=2, spatial=HeatTransfer(), skip=False)
+    notes = getattr(info.value, "__notes__", None)
+    if notes is not None:  # (Python >= 3.11)
+        assert any("from level 0 to 1" in n and "level 1: propagator Coarse, states of shape (7,)" in n
+                   and "spatial transfer HeatTransfer to level 1" in n for n in notes), notes
+
+
+class Broadcasting(mgrit.SpatialTransfer):
+    """Averages to one value and prolongs it as an (n, 1) stack that broadcasts onto the fine states."""
+
+    def restrict(self, U):
+        return U.mean(1, keepdims=True)
+
+    def interpolate(self, E):
+        return E
+
+
+def test_an_interpolation_that_broadcasts_onto_the_fine_states_is_accepted():
+    class Decay(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return u / (1.0 + (t1 - t0))
+
+    u0 = np.array([1.0, 2.0, 3.0, 4.0])
+    res = mgrit.solve(Decay(), u0, uniform_grid(16, 1.0), cf=2, max_levels=2, spatial=Broadcasting(), tol=1e-12)
+    assert res.status.name == "CONVERGED"
+    assert max_err(res.u, sequential(Decay(), u0, uniform_grid(16, 1.0))) < 1e-12

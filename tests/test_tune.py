@@ -637,3 +637,29 @@ def test_the_tuners_state_norm_is_accurate_at_every_scale_of_its_dtype(dtype, sc
     X = (x * scale).astype(dtype)
     want = scale * np.linalg.norm(X.astype(np.complex128) / scale)  # the stored entries' norm, squares in range
     assert _scaled_norm(X) == pytest.approx(want, rel=10 * float(np.finfo(dtype).eps), abs=0.0)
+
+
+def test_the_reduced_grid_extrapolates_an_unstable_coarse_step_by_its_growth():
+    """Forward Euler with mu = -1.02 on the coarse level: the extrapolation from the reduced grid divided the
+    upper two-sided bounds, inf / inf for |mu| > 1 (or, before that bound was fixed, a bound 16 orders too
+    small): the predicted factor was 73 (91 before) for a two-level norm of 175. Now the column-sum bound's
+    growth: within a factor 1.5 of the norm."""
+    class FE(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return (1.0 - 1.01 * (t1 - t0)) * u
+
+    t = np.linspace(0, 200, 201)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = tune.predict_options(FE(), np.ones(1), t, cf=2, max_levels=2, relax="F", measure=False, expected=False)
+    lam, mu = 1.0 - 1.01, 1.0 - 2 * 1.01
+    norm = th.two_level_norm(lam, mu, 2, 100, "F")
+    assert 170 < norm < 180 and not s.choice.exact
+    assert norm <= s.choice.factor <= 1.5 * norm
+
+
+def test_the_norm_of_empty_states_is_zero():
+    from mgrit._backend import row_norms
+    from mgrit.tune import _scaled_norm
+
+    assert _scaled_norm(np.zeros(0)) == 0.0 and list(row_norms(np.zeros((3, 0)))) == [0.0, 0.0, 0.0]
