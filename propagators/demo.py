@@ -31,20 +31,44 @@ from .data import load_digits
 from .torch import LayerParallel, ODENet
 
 
+def _at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (a usage error otherwise, not a traceback from the run)."""
+    def parse_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse_int
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m propagators.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=32, help="residual layers (time steps)")
-    p.add_argument("--width", type=int, default=32, help="channels of the residual block")
-    p.add_argument("--T", type=float, default=2.0, help="final time of the ODE")
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=3)
-    p.add_argument("--fwd-iters", type=int, default=2)
-    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--layers", type=_at_least(1), default=32, help="residual layers (time steps)")
+    p.add_argument("--width", type=_at_least(1), default=32, help="channels of the residual block")
+    p.add_argument("--T", type=_positive, default=2.0, help="final time of the ODE")
+    p.add_argument("--epochs", type=_at_least(1), default=15)
+    p.add_argument("--batch", type=_at_least(1), default=64)
+    p.add_argument("--lr", type=_positive, default=3e-3)
+    p.add_argument("--cf", type=_at_least(2), default=4, help="coarsening factor (>= 2)")
+    p.add_argument("--levels", type=_at_least(1), default=3, help="most time levels")
+    p.add_argument("--fwd-iters", type=_at_least(1), default=2)
+    p.add_argument("--bwd-iters", type=_at_least(1), default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ranks", type=int, default=1, help="relaunch under the launcher with this many ranks")
+    p.add_argument("--ranks", type=_at_least(1), default=1, help="relaunch under the launcher with this many ranks")
     p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
                    help="engine of --ranks: mpiexec (mpi4py) or torchrun (torch.distributed, gloo)")
     p.add_argument("--quick", action="store_true", help="2 epochs (smoke run)")

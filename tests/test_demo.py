@@ -18,3 +18,19 @@ def test_demo_quick_runs_and_reports_both_models():
     # two epochs already separate the ten classes far better than chance (10%)
     assert float(acc["layer-parallel"]) > 50 and float(acc["serial"]) > 50
     assert "MGRIT statistics" in out.stdout and "level  points" in out.stdout
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--batch", "0"], "--batch: must be at least 1"),  # was ZeroDivisionError inside the epoch loop
+    (["--ranks", "0"], "--ranks: must be at least 1"),  # was a silent one-process run
+    (["--cf", "1"], "--cf: must be at least 2"),
+    (["--lr", "nan"], "--lr: must be a finite number > 0"),
+    (["--layers", "x"], "--layers: 'x' is not a whole number"),
+])
+def test_bad_demo_arguments_are_usage_errors(args, match, capsys):
+    from propagators.demo import parse
+
+    with pytest.raises(SystemExit) as info:
+        parse(args)
+    assert info.value.code == 2 and f"error: argument {match}" in capsys.readouterr().err
+    assert parse([]).layers == 32 and parse(["--T", "1.5"]).T == 1.5
