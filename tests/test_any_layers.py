@@ -1874,3 +1874,127 @@ def test_clip_grad_norm_of_a_model_around_a_block_is_torchs(p):
     head.weight.grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="error_if_nonfinite"):
         clip_grad_norm_(model, 0.1, error_if_nonfinite=True)
+
+
+# --------------------------------------------------------------------------- from a review of the dense path
+class _Frozen(nn.Module):
+    """A linear map the layer does not train (and does not differentiate through)."""
+
+    def __init__(self, width, frozen=True):
+        super().__init__()
+        self.lin, self.frozen = nn.Linear(width, width), frozen
+
+    def forward(self, u):
+        with torch.set_grad_enabled(not self.frozen and torch.is_grad_enabled()):
+            z = self.lin(u)
+        return torch.tanh(z)
+
+
+def _masked_linear(width, mask):
+    import types
+
+    lin = nn.Linear(width, width)
+    lin.forward = types.MethodType(lambda self, x: nn.functional.linear(x, self.weight * mask, self.bias), lin)
+    return nn.Sequential(lin, nn.Tanh())
+
+
+@pytest.mark.parametrize("case", ["no_grad inside", "some layers frozen", "forward replaced on an instance"])
+def test_what_a_trace_cannot_see_is_called_not_traced(case):
+    """The dense path steps a layer by its fx trace: grad-mode contexts in forward (a frozen linear map
+    got gradients: x.grad 0.5 off) and a forward replaced on one submodule instance (output 0.1 off) were
+    invisible to it. Such layers now agree with serial autograd."""
+    torch.manual_seed(5)
+    w, n = 5, 12
+    if case == "no_grad inside":
+        layers = [_Frozen(w) for _ in range(n)]
+    elif case == "some layers frozen":
+        layers = [_Frozen(w, frozen=j < 4) for j in range(n)]
+    else:
+        mask = (torch.rand(w, w) > 0.5).double()
+        layers = [_masked_linear(w, mask) for _ in range(n)]
+    layers = [m.double() for m in layers]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, **TIGHT)
+    check_equals_serial(lp, layers, torch.randn(3, w, dtype=torch.float64), 1.0)
+    assert all("dense" not in d for d in lp.kernel.describe()) or case == "some layers frozen"
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, u):
+        self.calls.data.add_(1)  # through .data: the version counter does not move
+        return torch.tanh(self.lin(u))
+
+
+class _EMACentre(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.register_buffer("mean", torch.zeros(w))
+
+    def forward(self, u):
+        self.mean.data = 0.9 * self.mean.data + 0.1 * u.detach().mean(0)  # new memory, same tensor object
+        return torch.tanh(self.lin(u - self.mean))
+
+
+class _NumpyNoise(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.lin, self.rng = nn.Linear(w, w), np.random.default_rng(0)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u)) + float(self.rng.normal()) * 1e-2
+
+
+class _PythonNoise(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 1, 3, padding=1)  # (not dense: called through vmap)
+
+    def forward(self, u):
+        import random
+
+        return torch.tanh(self.conv(u.unsqueeze(-2)).squeeze(-2)) * (1.0 + 1e-2 * random.random())
+
+
+@pytest.mark.parametrize("make, match", [
+    (_CountsCalls, "changed its buffer `calls`"),
+    (_EMACentre, r"changed its buffer `mean`|gave another output when called twice"),
+    (_NumpyNoise, "gave another output when called twice"),
+    (_PythonNoise, r"gave another output when called twice|drew random numbers"),
+])
+def test_side_effects_that_escape_torchs_counters_are_layer_errors(make, match):
+    """A buffer changed through .data and noise from a numpy Generator or Python's random passed the
+    version-counter and global-RNG checks: outputs 0.06-0.1 off serial, or a counter at 68 after one pass."""
+    torch.manual_seed(0)
+    lp = LayerParallel([make(4).double() for _ in range(8)], T=1.0, cf=2)
+    with pytest.raises(LayerError, match=match):
+        lp(torch.randn(3, 4, dtype=torch.float64))
+
+
+class _EvalNoise(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u)) + 1e-3 * torch.rand_like(u)
+
+
+def test_exact_inference_runs_layers_that_draw_noise_as_the_serial_network_does():
+    """In eval mode with exact_eval each layer is stepped once, in order: the serial network's calls, so
+    its draws too. It raised a LayerError that named no layer and advised eval mode."""
+    torch.manual_seed(1)
+    layers = [_EvalNoise(4).double() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, exact_eval=True).eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        y = lp(x)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        want = lp.to_serial()(x)
+    assert rel(y, want) < 1e-12

@@ -205,11 +205,15 @@ class DenseRHS:
 
     @classmethod
     def of(cls, module: nn.Module):
+        if any("forward" in vars(m) for m in module.modules()):
+            return None  # a forward replaced on an instance (a wrapper, accelerate's hooks): call it
         if type(module) is nn.Linear:
             if module.in_features != module.out_features:
                 return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
-            return cls("weight", "bias" if module.bias is not None else None)
-        return _trace_dense(module)
+            dense = cls("weight", "bias" if module.bias is not None else None)
+        else:
+            dense = _trace_dense(module)
+        return dense if dense is not None and _agrees(dense, module) else None
 
     def _z_single(self, params, u):
         """``W x + b`` of one layer (unstacked ``params``) on one state."""
@@ -479,6 +483,54 @@ def _trace_dense(module: nn.Module):
         return z
 
     return DenseRHS(weight, bias, activation, _derivative(ops))
+
+
+@contextlib.contextmanager
+def _random_states_kept(device):
+    """Torch's (CPU and ``device``'s), numpy's and Python's global random states restored on exit."""
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+def _agrees(dense: DenseRHS, module: nn.Module) -> bool:
+    """Whether the traced map gives the module's own output and vector-Jacobian products (by the state and
+    every parameter) on a random state: what a trace cannot see (``torch.no_grad()`` or ``detach`` through a
+    context inside ``forward``, a Python-level change of a submodule's behaviour) sends the layer to the
+    paths that call its ``forward``. Once per layer class; the random numbers come from a generator of
+    their own (the global ones are not touched)."""
+    params = dict(module.named_parameters())
+    W = params.get(dense.weight)
+    if W is None:
+        return False
+    gen = torch.Generator(device=W.device).manual_seed(0x5EED)
+    dtype = W.dtype if W.is_floating_point() or W.is_complex() else torch.get_default_dtype()
+    x = torch.randn((3, W.shape[1]), generator=gen, dtype=dtype, device=W.device)
+    v = torch.randn((3, W.shape[0]), generator=gen, dtype=dtype, device=W.device)
+    names = list(params)
+    results = []
+    try:
+        with _random_states_kept(W.device):
+            for evaluate in (lambda p, u: functional_call(module, p, (u,)), dense.single):
+                leaves = {n: params[n].detach().requires_grad_(True) for n in names}
+                u = x.clone().requires_grad_(True)
+                with torch.enable_grad():
+                    out = evaluate(leaves, u)
+                    inputs = [u] + [leaves[n] for n in names]
+                    grads = torch.autograd.grad(out, inputs, v, allow_unused=True) if out.requires_grad else \
+                        [None] * len(inputs)
+                results.append([out.detach()] + [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
+    except Exception:  # noqa: BLE001 - a layer that cannot run on a plain (rows, features) state: call it
+        return False
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float64).eps
+    for a, b in zip(*results):
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e3 * eps, atol=1e3 * eps * (1.0 + float(a.abs().max()))):
+            return False
+    return True
 
 
 def _elementwise(node, prev, subs):

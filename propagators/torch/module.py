@@ -19,6 +19,7 @@ import copy
 import functools
 import math
 import operator
+import random
 import warnings
 import zlib
 from typing import Sequence
@@ -33,7 +34,7 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, draw_masks, global_hooks,
+from .kernel import (_REGISTRIES, DropoutMasks, _random_states_kept, LayerError, LayerKernel, draw_masks, global_hooks,
                      own_saved_tensors, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
@@ -312,6 +313,18 @@ def _layout(m: nn.Module) -> tuple:
     """What must agree between the copies of one layer on different ranks."""
     return (type(m).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
+
+
+def _same_values(a, b) -> bool:
+    """``a`` and ``b`` hold the same values (NaN where the other has NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(a.masked_fill(na, 0), b.masked_fill(nb, 0))
 
 
 def _input_sums(x) -> tuple:
@@ -654,7 +667,8 @@ class LayerParallel(nn.Module):
         self.last_backward: mgrit.Result | None = None
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
-    _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_checked", "_dropout_key",
+    _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_repeated", "_checked",
+                "_dropout_key",
                 "_dropout_calls", "_slots", "_stamp")
 
     def __getstate__(self):
@@ -716,6 +730,7 @@ class LayerParallel(nn.Module):
         self._slots = _attribute_slots([self.layers, *self._subs])
         self._restamp()
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
+        self._repeated = False  # ... and, at the next pass that is not exact inference, their repeatability
         self._checked = None  # the lent layers are checked at the next pass (see _exchange_halo)
         self._dropout_key, self._dropout_calls = None, {}  # re-recorded at the next training pass
 
@@ -852,7 +867,8 @@ class LayerParallel(nn.Module):
         for c in self.kernel.classes:
             js = [int(j) for j in c.members if int(j) in owned]
             if js:
-                calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
+                with _random_states_kept(x.device):  # (a look at the layer: the pass's draws stay the serial ones)
+                    calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
                 mine.update({j: calls for j in js if calls})
         calls = mine
         if self._comm.size > 1:
@@ -1097,15 +1113,24 @@ class LayerParallel(nn.Module):
                 self._exchange_halo(pairs, kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
                 self._checked = now
             called = bool(calls) or (P > 1 and any(changed)) or not self._probed  # the layers' code ran
-            if not self._probed:
-                self._probe(kp, x)
+            repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
+            if not self._probed or repeating:
+                with _random_states_kept(x.device):  # (checks: they must not move the generators a pass uses)
+                    if not self._probed:
+                        self._probe(kp, x)
+                    if repeating:
+                        self._check_repeatable(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
             # dense layers are stepped by the traced linear map and activations alone: no code of theirs
             # runs in the solve, so there is nothing to check for side effects
             pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
             self._called = called or not pure
-            versions = None if pure else self._buffer_versions(kp)
-            rng = None if pure else (torch.random.get_rng_state(), np.random.get_state())
+            # exact inference steps every layer once, in order: the serial network's calls, side effects alike
+            checked = not pure and not exact
+            versions = self._buffer_versions(kp) if checked else None
+            rng = (torch.random.get_rng_state(), np.random.get_state(), random.getstate()) if checked else None
+            # (a change through .data passes the version counters: the values are compared once, on the first pass)
+            snapshot = [b.detach().clone() for b in kp.buffers] if checked and repeating else None
             with torch.no_grad():
                 if exact:
                     res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._solve_comm(),
@@ -1119,7 +1144,7 @@ class LayerParallel(nn.Module):
             self.last_forward = res.without_states()
             U, g0 = res.u, self.lo
             if rng is not None:
-                self._check_side_effects(kp, versions, rng)
+                self._check_side_effects(kp, versions, rng, snapshot)
             if P > 1:
                 U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
             if kp.batch_stats:
@@ -1137,14 +1162,17 @@ class LayerParallel(nn.Module):
 
     @staticmethod
     def _buffer_versions(kp) -> list:
-        return [b._version for b in kp.buffers]
+        """Version counter and memory address of every buffer (``b.data = ...`` keeps the counter and the
+        tensor object but not the memory)."""
+        return [(b._version, b.data_ptr()) for b in kp.buffers]
 
-    def _check_side_effects(self, kp, versions, rng):
+    def _check_side_effects(self, kp, versions, rng, snapshot=None):
         now = self._buffer_versions(kp)
         current = [d[a] for d, a in kp.k._bflat]
-        if now != versions or any(b is not c for b, c in zip(kp.buffers, current)):
-            k = next(i for i, (a, b, c, d) in enumerate(zip(now, versions, kp.buffers, current))
-                     if a != b or c is not d)
+        same = [a == b and c is d and (snapshot is None or _same_values(c, e))
+                for a, b, c, d, e in zip(now, versions, kp.buffers, current, snapshot or current)]
+        if not all(same):
+            k = same.index(False)
             j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
             name, owner, _ = kp.k.slots[j][1][k - kp.k._span[j][2]]
             hint = (f" ({type(owner).__name__} tracks running statistics in training mode: construct it with "
@@ -1156,9 +1184,10 @@ class LayerParallel(nn.Module):
                 "their input")
         state = np.random.get_state()
         if not torch.equal(rng[0], torch.random.get_rng_state()) or state[2] != rng[1][2] \
-                or not np.array_equal(state[1], rng[1][1]):
+                or not np.array_equal(state[1], rng[1][1]) or random.getstate() != rng[2]:
             raise LayerError(
-                "a layer drew random numbers during the forward pass other than through dropout "
+                "a layer drew random numbers (torch's, numpy's or Python's global generators) during the forward "
+                "pass other than through dropout "
                 "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass), "
                 "or made dropout calls that were not recorded for it (dropout calls must not depend on the "
                 "layer's input; after changing a layer's attributes call lp.refresh()). "
@@ -1183,6 +1212,27 @@ class LayerParallel(nn.Module):
                     "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
                     "detach it")
         self._probed = True
+
+    def _check_repeatable(self, kp, x):
+        """Call one layer of every class twice on the pass's input and reject a layer whose two outputs differ
+        (random numbers from generators no check sees, state it changes): MGRIT calls every layer many times."""
+        dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            for c in self.kernel.classes:
+                j = int(c.members[0])
+                first, again = (kp._call_layer(j, x.detach(), dt) for _ in range(2))
+                eps = torch.finfo(first.dtype).eps if first.is_floating_point() or first.is_complex() else 0.0
+                scale = float(first.abs().max()) if first.numel() else 0.0
+                if not (_same_values(first, again) or torch.allclose(first, again, rtol=1e3 * eps,
+                                                                      atol=1e3 * eps * (1.0 + scale))):
+                    raise LayerError(
+                        f"layer {j} ({type(c.template).__name__}) gave another output when called twice on the "
+                        f"same state (largest difference {float((first - again).abs().max()):.3g}): it draws random "
+                        "numbers from a source LayerParallel cannot fix for a pass (a numpy Generator, Python's "
+                        "random, a torch Generator of its own), or its output depends on state it changes when "
+                        "called. MGRIT evaluates every layer many times per pass; draw such noise outside the "
+                        "layers, or make them pure functions of their input")
+        self._repeated = True
 
     def _halo_pairs(self, kp) -> dict:
         """``{(owner, user): (parameters and buffers, layers)}`` of the layers lent in this rank's halo
