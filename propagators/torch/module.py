@@ -34,8 +34,8 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, _random_states_kept, LayerError, LayerKernel, draw_masks, global_hooks,
-                     own_saved_tensors, take_rows, uncached_parametrizations)
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_states_kept,
+                     draw_masks, global_hooks, own_saved_tensors, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -313,6 +313,30 @@ def _layout(m: nn.Module) -> tuple:
     """What must agree between the copies of one layer on different ranks."""
     return (type(m).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
+
+
+def _random_states() -> tuple:
+    """Torch's (CPU), numpy's and Python's global random states."""
+    return torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _random_moved(before: tuple) -> bool:
+    """Whether a global random state moved since :func:`_random_states` gave ``before``."""
+    state = np.random.get_state()
+    return (not torch.equal(before[0], torch.random.get_rng_state()) or state[2] != before[1][2]
+            or not np.array_equal(state[1], before[1][1]) or random.getstate() != before[2])
+
+
+def _check_random(before: tuple) -> None:
+    if _random_moved(before):
+        raise LayerError(
+            "a layer drew random numbers (torch's, numpy's or Python's global generators) during the forward "
+            "pass other than through dropout "
+            "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass), "
+            "or made dropout calls that were not recorded for it (dropout calls must not depend on the "
+            "layer's input; after changing a layer's attributes call lp.refresh()). "
+            "MGRIT evaluates every layer many times per pass, each time with a different draw; draw such "
+            "noise outside the layers, or put the layers in eval mode")
 
 
 def _same_values(a, b) -> bool:
@@ -1125,12 +1149,18 @@ class LayerParallel(nn.Module):
             # runs in the solve, so there is nothing to check for side effects
             pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
             self._called = called or not pure
-            # exact inference steps every layer once, in order: the serial network's calls, side effects alike
-            checked = not pure and not exact
-            versions = self._buffer_versions(kp) if checked else None
-            rng = (torch.random.get_rng_state(), np.random.get_state(), random.getstate()) if checked else None
-            # (a change through .data passes the version counters: the values are compared once, on the first pass)
-            snapshot = [b.detach().clone() for b in kp.buffers] if checked and repeating else None
+            versions = None if pure else self._buffer_versions(kp)
+            # (exact inference steps every layer once, in order: the serial network's draws; the checks that
+            # call layers keep the random states) (a change through .data passes the version counters: the
+            # values are compared once, on the first training pass)
+            rng = [_random_states()] if not pure and not exact else None
+            snapshot = [b.detach().clone() for b in kp.buffers] if not pure and repeating else None
+            callback = self.callback
+            if rng is not None and callback is not None:  # a callback may draw: the layers' draws are those
+                def callback(info, user=self.callback, rng=rng):  # before it, the baseline moves past it
+                    _check_random(rng[0])
+                    user(info)
+                    rng[0] = _random_states()
             with torch.no_grad():
                 if exact:
                     res = mgrit.solve(prop, x.detach(), self.t, max_levels=1, comm=self._solve_comm(),
@@ -1140,11 +1170,13 @@ class LayerParallel(nn.Module):
                     res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
                                       tol_type=self.tol_type, max_iter=self.fwd_iters,
                                       skip=self.skip and guess is None, initial_guess=guess, comm=self._solve_comm(),
-                                      callback=self.callback, final_residual=True, spatial=transfers)
+                                      callback=callback, final_residual=True, spatial=transfers)
             self.last_forward = res.without_states()
             U, g0 = res.u, self.lo
+            if versions is not None:
+                self._check_buffers(kp, versions, snapshot)
             if rng is not None:
-                self._check_side_effects(kp, versions, rng, snapshot)
+                _check_random(rng[0])
             if P > 1:
                 U, g0 = res.with_ghost() if len(U) else (U, g0)  # the left neighbour's last state in front
             if kp.batch_stats:
@@ -1166,7 +1198,7 @@ class LayerParallel(nn.Module):
         tensor object but not the memory)."""
         return [(b._version, b.data_ptr()) for b in kp.buffers]
 
-    def _check_side_effects(self, kp, versions, rng, snapshot=None):
+    def _check_buffers(self, kp, versions, snapshot=None):
         now = self._buffer_versions(kp)
         current = [d[a] for d, a in kp.k._bflat]
         same = [a == b and c is d and (snapshot is None or _same_values(c, e))
@@ -1182,17 +1214,6 @@ class LayerParallel(nn.Module):
                 f"layer {j} changed its buffer `{name}` during the forward pass{hint}. MGRIT evaluates every "
                 "layer many times per pass; put such layers in eval mode or make them pure functions of "
                 "their input")
-        state = np.random.get_state()
-        if not torch.equal(rng[0], torch.random.get_rng_state()) or state[2] != rng[1][2] \
-                or not np.array_equal(state[1], rng[1][1]) or random.getstate() != rng[2]:
-            raise LayerError(
-                "a layer drew random numbers (torch's, numpy's or Python's global generators) during the forward "
-                "pass other than through dropout "
-                "(torch.nn.functional.dropout / dropout1d-3d, whose masks LayerParallel draws once per pass), "
-                "or made dropout calls that were not recorded for it (dropout calls must not depend on the "
-                "layer's input; after changing a layer's attributes call lp.refresh()). "
-                "MGRIT evaluates every layer many times per pass, each time with a different draw; draw such "
-                "noise outside the layers, or put the layers in eval mode")
 
     def _probe(self, kp, x):
         """Evaluate one layer of every class with autograd once, and reject layers that use
@@ -1220,11 +1241,15 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             for c in self.kernel.classes:
                 j = int(c.members[0])
+                before, versions = _random_states(), self._buffer_versions(kp)
                 first, again = (kp._call_layer(j, x.detach(), dt) for _ in range(2))
                 eps = torch.finfo(first.dtype).eps if first.is_floating_point() or first.is_complex() else 0.0
                 scale = float(first.abs().max()) if first.numel() else 0.0
                 if not (_same_values(first, again) or torch.allclose(first, again, rtol=1e3 * eps,
                                                                       atol=1e3 * eps * (1.0 + scale))):
+                    if _random_moved(before):  # the global generators: the message of the solve's own check
+                        raise _random_error(c)
+                    self._check_buffers(kp, versions)  # a buffer it changes: that message
                     raise LayerError(
                         f"layer {j} ({type(c.template).__name__}) gave another output when called twice on the "
                         f"same state (largest difference {float((first - again).abs().max()):.3g}): it draws random "
