@@ -1136,8 +1136,8 @@ class LayerParallel(nn.Module):
                 spread = max(_input_gap(s, sums[0]) for s in sums)
                 self._exchange_halo(pairs, kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
                 self._checked = now
-            called = bool(calls) or (P > 1 and any(changed)) or not self._probed  # the layers' code ran
             repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
+            called = bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating  # the layers' code ran
             if not self._probed or repeating:
                 with _random_states_kept(x.device):  # (checks: they must not move the generators a pass uses)
                     if not self._probed:
