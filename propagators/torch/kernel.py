@@ -414,8 +414,7 @@ def _trace_dense(module: nn.Module):
 
 
 def _traced_dense(module: nn.Module):
-    np_state = np.random.get_state()
-    states = (np_state[1].copy(), np_state[2], torch.random.get_rng_state(), random.getstate())
+    before = _random_states()
     attrs = [(m, dict(vars(m))) for m in module.modules()]
     contents = [(v, list(v)) if isinstance(v, list) else (v, dict(v)) for _, d in attrs for k, v in d.items()
                 if type(v) in (list, dict) and k not in _REGISTRIES]
@@ -436,9 +435,7 @@ def _traced_dense(module: nn.Module):
             else:
                 v.clear()
                 v.update(was)
-    now = np.random.get_state()
-    if not (np.array_equal(states[0], now[1]) and states[1] == now[2]
-            and torch.equal(states[2], torch.random.get_rng_state()) and states[3] == random.getstate()):
+    if _random_moved(before):
         return None  # forward draws random numbers in Python: a trace would freeze one draw
     nodes = list(graph.nodes)
     if len(nodes) < 3 or nodes[0].op != "placeholder" or nodes[-1].op != "output":
@@ -489,6 +486,18 @@ def _traced_dense(module: nn.Module):
         return z
 
     return DenseRHS(weight, bias, activation, _derivative(ops))
+
+
+def _random_states() -> tuple:
+    """Torch's (CPU), numpy's and Python's global random states."""
+    return torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _random_moved(before: tuple) -> bool:
+    """Whether a global random state moved since :func:`_random_states` gave ``before``."""
+    state = np.random.get_state()
+    return (not torch.equal(before[0], torch.random.get_rng_state()) or state[2] != before[1][2]
+            or not np.array_equal(state[1], before[1][1]) or random.getstate() != before[2])
 
 
 @contextlib.contextmanager

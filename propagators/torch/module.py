@@ -19,7 +19,6 @@ import copy
 import functools
 import math
 import operator
-import random
 import warnings
 import zlib
 from typing import Sequence
@@ -34,8 +33,9 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_states_kept,
-                     draw_masks, global_hooks, own_saved_tensors, take_rows, uncached_parametrizations)
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_moved,
+                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors, take_rows,
+                     uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -313,18 +313,6 @@ def _layout(m: nn.Module) -> tuple:
     """What must agree between the copies of one layer on different ranks."""
     return (type(m).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
-
-
-def _random_states() -> tuple:
-    """Torch's (CPU), numpy's and Python's global random states."""
-    return torch.random.get_rng_state(), np.random.get_state(), random.getstate()
-
-
-def _random_moved(before: tuple) -> bool:
-    """Whether a global random state moved since :func:`_random_states` gave ``before``."""
-    state = np.random.get_state()
-    return (not torch.equal(before[0], torch.random.get_rng_state()) or state[2] != before[1][2]
-            or not np.array_equal(state[1], before[1][1]) or random.getstate() != before[2])
 
 
 def _check_random(before: tuple) -> None:
