@@ -404,3 +404,14 @@ def test_any_numpy_guess_converts_to_torch_states(guess):
         warnings.simplefilter("error")
         got = mgrit.solve(Decay(), u0, T, initial_guess=guess, **kw)
     assert torch.equal(got.u, mgrit.solve(Decay(), u0, T, initial_guess=0.5, **kw).u)
+
+
+def test_dahlquist_with_one_xi_per_entry_steps_each_entry_with_its_own():
+    """An array xi raised TypeError in step (float() of an array) after the precision change; one-level
+    solves (which call step) failed with it."""
+    xi = np.array([-1.0, -2.0])
+    prop = Dahlquist(xi)
+    np.testing.assert_array_equal(prop.step(np.ones(2), 0.0, 0.5), 1.0 / (1.0 + 0.5 * np.array([1.0, 2.0])))
+    t = uniform_grid(8, 1.0)
+    res = mgrit.solve(prop, np.ones(2), t, max_levels=1)
+    np.testing.assert_allclose(res.u[-1], (1.0 / (1.0 - xi / 8)) ** 8, rtol=1e-14, atol=0.0)
