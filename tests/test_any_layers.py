@@ -2066,3 +2066,27 @@ def test_layers_built_on_the_meta_device_keep_the_dense_path():
         layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)]
     lp = LayerParallel(layers, T=1.0, cf=2)  # RuntimeError "META device type not an accelerator" from the check
     assert all(d.endswith("dense") for d in lp.kernel.describe())
+
+
+class _LoudNumpyNoise(_NumpyNoise):
+    def forward(self, u):
+        return torch.tanh(self.lin(u)) + float(self.rng.normal())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_repeat_check_sees_noise_in_half_precision(dtype):
+    """The first pass's repeat check allowed 1e3 eps (about 1 in float16, 7.8 in bfloat16): unit noise from a
+    numpy Generator (differences of 0.11 between the two calls) passed without an error."""
+    torch.manual_seed(0)
+    lp = LayerParallel([_LoudNumpyNoise(4).to(dtype) for _ in range(8)], T=1.0, cf=2)
+    with pytest.raises(LayerError, match="gave another output when called twice"):
+        lp(torch.randn(3, 4, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e3 * 2.0 ** -52), (torch.float32, 1e3 * 2.0 ** -23),
+                                        (torch.complex64, 1e3 * 2.0 ** -23), (torch.float16, 1e-2),
+                                        (torch.bfloat16, 1e-2), (torch.int64, 0.0)])
+def test_rounding_tolerance(dtype, tol):
+    from propagators.torch.kernel import rounding_tolerance
+
+    assert rounding_tolerance(dtype) == tol

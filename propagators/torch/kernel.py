@@ -512,6 +512,16 @@ def _random_states_kept(device):
             np.random.set_state(npy)
 
 
+def rounding_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance for two evaluations of one layer that should agree up to the order of their
+    floating-point operations: 1e3 units of ``dtype``'s precision, at most 1e-2 (float16 and bfloat16, where
+    1e3 eps is 1 and 7.8: no check at all). Integer outputs must agree exactly."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return 0.0
+    real = dtype.to_real() if dtype.is_complex else dtype
+    return min(1e3 * torch.finfo(real).eps, 1e-2)
+
+
 def _agrees(dense: DenseRHS, module: nn.Module) -> bool:
     """Whether the traced map gives the module's own output and vector-Jacobian products (by the state and
     every parameter) on a random state: what a trace cannot see (``torch.no_grad()`` or ``detach`` through a
@@ -543,10 +553,9 @@ def _agrees(dense: DenseRHS, module: nn.Module) -> bool:
                 results.append([out.detach()] + [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
     except Exception:  # noqa: BLE001 - a layer that cannot run on a plain (rows, features) state: call it
         return False
-    # the same operations on both sides give the same bits; 1e3 eps (at most 1e-2: float16 / bfloat16) allows
-    # for a module that orders them otherwise, far below what a lost or changed term makes of a gradient
-    real = dtype.to_real() if dtype.is_complex else dtype
-    tol = min(1e3 * torch.finfo(real).eps, 1e-2)
+    # the same operations on both sides give the same bits; the tolerance allows for a module that orders
+    # them otherwise, far below what a lost or changed term makes of a gradient
+    tol = rounding_tolerance(dtype)
     for a, b in zip(*results):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=tol, atol=tol * (1.0 + float(a.abs().max()))):
             return False

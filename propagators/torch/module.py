@@ -34,7 +34,8 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_moved,
-                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors, take_rows,
+                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
+                     rounding_tolerance, take_rows,
                      uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
@@ -1231,10 +1232,10 @@ class LayerParallel(nn.Module):
                 j = int(c.members[0])
                 before, versions = _random_states(), self._buffer_versions(kp)
                 first, again = (kp._call_layer(j, x.detach(), dt) for _ in range(2))
-                eps = torch.finfo(first.dtype).eps if first.is_floating_point() or first.is_complex() else 0.0
+                tol = rounding_tolerance(first.dtype)
                 scale = float(first.abs().max()) if first.numel() else 0.0
-                if not (_same_values(first, again) or torch.allclose(first, again, rtol=1e3 * eps,
-                                                                      atol=1e3 * eps * (1.0 + scale))):
+                if not (_same_values(first, again) or torch.allclose(first, again, rtol=tol,
+                                                                      atol=tol * (1.0 + scale))):
                     if _random_moved(before):  # the global generators: the message of the solve's own check
                         raise _random_error(c)
                     self._check_buffers(kp, versions)  # a buffer it changes: that message
