@@ -1876,6 +1876,26 @@ def test_clip_grad_norm_of_a_model_around_a_block_is_torchs(p):
         clip_grad_norm_(model, 0.1, error_if_nonfinite=True)
 
 
+@pytest.mark.parametrize("where", ["head", "first layer", "late layer", "tail"])
+@pytest.mark.parametrize("p", [2.0, 1.0, float("inf")])
+def test_grad_norm_of_gradients_with_a_nan_is_nan(where, p):
+    """As torch's: NaN, and clip_grad_norm_(error_if_nonfinite=True) raises. The inf-norm returned the
+    largest finite value (5.58) when the NaN was not the first value Python's max saw."""
+    from propagators.torch import clip_grad_norm_, grad_norm
+
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2)
+    model = nn.Sequential(nn.Linear(3, 4), lp, nn.Linear(4, 2))
+    model(torch.randn(5, 3)).sum().backward()
+    grad = {"head": model[0].weight.grad, "first layer": lp.layers[0][0].weight.grad,
+            "late layer": lp.layers[5][0].weight.grad, "tail": model[2].bias.grad}[where]
+    grad.view(-1)[-1] = float("nan")
+    assert math.isnan(grad_norm(model, p))
+    assert math.isnan(torch.nn.utils.get_total_norm([q.grad for q in model.parameters()], p))
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        clip_grad_norm_(model, 0.1, p, error_if_nonfinite=True)
+
+
 # --------------------------------------------------------------------------- from a review of the dense path
 class _Frozen(nn.Module):
     """A linear map the layer does not train (and does not differentiate through)."""

@@ -28,12 +28,19 @@ def _norm_type(norm_type) -> float:
     return p
 
 
+def _max(values) -> float:
+    """The largest of ``values``, NaN when any is NaN (as torch's norms: Python's ``max`` keeps a NaN only
+    when it comes first), 0 when there are none."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
 def _part(grads, p: float) -> float:
     """``sum |g|^p`` (the maximum for p = inf) of the gradients ``grads``, in float64."""
     if not grads:
         return 0.0
     if math.isinf(p):
-        return max(float(g.detach().abs().max()) for g in grads)
+        return _max(float(g.detach().abs().max()) for g in grads)
     return sum(float(torch.linalg.vector_norm(g.detach().double(), p) ** p) for g in grads)
 
 
@@ -57,11 +64,13 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
         # instead of waiting
         with b._session("grad_norm / clip_grad_norm_", p, agree="norm types"):
             if math.isinf(p):
-                parts.append(b.comm.max([_part(own, p)]))
+                local = _part(own, p)  # (the communicator's max takes a NaN for inf: count NaNs apart)
+                nans = b.comm.sum_exact([float(math.isnan(local))])
+                parts.append(math.nan if nans else b.comm.max([0.0 if math.isnan(local) else local]))
             else:
                 parts.append(b.comm.sum_exact([_part([g], p) for g in own]))
     if math.isinf(p):
-        return max(parts)
+        return _max(parts)
     return math.fsum(parts) ** (1.0 / p)
 
 

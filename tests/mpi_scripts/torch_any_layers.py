@@ -44,7 +44,7 @@ from checks import TIGHT, check, fail, rank, size, world
 from mgrit import RemoteRankError
 from propagators.torch import LayerError
 from layer_zoo import Conv, Scaled, loss_fn
-from propagators.torch import LayerParallel, ODENet, clip_grad_norm_
+from propagators.torch import LayerParallel, ODENet, clip_grad_norm_, grad_norm
 
 torch.set_default_dtype(torch.float64)
 
@@ -430,6 +430,16 @@ def clipped_gradients():
         fail("clip_grad_norm_ on some ranks while one is in a pass: no error")
     except ValueError:
         pass
+    # a NaN in one layer's gradient, held by one rank: NaN on every rank, for every norm type (torch's
+    # result; the inf-norm dropped it when the NaN was not the first value of Python's max)
+    owner = max(lp.layers.indices)
+    for p in (2.0, 1.0, float("inf")):
+        model.zero_grad()
+        loss_fn(model(x)).backward()
+        if owner in lp.owned_layers:
+            lp.layers[owner][0].weight.grad[1, 2] = float("nan")
+        if not all(v != v for v in world.allgather(float(grad_norm(model, p)))):
+            fail(f"grad_norm (p={p}) of gradients with a NaN on one rank: not NaN on every rank")
 
 
 try:
