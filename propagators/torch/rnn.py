@@ -77,8 +77,8 @@ def _affine_compose(a, b):
 #: the least steps of a piece of the weight gradients (_ParallelRNN._step_gradients)
 _PIECE_STEPS = 64
 #: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
-_SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, or solve settings (fwd_iters, "
-                "bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
+_SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, return_sequence, or solve "
+                "settings (fwd_iters, bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
 
 
 def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
@@ -363,7 +363,8 @@ class _ParallelRNN(nn.Module):
         calling two modules in different orders raise) and raise alike when they built different ones."""
         params = list(self.parameters())
         settings = (self.input_size, self.hidden_size, self.num_layers, self.bias, repr(self.options), self.cycle,
-                    self.coarse, self.bidirectional, self.dropout, str(params[0].dtype))
+                    self.coarse, self.bidirectional, self.dropout, self.return_sequence, self.batch_first,
+                    str(params[0].dtype))
         name = type(self).__name__
         meta = any(p.is_meta for p in params)
         session = self._comm.session(Call(f"building a {name}"), share=(_uids[0], *settings, meta))
@@ -377,7 +378,8 @@ class _ParallelRNN(nn.Module):
                         p.copy_(v.view_as(p))
         self._uid = _agreed_build(session.shared, name, ("input_size", "hidden_size", "num_layers", "bias",
                                                          "MGRIT settings", "cycle", "coarse", "bidirectional",
-                                                         "dropout", "parameter dtype", "meta device"))
+                                                         "dropout", "return_sequence", "batch_first",
+                                                         "parameter dtype", "meta device"))
 
     def __getstate__(self):
         """Pickling and ``copy.deepcopy`` (torch.save of the module, AveragedModel, ...): on one rank the
@@ -750,7 +752,8 @@ class _ParallelRNN(nn.Module):
             # the solve runs inside this session (InSession): one session per layer and pass, whose
             # handshake compares what the solve needs every rank to agree on
             opts = self._mgrit_options(exact, True)
-            sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes())
+            # (whether the output sequence is gathered: a rank that gathers while another does not would wait)
+            sig = args_signature(tuple(opts.items()), tuple(h0.shape), str(h0.dtype), lay.t.tobytes(), want_seq)
             with self._session(f"the forward solve of {self._unit(k)}", sig, agree=_SOLVE_AGREE):
                 res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **opts, comm=InSession(self._comm),
                                   final_residual=True)

@@ -85,6 +85,14 @@ def weights_inputs_and_copies(cls):
         value_error_everywhere(lambda: par(x), "the parameters of rank", "a parameter more on one rank")
         if rank == size - 1:
             del par.extra
+        # the output sequence gathered on some ranks only: both waited for ever (the gather against the
+        # session's end); built so, or set after the build
+        for flag in ("return_sequence", "batch_first"):
+            value_error_everywhere(lambda: cls(I, H, comm=MPI.COMM_WORLD, **{flag: rank == 0}), f"different {flag}",
+                                   f"{cls.__name__} built with {flag} on one rank")
+        par.return_sequence = rank == 0
+        value_error_everywhere(lambda: par(x), "return_sequence", "return_sequence set on one rank only")
+        par.return_sequence = True
         bad = x.clone()
         if rank == size - 1:
             bad[3, 0, 1] = float("nan")
