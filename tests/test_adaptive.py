@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 from torch import nn
 
 from propagators.torch import LayerParallel, ODENet
-from propagators.torch.switch import SerialSwitch, Switchable
+from propagators.torch.switch import SerialSwitch, Switchable, SwitchRule
 
 
 def network(n_layers=32, width=6, seed=0):
@@ -89,3 +90,82 @@ def test_measuring_leaves_no_trace_and_a_converged_batch_norm_gradient_has_no_er
     assert rec["error"] < 1e-9  # the converged layer-parallel gradient is the full-batch BatchNorm gradient
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
     assert torch.equal(rng, torch.random.get_rng_state())
+
+
+def test_lowering_the_cycles_never_raises_them():
+    """``min_iters`` above the block's cycles: a "lowering" (error far below the target) set them to 4/4."""
+    model = network()
+    lp = model[1].lp
+    lp.fwd_iters, lp.bwd_iters = 2, 1
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (32,), generator=gen)
+    ctl = SerialSwitch(model, nn.functional.cross_entropy, every=1, action="adapt", min_iters=4, window=1,
+                       ratio=1e6)
+    nn.functional.cross_entropy(model(x), y).backward()
+    rec = ctl.update(x, y)
+    assert rec["error"] < 0.25 * 1e6 * rec["noise"]  # (far below: the controller tries to lower)
+    assert (lp.fwd_iters, lp.bwd_iters) == (2, 1) and not rec["lowered"]
+    lp.fwd_iters, lp.bwd_iters = 6, 4
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert ctl.update(x, y)["lowered"] and (lp.fwd_iters, lp.bwd_iters) == (5, 4)
+
+
+def test_exact_iterations_with_one_coarsening_factor_per_level():
+    """A per-level cf (which LayerParallel accepts) raised TypeError in int(); "tighten" failed with it."""
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(16)], cf=[2, 4], max_levels=3,
+                       fwd_iters=1, bwd_iters=1)
+    block = Switchable(lp)
+    assert block.exact_iterations == 16 // 2 + 2
+    assert Switchable(LayerParallel([nn.Linear(6, 6) for _ in range(5)], cf=3, max_levels=1)).exact_iterations == 1
+    model = nn.Sequential(nn.Linear(3, 6), block, nn.Linear(6, 2)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    ctl = SerialSwitch(model, nn.functional.cross_entropy, every=1, window=1, ratio=0.0, action="tighten")
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert ctl.update(x, y)["triggered"] and (lp.fwd_iters, lp.bwd_iters) == (2, 2)
+    # at exact_iterations cycles the block's gradient is the serial one
+    lp.fwd_iters = lp.bwd_iters = block.exact_iterations
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert ctl.measure(x, y)["error"] < 1e-12
+
+
+def test_switch_refuses_mgrit_blocks_it_cannot_make_exact():
+    """A LayerParallel beside the Switchable (not wrapped) kept its 2/1-cycle error in the "exact"
+    reference: the measured error was 0.854 for a true 1.261, and switching left that block inexact."""
+    from propagators.torch import ParallelGRU
+
+    torch.manual_seed(0)
+    wrapped = Switchable(LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], cf=2))
+    bare = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], cf=2)
+    with pytest.raises(ValueError, match=r"LayerParallel `2` is not a Switchable.*wrap it"):
+        SerialSwitch(nn.Sequential(nn.Linear(3, 6), wrapped, bare), nn.functional.mse_loss)
+    converged = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], cf=2, fwd_tol=1e-12,
+                              bwd_tol=1e-12)
+    SerialSwitch(nn.Sequential(nn.Linear(3, 6), wrapped, converged), nn.functional.mse_loss)  # exact enough
+
+    class WithGRU(nn.Module):
+        def __init__(self, gru):
+            super().__init__()
+            self.block, self.gru = wrapped, gru
+
+        def forward(self, x):
+            return self.gru(self.block(x))[0]
+
+    with pytest.raises(ValueError, match=r"ParallelGRU `gru` is not a Switchable.*to_gru"):
+        SerialSwitch(WithGRU(ParallelGRU(6, 6)), nn.functional.mse_loss)
+    SerialSwitch(WithGRU(ParallelGRU(6, 6, fwd_tol=1e-12, bwd_tol=1e-12)), nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), True, "0.1"])
+def test_switch_rule_threshold_is_checked(threshold):
+    """threshold=NaN was accepted and never fired (ratio=NaN was already refused)."""
+    with pytest.raises(ValueError, match=r"`threshold` must be None or a number \(not NaN\)"):
+        SwitchRule(threshold=threshold)
+
+
+def test_switch_rule_threshold_accepts_numbers():
+    import numpy as np
+
+    for t in (0, 0.5, np.float32(0.5), float("inf"), -1.0):  # (negative: fires at every measurement)
+        assert SwitchRule(threshold=t).threshold == t

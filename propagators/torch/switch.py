@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .module import LayerParallel
+from .rnn import _ParallelRNN
 
 MODES = ("parallel", "serial")
 
@@ -54,8 +56,14 @@ class Switchable(nn.Module):
     def exact_iterations(self) -> int:
         """Cycles after which a solve equals sequential stepping, whatever the residual
         (F-relaxation moves the exact front one coarse point per cycle; one more for skip)."""
-        cf = int(self.lp.options["cf"])
-        return math.ceil(self.lp.n_layers / cf) + 2
+        if len(self.lp.hierarchy) == 1:
+            return 1  # one level: the solve is sequential stepping
+        cf = self.lp.options["cf"]
+        try:
+            first = int(cf)
+        except TypeError:  # one factor per level: the first coarsens the layers to level 1
+            first = int(list(cf)[0])
+        return math.ceil(self.lp.n_layers / first) + 2
 
     @property
     def mode(self) -> str:
@@ -122,6 +130,9 @@ class SwitchRule:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {v!r}")
         if not self.ratio >= 0:
             raise ValueError(f"`ratio` must be >= 0, got {self.ratio!r}")
+        t = self.threshold  # (a NaN never fires; a negative one fires at every measurement)
+        if t is not None and not (isinstance(t, numbers.Real) and not isinstance(t, bool) and not math.isnan(t)):
+            raise ValueError(f"`threshold` must be None or a number (not NaN), got {t!r}")
 
     def over(self, records) -> bool:
         """True when the mean of the last ``window`` of ``records`` (measurement dicts) is above
@@ -200,7 +211,10 @@ class SerialSwitch:
     Parameters
     ----------
     model : nn.Module
-        The network; it must contain at least one :class:`Switchable`.
+        The network; it must contain at least one :class:`Switchable`, and every other MGRIT block
+        in it (a bare LayerParallel, ParallelGRU or ParallelLSTM) must run its solves to tolerances
+        (``fwd_tol`` and ``bwd_tol``): a ValueError otherwise, since its error would stay in the
+        exact reference.
     loss_fn : callable
         ``loss_fn(model(x), target)``, a mean over the samples of the batch.
     every : int
@@ -242,6 +256,19 @@ class SerialSwitch:
         if not self.switchables:
             raise ValueError("the model contains no Switchable: wrap its LayerParallel module, "
                              "`Switchable(lp)`, and use that in the model (make_vit does)")
+        wrapped = {id(s.lp) for s in self.switchables}
+        for name, m in model.named_modules():
+            # an MGRIT block the switch cannot put in serial mode: its error would be in the "exact"
+            # gradient too, so the measured error would be too small, and switching would not remove it
+            # (one whose solves run to tolerances is exact enough to stay as it is)
+            unwrapped = isinstance(m, LayerParallel) and id(m) not in wrapped or isinstance(m, _ParallelRNN)
+            if unwrapped and (m.fwd_tol is None or m.bwd_tol is None):
+                advice = "wrap it, `Switchable(lp)`, and use that in the model, or" if isinstance(m, LayerParallel) \
+                    else "use the serial module (to_gru() / to_lstm()) or"
+                raise ValueError(f"the model's {type(m).__name__} `{name}` is not a Switchable: SerialSwitch "
+                                 f"measures the gradient error against the model with its Switchable blocks in "
+                                 f"serial mode, and this block's MGRIT error (fixed cycles) would stay in that "
+                                 f"reference; {advice} converge its solves (fwd_tol and bwd_tol)")
         if action not in ("serial", "tighten", "adapt"):
             raise ValueError(f"`action` must be 'serial', 'tighten' or 'adapt', got {action!r}")
         if not 0 <= lower < 1:
@@ -311,6 +338,9 @@ class SerialSwitch:
         # no side effects on training: buffers (BatchNorm's running statistics) and the random state
         # (the next dropout masks) are as they were before the measurement
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        # and on several ranks (serial mode is a converged solve there) the blocks' warm-start trajectory
+        # and solve statistics, which the exact passes would replace by theirs
+        kept = [(s.lp, s.lp._warm, s.lp.last_forward, s.lp.last_backward) for s in self.switchables]
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         batch_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules())
@@ -332,6 +362,8 @@ class SerialSwitch:
             with torch.no_grad():
                 for b, v in buffers:
                     b.copy_(v)
+            for lp, warm, forward, backward in kept:
+                lp._warm, lp.last_forward, lp.last_backward = warm, forward, backward
             torch.random.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
@@ -376,7 +408,8 @@ class SerialSwitch:
     def _lower(self) -> bool:
         changed = False
         for s in self.switchables:
-            f, b = max(s.lp.fwd_iters - 1, self.min_iters), max(s.lp.bwd_iters - 1, self.min_iters)
+            # one fewer, down to min_iters; never more (a block that starts below min_iters stays there)
+            f, b = (max(n - 1, min(n, self.min_iters)) for n in (s.lp.fwd_iters, s.lp.bwd_iters))
             changed |= (f, b) != (s.lp.fwd_iters, s.lp.bwd_iters)
             s.lp.fwd_iters, s.lp.bwd_iters = f, b
         return changed
