@@ -34,6 +34,7 @@ from torch import nn
 from propagators.data import load_digits
 from propagators.torch import LayerParallel
 from propagators.torch.switch import SerialSwitch, Switchable
+from _cli import nonnegative_int, positive_float, positive_int  # noqa: E402
 
 
 def build(layers: int, width: int, T: float, fwd: int, bwd: int, seed: int):
@@ -96,15 +97,15 @@ def train(kind: str, args, data, layers: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, nargs="+", default=[32, 128])
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--T", type=float, default=2.0)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--every", type=int, default=5)
-    p.add_argument("--ratio", type=float, default=0.5, help="the error may be this fraction of the noise")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=positive_int, nargs="+", default=[32, 128])
+    p.add_argument("--width", type=positive_int, default=32)
+    p.add_argument("--T", type=positive_float, default=2.0)
+    p.add_argument("--epochs", type=positive_int, default=10)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--every", type=positive_int, default=5)
+    p.add_argument("--ratio", type=positive_float, default=0.5, help="the error may be this fraction of the noise")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:

@@ -63,6 +63,7 @@ from mgrit.model import StepCost, predict  # noqa: E402
 from propagators.torch import (  # noqa: E402
     AdjointPropagator, LayerParallel, ODENet, ODEPropagator, SpatialCoarsening,
 )
+from _cli import positive_float, positive_int  # noqa: E402
 
 LAPLACE = torch.tensor([[0.0, 1, 0], [1, -4, 1], [0, 1, 0]], dtype=torch.float64)
 RANKS = (8, 16, 32, 64)
@@ -70,14 +71,14 @@ RANKS = (8, 16, 32, 64)
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=64)
-    p.add_argument("--channels", type=int, default=8)
-    p.add_argument("--size", type=int, default=32, help="feature maps are size x size")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=3)
-    p.add_argument("--tol", type=float, default=1e-6)
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--layers", type=positive_int, default=64)
+    p.add_argument("--channels", type=positive_int, default=8)
+    p.add_argument("--size", type=positive_int, default=32, help="feature maps are size x size")
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--levels", type=positive_int, default=3)
+    p.add_argument("--tol", type=positive_float, default=1e-6)
+    p.add_argument("--repeat", type=positive_int, default=7)
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:

@@ -54,16 +54,17 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from _cli import positive_int  # noqa: E402
 
 SMALL, LARGE = 16, 1 << 18
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=1024)
-    p.add_argument("--repeat", type=int, default=5, help="timed steps per launch")
-    p.add_argument("--pings", type=int, default=300, help="round trips per message size and launch")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved launches per engine")
+    p.add_argument("--layers", type=positive_int, default=1024)
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed steps per launch")
+    p.add_argument("--pings", type=positive_int, default=300, help="round trips per message size and launch")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved launches per engine")
     p.add_argument("--quick", action="store_true", help="64 layers, 1 round, few repetitions")
     p.add_argument("--worker", choices=("mpi", "gloo"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

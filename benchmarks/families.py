@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from layer_parallel import interleaved, median_launch, mpi_results  # noqa: E402
+from _cli import positive_int  # noqa: E402
 
 FAMILIES = ("gru", "lstm", "vit", "cnn")
 DEFAULT = ("gru", "vit", "cnn")
@@ -58,15 +59,15 @@ DEFAULT = ("gru", "vit", "cnn")
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(DEFAULT))
-    p.add_argument("--seq", type=int, default=1024, help="GRU and LSTM: sequence length")
-    p.add_argument("--hidden", type=int, default=32, help="GRU and LSTM: hidden size")
-    p.add_argument("--blocks", type=int, default=64, help="ViT: transformer blocks")
-    p.add_argument("--dim", type=int, default=32, help="ViT: model width")
-    p.add_argument("--stage", type=int, default=32, help="CNN: residual layers per stage")
-    p.add_argument("--channels", type=int, default=4, help="CNN: channels of stage 1 (stage 2: twice)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=9)
-    p.add_argument("--launches", type=int, default=3)
+    p.add_argument("--seq", type=positive_int, default=1024, help="GRU and LSTM: sequence length")
+    p.add_argument("--hidden", type=positive_int, default=32, help="GRU and LSTM: hidden size")
+    p.add_argument("--blocks", type=positive_int, default=64, help="ViT: transformer blocks")
+    p.add_argument("--dim", type=positive_int, default=32, help="ViT: model width")
+    p.add_argument("--stage", type=positive_int, default=32, help="CNN: residual layers per stage")
+    p.add_argument("--channels", type=positive_int, default=4, help="CNN: channels of stage 1 (stage 2: twice)")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--repeat", type=positive_int, default=9)
+    p.add_argument("--launches", type=positive_int, default=3)
     p.add_argument("--no-onednn", action="store_true",
                    help="torch.backends.mkldnn off: torch's recurrent modules without oneDNN's fused kernels "
                         "(nn.LSTM has one on CPUs, nn.GRU none), to see where nn.LSTM's speed comes from")

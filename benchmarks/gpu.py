@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from _cli import positive_int, positive_ints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,10 +52,10 @@ sys.path.insert(0, str(ROOT))
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=1024)
-    p.add_argument("--widths", default="16,64,256")
-    p.add_argument("--batches", default="16,128")
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--layers", type=positive_int, default=1024)
+    p.add_argument("--widths", type=positive_ints, default="16,64,256")
+    p.add_argument("--batches", type=positive_ints, default="16,128")
+    p.add_argument("--repeat", type=positive_int, default=7)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-tests", action="store_true")
     p.add_argument("--device", default="cuda", help="'cpu' runs the same measurement on the CPU (a dry run)")

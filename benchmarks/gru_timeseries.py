@@ -49,25 +49,26 @@ sys.path.insert(0, str(ROOT))
 
 from propagators.timeseries import load_aeon_dataset  # noqa: E402
 from propagators.torch import ParallelGRU, ParallelLSTM  # noqa: E402
+from _cli import nonnegative_int, positive_float, positive_int  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="JapaneseVowels", help="an aeon data set: JapaneseVowels or BasicMotions")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=60)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--max-levels", type=int, default=3)
+    p.add_argument("--hidden", type=positive_int, default=64)
+    p.add_argument("--epochs", type=positive_int, default=60)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--seeds", type=positive_int, default=3)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--max-levels", type=positive_int, default=3)
     p.add_argument("--relax", default="F,FCF", help="per level, comma separated (last repeats)")
     p.add_argument("--coarse", default="frozen", choices=["frozen", "inject"])
-    p.add_argument("--fwd-iters", type=int, default=2)
-    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--fwd-iters", type=nonnegative_int, default=2)
+    p.add_argument("--bwd-iters", type=nonnegative_int, default=1)
     p.add_argument("--cell", choices=["gru", "lstm"], default="gru",
                    help="the recurrent cell: nn.GRU against ParallelGRU, or nn.LSTM against ParallelLSTM")
-    p.add_argument("--layers", type=int, default=1, help="recurrent layers")
+    p.add_argument("--layers", type=positive_int, default=1, help="recurrent layers")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout between layers (as nn.GRU's)")
     p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--quick", action="store_true", help="a tiny run (a few seconds)")

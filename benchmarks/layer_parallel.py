@@ -48,26 +48,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from propagators.torch import LayerParallel, ODENet  # noqa: E402
+from _cli import nonnegative_int, positive_int  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=1024)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=4)
-    p.add_argument("--fwd-iters", type=int, default=2)
-    p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=15)
-    p.add_argument("--launches", type=int, default=3,
+    p.add_argument("--layers", type=positive_int, default=1024)
+    p.add_argument("--width", type=positive_int, default=16)
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--levels", type=positive_int, default=4)
+    p.add_argument("--fwd-iters", type=nonnegative_int, default=2)
+    p.add_argument("--bwd-iters", type=nonnegative_int, default=1)
+    p.add_argument("--repeat", type=positive_int, default=15)
+    p.add_argument("--launches", type=positive_int, default=3,
                    help="mpiexec launches of the 2-rank measurement (fresh processes each); the median launch "
                         "(by its 1 -> 2 rank ratio) is reported, with every launch's ratio")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-mpi", action="store_true", help="skip the 2-rank measurement")
-    p.add_argument("--sweep", type=int, nargs="+", metavar="N",
+    p.add_argument("--sweep", type=positive_int, nargs="+", metavar="N",
                    help="only the 1 -> 2 rank comparison under mpiexec, for each of these layer counts")
-    p.add_argument("--batch-sweep", type=int, nargs="+", metavar="B",
+    p.add_argument("--batch-sweep", type=positive_int, nargs="+", metavar="B",
                    help="only one process, for each of these batch sizes: how much of a pass grows with the "
                         "batch (the arithmetic a second rank would halve) and how much does not")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -22,15 +22,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _cli import positive_int, positive_ints  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=1024)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=4)
-    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--layers", type=positive_int, default=1024)
+    p.add_argument("--width", type=positive_int, default=16)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--levels", type=positive_int, default=4)
+    p.add_argument("--ranks", type=positive_ints, default="1,2,4")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -54,6 +54,7 @@ import numpy as np
 import mgrit
 from mgrit.model import StepCost, predict
 from propagators import Heat1D
+from _cli import positive_int  # noqa: E402
 
 
 def problem(nx: int, steps: int):
@@ -165,13 +166,13 @@ def run_ranks(n: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nx", type=int, default=513)
-    ap.add_argument("--steps", type=int, default=16384)
-    ap.add_argument("--cf", type=int, default=8)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--predict", type=int, nargs="+", default=[8, 64, 512])
-    ap.add_argument("--repeat", type=int, default=3, help="timed solves per launch (median)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved launches per rank count (median)")
+    ap.add_argument("--nx", type=positive_int, default=513)
+    ap.add_argument("--steps", type=positive_int, default=16384)
+    ap.add_argument("--cf", type=positive_int, default=8)
+    ap.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2])
+    ap.add_argument("--predict", type=positive_int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--repeat", type=positive_int, default=3, help="timed solves per launch (median)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved launches per rank count (median)")
     ap.add_argument("--quick", action="store_true", help="small problem, smoke run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

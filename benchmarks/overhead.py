@@ -62,6 +62,7 @@ import time
 import numpy as np
 
 import mgrit
+from _cli import positive_int  # noqa: E402
 
 
 class BlockDecay(mgrit.Propagator):
@@ -244,7 +245,7 @@ def print_table(rows: list, title: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved repetitions (default 5; 1 quick)")
+    ap.add_argument("--repeats", type=positive_int, default=None, help="interleaved repetitions (default 5; 1 quick)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 5)
 

@@ -61,6 +61,7 @@ import numpy as np
 
 import mgrit
 from propagators import Heat1D
+from _cli import positive_int  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".venv-pymgrit"
@@ -147,8 +148,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="nt = 257 and a single PyMGRIT run")
     ap.add_argument("--no-pymgrit", action="store_true", help="only our side (no download)")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 3 quick)")
-    ap.add_argument("--pymgrit-repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=positive_int, default=None, help="interleaved rounds (default 5; 3 quick)")
+    ap.add_argument("--pymgrit-repeats", type=positive_int, default=3,
                     help="rounds that also run PyMGRIT (default 3: its default case takes seconds)")
     args = ap.parse_args(argv)
     nt = 257 if args.quick else 4097

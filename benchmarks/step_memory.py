@@ -21,16 +21,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _cli import positive_int, positive_ints  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=1024)
-    p.add_argument("--widths", default="16,64")
-    p.add_argument("--batches", default="16,64")
-    p.add_argument("--gru-length", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--gru-batch", type=int, default=16)
+    p.add_argument("--layers", type=positive_int, default=1024)
+    p.add_argument("--widths", type=positive_ints, default="16,64")
+    p.add_argument("--batches", type=positive_ints, default="16,64")
+    p.add_argument("--gru-length", type=positive_int, default=1024)
+    p.add_argument("--hidden", type=positive_int, default=32)
+    p.add_argument("--gru-batch", type=positive_int, default=16)
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:

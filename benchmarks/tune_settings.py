@@ -44,13 +44,14 @@ sys.path.insert(0, str(ROOT))
 import mgrit  # noqa: E402
 from mgrit.tune import average_factor, predict_options  # noqa: E402
 from propagators import AdvectionDiffusion1D, Heat1D, VanDerPol  # noqa: E402
+from _cli import positive_float, positive_int  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small problems, 2 repetitions")
-    p.add_argument("--repeat", type=int, default=None, help="timed repetitions (default 5, quick 2)")
-    p.add_argument("--target", type=float, default=0.1)
+    p.add_argument("--repeat", type=positive_int, default=None, help="timed repetitions (default 5, quick 2)")
+    p.add_argument("--target", type=positive_float, default=0.1)
     p.add_argument("--problems", default="heat,advdiff,vdp,odenet,odenet-random")
     a = p.parse_args(argv)
     if a.repeat is None:

@@ -96,6 +96,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from _cli import nonnegative_int, positive_int, positive_ints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -106,18 +107,18 @@ METHODS = ["model parallel", "GPipe", "1F1B", "LayerParallel"]
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", default="256,1024")
-    p.add_argument("--widths", default="16,64")
-    p.add_argument("--batches", default="16,256")
-    p.add_argument("--ranks", default="1,2")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions per launch")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--layers", type=positive_ints, default="256,1024")
+    p.add_argument("--widths", type=positive_ints, default="16,64")
+    p.add_argument("--batches", type=positive_ints, default="16,256")
+    p.add_argument("--ranks", type=positive_ints, default="1,2")
+    p.add_argument("--microbatches", type=positive_int, default=4)
+    p.add_argument("--repeat", type=positive_int, default=5, help="interleaved repetitions per launch")
+    p.add_argument("--rounds", type=positive_int, default=None,
                    help="launches per rank count, interleaved (P=1, P=2, P=1, ...); default 3 (--quick: 1)")
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=4)
-    p.add_argument("--fwd-iters", type=int, default=2)
-    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--levels", type=positive_int, default=4)
+    p.add_argument("--fwd-iters", type=nonnegative_int, default=2)
+    p.add_argument("--bwd-iters", type=nonnegative_int, default=1)
     p.add_argument("--json", default=None, help="also write measured and modelled numbers to this file")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank, NCCL for every method (benchmarks/gpu.py runs it this way)")

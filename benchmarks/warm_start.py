@@ -32,17 +32,18 @@ sys.path.insert(0, str(ROOT))
 
 from propagators.data import load_digits  # noqa: E402
 from propagators.torch import LayerParallel  # noqa: E402
+from _cli import positive_float, positive_int  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--T", type=float, default=2.0)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--cf", type=int, default=4)
-    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--width", type=positive_int, default=32)
+    p.add_argument("--T", type=positive_float, default=2.0)
+    p.add_argument("--epochs", type=positive_int, default=5)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--cf", type=positive_int, default=4)
+    p.add_argument("--levels", type=positive_int, default=3)
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.quick:

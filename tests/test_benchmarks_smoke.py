@@ -161,3 +161,30 @@ def test_families_quick_run_two_ranks_give_one_process_gradients():
         assert serial > 0 and lp1 > 0 and lp2 > 0
         assert abs(lp1 / lp2 - float(r[6][:-1])) < 0.011, r  # the ratio printed is that of the times printed
         assert float(r[7]) <= 1e-5, f"{name}: 2-rank gradients differ from one process's: {r}"
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("overhead.py", ["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
+    ("layer_parallel.py", ["--layers", "0"], "argument --layers: '0' is not an integer >= 1"),
+    ("memory_per_rank.py", ["--ranks", "1,,2"], "argument --ranks: '1,,2' is not a comma-separated list"),
+    ("warm_start.py", ["--T", "nan"], "argument --T: 'nan' is not a finite number > 0"),
+    ("multistage_digits.py", ["--seed", "-1"], "argument --seed: '-1' is not an integer >= 0"),
+])
+def test_benchmark_arguments_out_of_range_are_usage_errors(script, args, message):
+    """``--repeats 0`` ran the default 5 repetitions, ``--layers 0`` divided by zero, ``--ranks 0`` too
+    (memory_per_rank.py), ``--repeat 0`` took the median of no timings: each is now argparse's usage error."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2 and message in proc.stderr and "usage:" in proc.stderr, proc.stderr
+
+
+def test_benchmark_list_arguments_are_normalised():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _cli import positive_ints
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert positive_ints(" 16, 64 ") == "16,64"
+    for bad in ("", "16,", "0", "16,-2", "1.5", "x"):
+        with pytest.raises(Exception, match="is not"):
+            positive_ints(bad)

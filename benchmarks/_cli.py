@@ -1,0 +1,45 @@
+"""Argument types for the benchmark scripts' command lines.
+
+A count of 0, a negative size or a width list with a typo is a usage error that names the option
+(``error: argument --repeat: 0 is not an integer >= 1``), not a traceback from inside a run
+(``statistics.median`` of no timings, a division by zero layers) nor a silently replaced default.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _checked(text: str, convert, ok, what: str):
+    try:
+        value = convert(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count or a size: an integer >= 1."""
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """A seed, a number of cycles, or 0 for "all": an integer >= 0."""
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """A time, a tolerance, a learning rate or a ratio: a finite number > 0."""
+    return _checked(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+
+
+def positive_ints(text: str) -> str:
+    """A comma-separated list of integers >= 1 (``"16,64"``), returned as the normalised list text so that
+    the scripts go on splitting it at the commas."""
+    parts = text.split(",")
+    values = [_checked(p.strip(), int, lambda v: v >= 1, "an integer >= 1") if p.strip() else None for p in parts]
+    if not parts or None in values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 1")
+    return ",".join(str(v) for v in values)
