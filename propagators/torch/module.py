@@ -1433,12 +1433,19 @@ class LayerParallel(nn.Module):
         ``root`` (every layer, as a deep copy) and None on the other ranks.
         """
         with self._session("to_serial()"):
-            mine = {j: copy.deepcopy(m) for j, m in self.layers.items()}
+            # one deep copy of all layers: parameters tied between layers (one rank only) stay tied
+            mine = copy.deepcopy(dict(self.layers.items()))
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
         if parts is None:
             return None
         every = {j: m for part in parts for j, m in part.items()}
         return ODENet([every[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
+
+    def _serial_view(self) -> ODENet:
+        """On one rank: the serial network over this block's own layers (not copies), for a caller that
+        deep-copies it together with other modules that may share their parameters."""
+        assert self._comm.size == 1
+        return ODENet([self.layers[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
 
     def load_serial(self, state_dict: dict, strict: bool = True):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import zlib
 from typing import Sequence
 
@@ -154,6 +155,8 @@ class MultiStage(nn.Module):
                     f"from this MultiStage's ({self._comm.size} rank(s)); every stage runs on the same layer "
                     "communicator: build each with comm=<that communicator>, or pass Stage specifications")
             self.add_module(str(i), p)
+        if self._comm.size > 1:
+            self._refuse_ties()
         # consecutive replicated pieces run in one failure-aware session on several ranks
         self._segments: list = []
         for i, p in enumerate(self):
@@ -164,9 +167,35 @@ class MultiStage(nn.Module):
             else:
                 self._segments.append((False, [i]))
 
+    def _refuse_ties(self) -> None:
+        """On several ranks a parameter shared by two pieces, one of them a stage, is a ValueError on every
+        rank: a stage's layer is held by its owner (and the ranks that lend it as a halo) only, so a replicated
+        piece tied to it would get that layer's gradient on those ranks and not on the others, and the
+        replicas would drift apart."""
+        first, tie = {}, None
+        for i, p in enumerate(self):
+            held = [m for _, m in p.layers.items()] + list(p._halo.values()) if isinstance(p, LayerParallel) else [p]
+            for q in (q for m in held for q in m.parameters()):
+                k = first.setdefault(id(q), i)
+                stage = isinstance(p, LayerParallel) or isinstance(self[k], LayerParallel)
+                if k != i and stage and tie is None:  # (replicated pieces alone: every rank holds both)
+                    tie = (k, i)
+        tie = next((t for t in self._comm.gather(tie, root=None) if t is not None), None)  # (seen where held)
+        if tie is not None:
+            raise ValueError(f"pieces {tie[0]} and {tie[1]} share a parameter; on several ranks a stage's layers "
+                             "are held by some ranks only, so a tied parameter would get different gradients on "
+                             "different ranks. Give every piece its own parameters, or run on one rank")
+
     # -- structure --------------------------------------------------------------
     def __getitem__(self, i) -> nn.Module:
-        return self._modules[str(range(len(self))[i])]
+        """Piece ``i`` (negative counts from the end); a slice gives an ``nn.Sequential`` of those pieces
+        (the same modules), as ``nn.Sequential`` does."""
+        if isinstance(i, slice):
+            return nn.Sequential(*list(self)[i])
+        try:
+            return self._modules[str(range(len(self))[operator.index(i)])]
+        except IndexError:
+            raise IndexError(f"piece index {i} is out of range: this MultiStage has {len(self)} pieces") from None
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -223,6 +252,9 @@ class MultiStage(nn.Module):
         state-dict keys are this module's (``1.layers.17.0.weight``...), its
         training mode this module's.
         """
+        if self._comm.size == 1:  # one deep copy of everything: parameters tied between pieces stay tied
+            return copy.deepcopy(nn.Sequential(*(p._serial_view() if isinstance(p, LayerParallel) else p
+                                                 for p in self))).train(self.training)
         here = self._comm.rank == root
         out = []
         for p in self:
