@@ -1457,7 +1457,7 @@ def test_tracing_and_export_are_a_clear_error_naming_the_serial_network():
     lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(8)], cf=2)
     model = nn.Sequential(nn.Linear(4, 5), lp, nn.Linear(5, 2)).eval()
     x = torch.randn(3, 4)
-    for export in (lambda: torch.jit.trace(model, x),
+    for export in (lambda: torch.jit.trace(model, x), lambda: torch.jit.script(model),
                    lambda: torch.onnx.export(model, (x,), io.BytesIO(), dynamo=False)):
         with pytest.raises(RuntimeError, match="cannot be traced or exported.*lp.to_serial"):
             export()

@@ -846,3 +846,34 @@ def test_a_nan_in_the_input_or_the_initial_state_is_named(cls):
     with torch.autocast("cpu", dtype=torch.float16):
         with pytest.raises(ValueError, match=r"contains NaN or Inf \(after the cast to torch.float16 under"):
             m.float()(big)
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_review_of_the_recurrent_modules(cls):
+    """A NaN weight raised a DivergenceError advising smaller steps (torch's module returns NaN: now a
+    ValueError naming the weight); to_gru() / to_lstm() of a parametrized weight (weight_norm) failed in
+    load_state_dict; torch.jit.script failed in its compiler ("Only a single generator"), and
+    ParallelGRU(proj_size=2) named a private class."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    from propagators.torch import ParallelLSTM
+
+    make = {"GRU": ParallelGRU, "LSTM": ParallelLSTM}[cls]
+    torch.manual_seed(3)
+    par = make(I, H, num_layers=2, cf=2, fwd_iters=60, bwd_iters=60, fwd_tol=1e-13, bwd_tol=1e-13).double()
+    x = torch.randn(9, B, I, dtype=torch.float64)
+    weight_norm(par, "weight_hh_l1")
+    serial = getattr(par, f"to_{cls.lower()}")()
+    assert type(serial) is getattr(torch.nn, cls) and maxdiff(par(x)[0], serial(x)[0]) < TOL
+    assert torch.equal(serial.weight_hh_l1, par.weight_hh_l1.detach())
+    with pytest.raises(RuntimeError, match=f"{make.__name__} cannot be traced or exported.*to_{cls.lower()}"):
+        torch.jit.script(torch.nn.Sequential(par))
+    with torch.no_grad():
+        par.weight_ih_l0[1, 2] = float("nan")
+    for mode in (par.train, par.eval):
+        mode()
+        with pytest.raises(ValueError, match=f"{make.__name__}.weight_ih_l0 contains NaN or Inf"):
+            par(x)
+    with pytest.raises(ValueError, match="proj_size argument is only supported for LSTM, not GRU"):
+        ParallelGRU(I, H, proj_size=2)
+    assert ParallelGRU(I, H, proj_size=0).hidden_size == H

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mgrit.comm import as_communicator
+
+from .module import _announced
 from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
 
 __all__ = ["ParallelGRU", "GRUPropagator", "GRUAdjointPropagator"]
@@ -246,6 +249,16 @@ class ParallelGRU(_ParallelRNN):
     _gates = 3
     _propagator = GRUPropagator
     _adjoint = GRUAdjointPropagator
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
+                 dtype=None, proj_size: int = 0, **options):
+        comm = as_communicator(options.pop("comm", None))
+        with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
+            if proj_size:  # (torch's GRU takes the keyword and refuses it, in the same words)
+                raise ValueError(f"proj_size argument is only supported for LSTM, not GRU (got {proj_size!r})")
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,
+                         dtype, comm=comm, **options)
 
     def to_gru(self) -> nn.GRU:
         """A ``torch.nn.GRU`` with a copy of the current weights (serial reference, inference, checkpoints)."""

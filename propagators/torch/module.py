@@ -929,12 +929,19 @@ class LayerParallel(nn.Module):
                              "comes before the block")
 
     # -- forward --------------------------------------------------------------
+    def _no_export(self) -> RuntimeError:
+        return RuntimeError(_NO_EXPORT.format(
+            cls="LayerParallel", serial="lp.to_serial() holds the same layers and computes what the block "
+                                        "computes in eval mode (exact stepping)"))
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script calls this first (on every submodule): our error, not its compiler's."""
+        raise self._no_export()
+
     @_eager_under_compile
     def forward(self, x):
         if _exporting():
-            raise RuntimeError(_NO_EXPORT.format(
-                cls="LayerParallel", serial="lp.to_serial() holds the same layers and computes what the block "
-                                            "computes in eval mode (exact stepping)"))
+            raise self._no_export()
         if _functorch_active():
             raise RuntimeError(_no_transforms(what="torch.func transforms (grad, vmap, jacrev, jvp, ...)"))
         if torch.is_inference_mode_enabled():

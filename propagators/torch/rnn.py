@@ -466,7 +466,9 @@ class _ParallelRNN(nn.Module):
         serial = getattr(nn, self._cell)(self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
                                          batch_first=self.batch_first, dropout=self.dropout,
                                          bidirectional=self.bidirectional, device=p.device, dtype=p.dtype)
-        serial.load_state_dict(self.state_dict())
+        # the weights' current values by torch's names (a parametrized weight, e.g. weight_norm's, is computed:
+        # its state-dict entries are the parametrization's, which the plain module does not have)
+        serial.load_state_dict({k: getattr(self, k).detach() for k in serial.state_dict()})
         return serial
 
     @property
@@ -572,6 +574,10 @@ class _ParallelRNN(nn.Module):
                         got = f"shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else f"{type(w).__name__}"
                         raise ValueError(f"{type(self).__name__}.{name} must be a tensor of shape {shape}, as in "
                                          f"torch's {self._cell} (got {got})")
+                    if not w.is_meta and not bool(torch.isfinite(w).all()):  # (else: a "divergence" of MGRIT)
+                        raise ValueError(f"{type(self).__name__}.{name} contains NaN or Inf: torch's {self._cell} "
+                                         "would return NaN; check the optimizer step that produced it (a "
+                                         "learning rate too large, a loss scaler's skipped step)")
 
     def _checked_state(self, v, name: str, x, batched: bool):
         """One initial state tensor (``h0`` or ``c0``) checked against torch's shape, as (units, B, H)."""
@@ -595,12 +601,20 @@ class _ParallelRNN(nn.Module):
         with _no_autocast(input) if amp is not None else contextlib.nullcontext():
             return self._forward(input, hx, amp)
 
+    def _no_export(self) -> RuntimeError:
+        cell = self._cell
+        return RuntimeError(_NO_EXPORT.format(
+            cls=type(self).__name__, serial=f"model.to_{cell.lower()}() is the nn.{cell} with the same weights "
+                                            "(what the solves converge to)"))
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script calls this first (on every submodule): our error, not its compiler's."""
+        raise self._no_export()
+
     def _forward(self, input, hx, amp):
-        name, cell = type(self).__name__, self._cell
+        name = type(self).__name__
         if _exporting():
-            raise RuntimeError(_NO_EXPORT.format(
-                cls=name, serial=f"model.to_{cell.lower()}() is the nn.{cell} with the same weights (what the "
-                                 "solves converge to)"))
+            raise self._no_export()
         if _functorch_active():
             raise RuntimeError(_no_transforms("torch.func transforms (grad, vmap, jacrev, jvp, ...)", name,
                                               self._serial_hint))
