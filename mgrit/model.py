@@ -67,8 +67,10 @@ class StepCost:
     def __post_init__(self):
         for name in ("single", "per_state", "per_call"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            real = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+            if not (real and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))  # (numpy numbers: plain floats, as the model computes)
 
     def batch(self, n: int) -> float:
         """Seconds of one batched call advancing ``n`` states (0 when ``n == 0``)."""
@@ -264,6 +266,7 @@ def predict(
     latency: float = 0.0,
     reduce_latency: float | None = None,
     partition=None,
+    converged: bool = False,
 ) -> Prediction:
     """Predict the critical path and time of ``mgrit.solve`` on ``size`` ranks.
 
@@ -293,6 +296,10 @@ def predict(
         Seconds of an all-reduce; default ``latency * ceil(log2 P)``.
     partition : sequence of int, optional
         Start index of every rank's block, as in :func:`mgrit.solve`.
+    converged : bool
+        The solve stops on its tolerance after ``iterations`` cycles (default: it runs them as its
+        ``max_iter``). With ``final_residual`` this costs one all-reduce more: the solver merges the
+        last cycle's norm with the final residual's only at ``max_iter``.
 
     Returns
     -------
@@ -317,8 +324,11 @@ def predict(
         raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
     if not latency >= 0 or (reduce_latency is not None and not reduce_latency >= 0):
         raise ValueError("`latency` and `reduce_latency` must be >= 0")
+    if not isinstance(converged, (bool, np.bool_)):
+        raise ValueError(f"`converged` must be True or False, got {converged!r}")
+    # (stopping on the tolerance: max_iter lies beyond the last cycle, which after_cycle ends)
     opts = Options(cycle=cycle, skip=skip, nested=nested, residual=residual, final_residual=final_residual,
-                   max_iter=int(iterations), tol=None)
+                   max_iter=int(iterations) + bool(converged), tol=None)
     L = len(hierarchy)
     costs = per_level(cost, L, "cost")
     s = _Schedule(hierarchy, int(size), costs, float(latency), reduce_latency, partition)
@@ -328,7 +338,7 @@ def predict(
         t, path = s.latest()
         times.append(t)
         marks.append(path)
-        return False  # the schedule stops after `iterations` cycles
+        return k == iterations - 1  # the schedule stops after `iterations` cycles
 
     run(s, hierarchy, opts, after_cycle)
     t, path = s.latest()

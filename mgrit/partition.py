@@ -35,6 +35,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
+import numpy as np
+
 __all__ = ["block_range", "fine_ranges", "level_ranges", "neighbours"]
 
 
@@ -98,7 +100,11 @@ def fine_ranges(n_points: int, size: int, partition: Sequence[int] | None = None
     """
     if partition is None:
         return [block_range(n_points, size, r) for r in range(size)]
-    starts = [int(s) for s in partition]
+    starts = list(partition)
+    bad = [s for s in starts if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer))]
+    if bad:  # (a float was truncated: 2.7 gave a block starting at 2; NaN raised int()'s own error)
+        raise ValueError(f"`partition` must list integer start indices, got {bad[0]!r} in {partition!r}")
+    starts = [int(s) for s in starts]
     if len(starts) != size or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
             or starts[-1] > n_points:
         raise ValueError(

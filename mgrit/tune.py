@@ -670,8 +670,13 @@ def _scaled_norm(X) -> float:
 def _cheap_norms(M):
     """Upper bounds of the 2-norms of a stack of matrices: ``min(||M||_F, sqrt(||M||_1 ||M||_inf))``."""
     A = np.abs(M)
+    # scaled by each matrix's largest entry: squares and products of entries near 1e-170 underflowed to 0, a
+    # "bound" of 0 that passed powers whose norm was 1e19 (and those near 1e170 overflowed)
+    scale = A.max(axis=(1, 2), initial=0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        A = np.where(scale[:, None, None] > 0, A / scale[:, None, None], 0.0)
     fro = np.sqrt(np.sum(A * A, axis=(1, 2)))
-    return np.minimum(fro, np.sqrt(A.sum(axis=1).max(axis=1) * A.sum(axis=2).max(axis=1)))
+    return scale * np.minimum(fro, np.sqrt(A.sum(axis=1).max(axis=1) * A.sum(axis=2).max(axis=1)))
 
 
 def _exact_norm(M) -> float:
@@ -703,7 +708,10 @@ def _below(M, bound: float) -> bool:
 
 
 def power_cycles(P, reduction: float, qmax: int = 1000, growth: float = 1.0):
-    """Smallest ``q`` with ``max_k ||P_k^q||_2 growth^q <= reduction``, and the rate ``(that bound)^(1/q)``.
+    """A ``q`` with ``max_k ||P_k^q||_2 growth^q <= reduction`` (and not at ``q - 1``), and the rate
+    ``(that bound)^(1/q)``: the smallest such ``q`` when the norms decrease with ``q``; they need not (a
+    non-normal ``P``), and then the doubling and bisection may return a later crossing (100 where 97 already
+    met it, on a 5 x 5 example): a safe count of cycles, not always the least.
 
     ``P`` is a stack of residual matrices (:func:`residual_matrices`): after
     ``q`` cycles the residual has shrunk by at most ``max_k ||P_k^q||_2``, which
@@ -756,7 +764,7 @@ def power_cycles(P, reduction: float, qmax: int = 1000, growth: float = 1.0):
         return M
 
     def bound(q):
-        return reduction / growth**q
+        return reduction * growth ** -q  # (growth**q overflowed: OverflowError at growth 2.1, q 1000)
 
     def rate_of(M, q):
         nrm = _exact_norm(M) if np.all(np.isfinite(M)) else math.inf
@@ -1905,12 +1913,14 @@ def _evaluate(modes, col, h_sizes, cfs, relaxes, weight, n_modes, max_points, mi
     return True, note, fac, q, rate, exact
 
 
-def _time_to_tolerance(h, ranks, cycles, cost, latency):
-    """Model time of ``cycles`` cycles: two replays (the schedule repeats after the second cycle)."""
+def _time_to_tolerance(h, ranks, cycles, cost, latency, schedule=None, converged=True):
+    """Model time of ``cycles`` cycles: two replays (the schedule repeats after the second cycle).
+    ``schedule``: the solve's options that shape it (skip, nested, residual, final_residual, partition)."""
+    kw = dict(schedule or {}, cost=cost, latency=latency, converged=converged)
     if cycles <= 3:
-        return predict(h, ranks, cycles, cost=cost, latency=latency).time
-    t2 = predict(h, ranks, 2, cost=cost, latency=latency).time
-    t3 = predict(h, ranks, 3, cost=cost, latency=latency).time
+        return predict(h, ranks, cycles, **kw).time
+    t2 = predict(h, ranks, 2, **kw).time
+    t3 = predict(h, ranks, 3, **kw).time
     return t2 + (cycles - 2) * (t3 - t2)
 
 
@@ -2196,7 +2206,9 @@ def predict_options(
                    samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
                    max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse,
                    expected=expected, max_iter=max_iter, expected_points=expected_points,
-                   skip=bool(skip), why_not=f"{', '.join(unsupported)} not modelled" if unsupported else None)
+                   skip=bool(skip), why_not=f"{', '.join(unsupported)} not modelled" if unsupported else None,
+                   schedule={k: ignored[k] for k in ("nested", "residual", "final_residual", "partition")
+                             if k in ignored})
     c = an.candidate(key, level_relax, weight, target)
     return an.settings(c, [c], target, c.meets_target)
 
@@ -2216,7 +2228,7 @@ class _Analysis:
 
     def __init__(self, propagator, u0, t, keys, *, reduction, measure, cost, latency, samples, jvp, dense_max,
                  krylov, modes, max_points, seed, ranks, min_coarse, expected=True, max_iter=100,
-                 expected_points=16384, skip=True, why_not=None):
+                 expected_points=16384, skip=True, why_not=None, schedule=None):
         self.reduction = _check_fraction(reduction, "reduction")
         _check_positive_int(samples, "samples", 1)
         _check_positive_int(max_points, "max_points", 8)
@@ -2239,6 +2251,8 @@ class _Analysis:
         self.t, self.ranks, self.min_coarse, self.latency = t, int(ranks), int(min_coarse), float(latency)
         self.modes, self.max_points = modes, int(max_points)
         self.max_iter, self.expected_points, self.skip = int(max_iter), int(expected_points), bool(skip)
+        #: the solve's options besides skip that shape the model's schedule (predict_options passes them on)
+        self.schedule = dict(schedule or {})
         singles, composites = set(), set()
         for key in keys:
             st = 1
@@ -2358,7 +2372,9 @@ class _Analysis:
         if cycles is not None:  # the simulated solve's cycles where it needs more (docs/tuning.md §6)
             cost = list(self.cost) if isinstance(self.cost, tuple) else self.cost
             simulated = 0 if exp is None else exp_cycles if exp_cycles is not None else self.max_iter
-            tm = _time_to_tolerance(h, self.ranks, max(cycles, simulated), cost, self.latency)
+            n = max(cycles, simulated)
+            tm = _time_to_tolerance(h, self.ranks, n, cost, self.latency, dict(self.schedule, skip=self.skip),
+                                    converged=n < self.max_iter)
         c = Candidate(tuple(key), L, tuple(level_relax), float(w), self.min_coarse, fac, rate, cycles, tm,
                       stable, False, note, exact, exp, exp_cycles, at_floor)
         meets = stable and rate <= target and not c.simulated_divergence

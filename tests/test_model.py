@@ -150,3 +150,43 @@ def test_one_rank_predicts_the_nested_start_exactly(n, cf, levels, relax, kind):
                       nested=True, tol=1e-10, max_iter=20, min_coarse=1)
     p = predict(res.hierarchy, 1, res.iterations, cycle=kind, nested=True)
     assert list(p.rank_calls[0]) == res.counts
+
+
+@pytest.mark.parametrize("max_iter", [3, 100])
+def test_the_model_counts_the_reductions_of_a_solve_that_stops_on_its_tolerance(max_iter, monkeypatch):
+    """With final_residual the solver reduces the last cycle's norm with the final residual's only at
+    max_iter; stopped by its tolerance it reduces them apart. The model merged them always: one all-reduce
+    short (3 for the solver's 4)."""
+    from mgrit import comm as C
+    from mgrit import model as M
+    from propagators import Dahlquist
+
+    counts = {"solver": 0, "model": 0}
+    exact_many, sync = C.Communicator.exact_many, M._Schedule.sync
+
+    def counted(self, parts, kind):
+        counts["solver"] += 1
+        return exact_many(self, parts, kind)
+
+    def synced(self):
+        counts["model"] += 1
+        return sync(self)
+
+    monkeypatch.setattr(C.Communicator, "exact_many", counted)
+    monkeypatch.setattr(M._Schedule, "sync", synced)
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 1, 65), cf=2, max_levels=3, tol=1e-6,
+                      max_iter=max_iter, final_residual=True)
+    assert res.converged == (max_iter == 100)
+    M.predict(res.hierarchy, 1, res.iterations, final_residual=True, converged=res.converged)
+    assert counts["model"] - 1 == counts["solver"]  # (the model's sync count includes the final handshake)
+    with pytest.raises(ValueError, match="`converged` must be True or False"):
+        M.predict(res.hierarchy, 1, 2, converged=None)
+
+
+def test_step_costs_take_numpy_numbers_and_refuse_bools():
+    """np.int64(2) and np.float32(0.5) were refused as "not a finite number >= 0"; True was accepted."""
+    c = StepCost(single=np.int64(2), per_state=np.float32(0.5), per_call=np.float16(1.0))
+    assert (c.single, c.per_state, c.per_call) == (2.0, 0.5, 1.0) and type(c.single) is float
+    for bad in (True, np.True_, -1.0, np.nan, "1"):
+        with pytest.raises(ValueError, match="must be a finite number >= 0"):
+            StepCost(single=bad)

@@ -10,6 +10,8 @@ F-relaxation, which leaves C-points unchanged.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -435,3 +437,40 @@ def test_the_norm_and_bounds_are_continuous_through_a_neutral_coarse_step():
         assert th.two_level_norm(lam, mu, 4, 30, "F") == pytest.approx(at, rel=1e-6, abs=0.0)
     assert th.sharp_bounds(lam, 1.0, 4, 30, "F")[1] == pytest.approx(at, rel=1e-12, abs=0.0)  # exact at |mu| = 1
     assert list(th.limit_bound(np.full(3, 0.5), np.array([0.5, 1.0, 0.5**4]), 4, "F")) == [0.875, np.inf, 0.0]
+
+
+def test_the_bidiagonal_extremes_in_linear_time_equal_the_dense_ones():
+    """two_level_norm took O(n^3) time and O(n^2) memory (6.5 s at N_c = 2000, MemoryError at 10^5):
+    the smallest singular value of I - |mu| S now comes from its eigenvector equation, the norm of the
+    inverse (|mu| > 1) by power iteration beyond 1000 rows; both equal the dense values."""
+    for n in (1, 2, 3, 7, 40, 300):
+        for a in (0.0, 1e-9, 0.3, 0.9, 0.999, 1.0 - 1e-12, 1.0):
+            dense = np.linalg.svd(np.eye(n) - a * np.eye(n, k=-1), compute_uv=False)[-1]
+            assert abs(th._bidiagonal_sigma_min(a, n) - dense) <= 1e-12 * dense, (n, a)
+        for a in (1.0 + 1e-12, 1.001, 1.3, 4.0):
+            if (n - 1) * np.log(a) < 700:
+                exact = th._inverse_bidiagonal_norm(a, n, dense=True)
+                assert abs(th._inverse_bidiagonal_norm(a, n, dense=False) - exact) <= 1e-12 * exact, (n, a)
+    lam, mu = th.dahlquist_factors(-0.1, 4)
+    norm = th.two_level_norm(lam, mu, 4, 100_000)  # (a dense SVD would take 80 GB)
+    lo, hi = th.sharp_bounds(lam, mu, 4, 100_000)
+    assert lo <= norm <= hi and hi - lo < 1e-6 * hi
+    grow = th.two_level_norm(1.0, 1.0 + 1e-9, 2, 200_000)  # |mu| > 1: power iteration, finite
+    assert math.isfinite(grow) and grow > th.two_level_norm(1.0, 1.0 + 1e-9, 2, 100_000)
+    assert th.two_level_norm(1.0, 1.5, 2, 5000) == math.inf  # (|mu|^(n-1) beyond the largest float)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: th.two_level_norm(0.5, np.nan, 2, 8), "contains NaN or Inf"),
+    (lambda: th.two_level_norm(np.nan, 0.5, 2, 8), "contains NaN or Inf"),
+    (lambda: th.multilevel_matrix([np.nan, 0.3], 8, 2), "contains NaN or Inf"),
+    (lambda: th.two_level_norm(0.5, 0.3, 2, True), r"`n_c` must be an integer >= 1.*a bool"),
+    (lambda: th.two_level_norm(0.5, 0.3, 2, np.True_), r"`n_c` must be an integer >= 1.*a bool"),
+    (lambda: th.multilevel_matrix([0.5, 0.3], 32.7, 2), r"`n` must be an integer >= 1"),
+    (lambda: th.level_factors(-1.0, 2, -1), r"`n_levels` must be an integer >= 1"),
+])
+def test_theory_inputs_are_checked(call, match):
+    """A NaN gave the SVD's "did not converge" (or a NaN norm), n_c=True a norm of 0, n=32.7 the
+    matrix of n=32, n_levels=-1 an empty list."""
+    with pytest.raises(ValueError, match=match):
+        call()

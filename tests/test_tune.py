@@ -663,3 +663,40 @@ def test_the_norm_of_empty_states_is_zero():
     from mgrit.tune import _scaled_norm
 
     assert _scaled_norm(np.zeros(0)) == 0.0 and list(row_norms(np.zeros((3, 0)))) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("extra", [{"skip": False}, {"partition": [0, 1, 2, 3]}, {"nested": True},
+                                   {"residual": "cycle_end"}, {"final_residual": True}])
+def test_predict_options_times_the_schedule_of_the_options_given(extra):
+    """predicted_time replayed the default schedule whatever skip, partition, nested, residual or
+    final_residual said (907 for each of 907, 3249, 1039, 982 and 915)."""
+    t = np.linspace(0, 1, 129)
+    heat = Heat1D(9, forcing=False)
+    base = dict(cf=4, max_levels=3, relax="FCF", ranks=4, latency=1.0, expected=False, **FAST)
+    p = mgrit.tune.predict_options(heat, heat.initial(), t, **base, **extra)
+    h = mgrit.build_hierarchy(t, cf=4, max_levels=3, relax="FCF")
+    direct = predict(h, 4, p.predicted_cycles, latency=1.0, converged=True, **extra).time
+    default = predict(h, 4, p.predicted_cycles, latency=1.0, converged=True).time
+    assert p.predicted_time == direct != default
+
+
+def test_power_cycles_with_growth_neither_underflow_nor_overflow():
+    """The cheap bounds squared entries near 1e-170 to 0: a growing ||P^q|| growth^q (1e25 at q = 1000)
+    was reported as reaching 1e-8 at q = 748 with rate 0; growth 2.1 raised OverflowError."""
+    P = np.array([[[0.6, 10.0], [0.0, 0.6]]])  # growth x radius = 1.05 > 1
+    q, rate = tune.power_cycles(P, 1e-8, qmax=1000, growth=1.75)
+    assert q is None and rate > 1.0
+    q, rate = tune.power_cycles(np.array([[[0.5, 10.0], [0.0, 0.5]]]), 1e-8, qmax=1000, growth=2.1)
+    assert q is None and rate > 1.0
+    q, rate = tune.power_cycles(np.array([[[0.5, 10.0], [0.0, 0.5]]]), 1e-8, qmax=1000, growth=1.5)
+    assert q is not None  # (growth x radius 0.75: it does converge)
+    exact = np.linalg.norm(np.linalg.matrix_power(np.array([[0.5, 10.0], [0.0, 0.5]]), q), 2) * 1.5 ** q
+    assert exact <= 1e-8
+
+
+def test_the_cheap_norm_bounds_hold_at_the_ends_of_the_float_range():
+    for s in (1e-170, 1.0, 1e170):
+        M = s * np.array([[[1.0, 2.0], [3.0, 4.0]], [[0.0, 0.0], [0.0, 0.0]]])
+        bounds = tune._cheap_norms(M)
+        exact = np.linalg.norm(M[0] / s, 2) * s
+        assert exact <= bounds[0] <= 1.5 * exact and bounds[1] == 0.0
