@@ -838,6 +838,9 @@ FLOOR_MARGIN = 10.0
 #: A linearized model holds while its iterate stays within this multiple of the largest
 #: reference state from the reference trajectory (docs/tuning.md §7).
 LINEARIZATION_RANGE = 4.0
+#: A reference run at one stride is kept when it agrees with the run at half that stride to this fraction
+#: of the largest state (max-norm), far inside LINEARIZATION_RANGE; else the stride is halved (docs/tuning.md §7).
+REFERENCE_AGREEMENT = 1e-2
 #: A simulated solve stops as diverged when its residual exceeds this multiple of its first
 #: (as :func:`mgrit.solve` reports DIVERGED).
 SIMULATED_DIVERGENCE = 1e3
@@ -1168,6 +1171,20 @@ def _reference_trajectory(propagator, u0, t, spectrum0):
     n = t.shape[0] - 1
     max_stride = max(1, int(round(n ** (1.0 / 3.0))))
     idx, states = _coarse_run(propagator, u0, t, _run_stride(spectrum0, n, 1, max_stride=max_stride))
+    # checked against the run at half the stride, halved until the two agree: a chaotic problem's coarse run
+    # drifts from the fine trajectory (Lorenz over 20 time units: 26 off at stride 2, where the states reach
+    # 48), and the simulated solve then "left the linearization" for settings that converge
+    while len(states) == len(idx) and len(idx) > 1 and idx[1] - idx[0] > 1:
+        idx2, states2 = _coarse_run(propagator, u0, t, (idx[1] - idx[0]) // 2)
+        if len(states2) < len(idx2):
+            return None
+        at = dict(zip(idx2, states2))
+        common = [(_to_numpy(a).reshape(-1), _to_numpy(at[i]).reshape(-1)) for i, a in zip(idx, states) if i in at]
+        scale = max(float(np.max(np.abs(b))) for _, b in common)
+        gap = max(float(np.max(np.abs(a - b))) for a, b in common)
+        idx, states = idx2, states2
+        if gap <= REFERENCE_AGREEMENT * max(scale, 1e-300):
+            break
     if len(states) < len(idx):
         return None
     out = np.empty((n + 1, int(np.prod(tuple(u0.shape), dtype=int))),
@@ -2277,6 +2294,7 @@ class _Analysis:
             sp.method == "dense" and sp.normal and sp.pairing_defect <= 1e-8 for sp in spectra))
         # the affine model of the simulated solves
         self.model, self.model_note = None, why_not or "not requested (expected=False)"
+        self._stepping, self._bounded = (propagator, u0), {}  # (coarse runs of _blows_up, by stride)
         if expected and why_not is None:
             n = t.shape[0] - 1
             need = max(int(np.prod(key)) * self.min_coarse for key in keys)
@@ -2327,28 +2345,42 @@ class _Analysis:
             note += f"; about the first {model.n} of {N} intervals"
         return model, note
 
+    def _blows_up(self, stride: int) -> bool:
+        """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up."""
+        if stride not in self._bounded:
+            propagator, u0 = self._stepping
+            idx = list(range(0, self.t.shape[0], stride))
+            run = _coarse_run(propagator, u0, self.t, stride)
+            self._bounded[stride] = len(run[1]) == len(idx) and run[0] == idx
+        return not self._bounded[stride]
+
     def _expected(self, key, level_relax, w):
-        """``(expected factor, cycles, at the rounding level)`` of the simulated solve of one candidate,
-        or ``(None, None, False)``."""
+        """``(expected factor, cycles, at the rounding level, why not modelled)`` of the simulated solve of
+        one candidate, or ``(None, None, False, why)``."""
         if self.model is None:
-            return None, None, False
+            return None, None, False, ""
         N, P = self.t.shape[0] - 1, int(np.prod(key))
         n = N if N <= self.expected_points else P * max(self.min_coarse, self.expected_points // P)
         if n > self.model.n:
-            return None, None, False
+            return None, None, False, ""
         sizes = [n]
         for c in key:
             sizes.append(sizes[-1] // c)
         if sizes[-1] < 1 or any(st not in self.model.steps for st in np.cumprod((1,) + tuple(key))):
-            return None, None, False
+            return None, None, False, ""
         res, converged, floor, left = _simulate(self.model, sizes, list(key),
                                                 [parse_relax(r) for r in level_relax], [w] * len(key),
                                                 reduction=self.reduction, max_iter=self.max_iter, skip=self.skip)
-        if left:  # the prediction of the nonlinear solve is void: it is expected to diverge
-            return math.inf, None, False
+        if left:  # the prediction of the nonlinear solve is void: it is expected to diverge when one of its
+            # levels' nonlinear coarse runs blows up (Van der Pol's large RK4 steps); when they all stay bounded
+            # the linearization failed, not the solve (Lorenz over 20 time units: its errors grow like
+            # e^(0.9 t) along the linearization, but saturate on the attractor), and it is not modelled
+            if any(self._blows_up(int(st)) for st in np.cumprod(key)):
+                return math.inf, None, False, ""
+            return None, None, False, "leaves the linearization, its coarse runs do not blow up: not modelled"
         last = [x for x in res if x is not None][-1:]
         at_floor = bool(last and math.isfinite(last[0]) and 0.0 < last[0] <= FLOOR_MARGIN * floor)
-        return average_factor(res), (len(res) if converged else None), at_floor
+        return average_factor(res), (len(res) if converged else None), at_floor, ""
 
     def candidate(self, key, level_relax, w, target) -> Candidate:
         t, L = self.t, len(key) + 1
@@ -2358,7 +2390,7 @@ class _Analysis:
         stable, note, fac, q, rate, exact = _evaluate(self.all_modes, self.col, sizes, list(key),
                                                       list(level_relax), w, self.modes, self.max_points,
                                                       self.min_coarse, self.reduction)
-        exp, exp_cycles, at_floor = self._expected(key, level_relax, w)
+        exp, exp_cycles, at_floor, unmodelled = self._expected(key, level_relax, w)
         cycles = None if q is None else (2 if self.skip else 1) + q  # (without skip the first cycle measures)
         if stable and cycles is None:
             note = "; ".join(x for x in ("does not converge (predicted)", note) if x)
@@ -2368,6 +2400,8 @@ class _Analysis:
             note = "; ".join(x for x in (f"{why} (simulated solve)", note) if x)
         elif stable and rate > target:
             note = "; ".join(x for x in (f"rate above target {target:g}", note) if x)
+        if unmodelled:
+            note = "; ".join(x for x in (note, f"{unmodelled} (simulated solve)") if x)
         tm = math.inf
         if cycles is not None:  # the simulated solve's cycles where it needs more (docs/tuning.md §6)
             cost = list(self.cost) if isinstance(self.cost, tuple) else self.cost

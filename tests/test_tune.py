@@ -700,3 +700,26 @@ def test_the_cheap_norm_bounds_hold_at_the_ends_of_the_float_range():
         bounds = tune._cheap_norms(M)
         exact = np.linalg.norm(M[0] / s, 2) * s
         assert exact <= bounds[0] <= 1.5 * exact and bounds[1] == 0.0
+
+
+def test_a_chaotic_problem_is_not_refused_for_its_linearization():
+    """Lorenz over 20 time units: the tangent model's errors grow like e^(0.9 t) where the solver's
+    saturate on the attractor, and choose_settings raised "no candidate ... (19 stable ones diverge in the
+    simulated solve)" while two levels with cf 2 converge in 8 cycles. Over 10 time units the verdict on
+    that setting changed with the candidate set (the reference's stride came from it)."""
+    from propagators import Lorenz
+
+    u0 = np.array([1.0, 1.0, 1.0])
+    t = np.linspace(0.0, 20.0, 2001)
+    s = mgrit.choose_settings(Lorenz(), u0, t, cf=(2, 4), **FAST)
+    assert s.meets_target and not s.choice.simulated_divergence
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = mgrit.solve(Lorenz(), u0, t, tol=1e-8, tol_type="rel", **s.options)
+    assert res.converged
+    p = tune.predict_options(Lorenz(), u0, t, cf=2, max_levels=2, relax="F", **FAST)
+    assert p.expected_factor is None and "not modelled" in p.choice.note
+    short = np.linspace(0.0, 10.0, 1001)
+    picks = {cfs: [c for c in mgrit.choose_settings(Lorenz(), u0, short, cf=cfs, **FAST).candidates
+                   if c.describe() == "cf 2, 2 levels, F"][0] for cfs in ((2,), (2, 4, 8, 16))}
+    assert picks[(2,)].expected == picks[(2, 4, 8, 16)].expected < 1.0
