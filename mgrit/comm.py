@@ -851,6 +851,14 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"`kind` must be 'norm2', 'sum' or 'max', got {kind!r}")
 
 
+def _equal(a, b) -> bool:
+    """``a == b`` as one bool, False where that raises (arrays): what :meth:`agree` compares."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: not the same
+        return False
+
+
 def _local_max(values) -> float:
     x = np.asarray(values, dtype=np.float64).ravel()
     if x.size == 0:
@@ -1152,18 +1160,25 @@ class _SessionComm(Communicator):
     def _after_object_sends(self, ch) -> None:
         """Engine hook after a collective's pickled sends (e.g. complete them outside sessions)."""
 
-    def agree(self) -> None:
+    def agree(self, value=None, what: str = "a value") -> None:
         """Return when every rank has called this: a barrier that listens for failures, before a
         blocking call of the engine that waits for every rank for ever (``MPI_Comm_split``,
-        ``torch.distributed.new_group``)."""
+        ``torch.distributed.new_group``). ``value`` (picklable, compared with ``==``) must be the same
+        on every rank: else a ValueError on every rank naming ``what``."""
         self._before_post()
         ch = self._top
         self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
         try:
-            self._from_root(ch, self._gather_to_root(ch, None, Tag.HANDSHAKE), Tag.HANDSHAKE)
+            values = self._gather_to_root(ch, value, Tag.HANDSHAKE)
+            odd = None if values is None else next(((r, v) for r, v in enumerate(values)
+                                                    if not _equal(v, values[0])), None)
+            odd = self._from_root(ch, None if odd is None else (odd[0], odd[1], values[0]), Tag.HANDSHAKE)
         finally:
             self._handshaking = False
         self._after_object_sends(ch)
+        if odd is not None:
+            raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {odd[2]!r} on rank 0; "
+                             "pass the same on every rank")
 
     def send(self, x, dest, tag):
         self._before_post()
@@ -1770,13 +1785,14 @@ def split_comm(comm, layer_size: int):
 
         return split_group(layer_size, comm)
     size, rank = comm.Get_size(), comm.Get_rank()
-    if not isinstance(layer_size, (int, np.integer)) or layer_size < 1 or size % layer_size:
+    if size > 1:  # every rank is here (or RemoteRankError) with the same layer_size before MPI_Comm_split
+        as_communicator(comm).agree(layer_size, "`layer_size` of split_comm")
+    if isinstance(layer_size, (bool, np.bool_)) or not isinstance(layer_size, (int, np.integer)) \
+            or layer_size < 1 or size % layer_size:
         raise ValueError(
             f"`layer_size` must divide the communicator size {size}, got {layer_size!r}"
         )
     layer_index, data_index = rank % layer_size, rank // layer_size
-    if size > 1:  # every rank is here (or RemoteRankError) before the blocking MPI_Comm_split
-        as_communicator(comm).agree()
     layer_comm = comm.Split(color=data_index, key=layer_index)
     data_comm = comm.Split(color=layer_index, key=data_index)
     return layer_comm, data_comm

@@ -1090,12 +1090,12 @@ def split_group(layer_size: int, group=None, backend: str | None = None):
         raise ValueError("`split_group` splits the world group only (torch.distributed.new_group is collective "
                          "over the world); pass group=None")
     size, rank = dist.get_world_size(), dist.get_rank()
-    if isinstance(layer_size, bool) or not isinstance(layer_size, (int, np.integer)) or layer_size < 1 \
-            or size % layer_size:
+    if size > 1:  # every rank is here (or an error), with the same layer_size, before new_group, which waits
+        wrap(dist.group.WORLD).agree(layer_size, "`layer_size` of split_comm")  # for every rank for ever
+    if isinstance(layer_size, (bool, np.bool_)) or not isinstance(layer_size, (int, np.integer)) \
+            or layer_size < 1 or size % layer_size:
         raise ValueError(f"`layer_size` must divide the world size {size}, got {layer_size!r}")
     backend = backend or dist.get_backend()
-    if size > 1:  # every rank is here (or an error) before new_group, which waits for every rank for ever
-        wrap(dist.group.WORLD).agree()
     mine = {}
 
     def make(kind, index, ranks):

@@ -33,6 +33,12 @@ def main() -> int:
         bad.append("split_comm accepted a layer size that does not divide the communicator")
     except ValueError:
         pass
+    try:  # another layer size on one rank: the grids would differ (and torch's new_group waited for ever)
+        mgrit.split_comm(world, 1 if world.rank == 1 else LAYER_SIZE)
+        bad.append("split_comm accepted a layer size that differs between ranks")
+    except ValueError as exc:
+        if "`layer_size` of split_comm differs between ranks: 1 on rank 1" not in str(exc):
+            bad.append(f"split_comm with a layer size differing between ranks: {exc}")
     layer, data = mgrit.split_comm(world, LAYER_SIZE)
     shard, n_shards = data.Get_rank(), data.Get_size()
     if layer.Get_size() != LAYER_SIZE or n_shards != world.size // LAYER_SIZE:
