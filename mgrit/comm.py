@@ -851,6 +851,15 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"`kind` must be 'norm2', 'sum' or 'max', got {kind!r}")
 
 
+def _non_member(obj) -> bool:
+    """``obj`` is torch.distributed's stand-in for a group on a rank outside it (an int, -100)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    member = getattr(dist, "GroupMember", None) if dist is not None else None
+    return member is not None and isinstance(obj, int) and obj == getattr(member, "NON_GROUP_MEMBER", object())
+
+
 def _equal(a, b) -> bool:
     """``a == b`` as one bool, False where that raises (arrays): what :meth:`agree` compares."""
     try:
@@ -1741,6 +1750,10 @@ def as_communicator(comm) -> Communicator:
         from .torch_dist import wrap
 
         return wrap(comm)
+    if _non_member(comm):
+        raise ValueError("this rank is not a member of the process group passed as `comm` (torch.distributed "
+                         "gives it GroupMember.NON_GROUP_MEMBER from new_group): build the module or call the "
+                         "solver on the ranks of the group only")
     raise TypeError(
         f"`comm` must be None, an mpi4py communicator, a torch.distributed ProcessGroup or an "
         f"mgrit.Communicator, got {type(comm).__name__}"

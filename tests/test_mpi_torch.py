@@ -39,8 +39,9 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 
 
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
-         "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
-         "shuffled", "loss", "nanloss", "nanin", "n_layers", "shard", "modules", "argument", "calls", "skip"]
+         "activation", "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
+         "shuffled", "loss", "nanloss", "nanin", "n_layers", "shard", "modules", "argument", "calls", "skip",
+         "scheme", "replica_values", "replica_T"]
 #: ranks whose handshakes differ: every rank raises ValueError naming the call (the arguments of one call,
 #: or each rank's call), none waits
 MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "fwd_iters"],
@@ -56,7 +57,9 @@ MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of 
 #: ranks that disagree: every rank raises ValueError with this in its message
 DISAGREE = {"shuffled": "input of rank", "loss": "gradient of the block's output",
             "nanloss": "gradient of the block's output",
-            "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters"}
+            "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters",
+            "scheme": "different scheme (propagators.torch.schemes.",
+            "replica_values": "hold different parameter values", "replica_T": "have different settings (n_layers, T"}
 
 
 def failure_lines(out, name):
@@ -84,7 +87,7 @@ def test_failure_in_any_phase_reaches_every_rank(n, bad):
                     assert f"rank {bad}" in msg or f"ranks {bad}" in msg, (case, r, msg)
             elif case in DISAGREE:
                 assert kind == "ValueError" and DISAGREE[case] in msg, (case, r, kind, msg)
-            elif case == "layout":  # ranks whose halo layer differs from its owner's raise ValueError
+            elif case in ("layout", "activation"):  # a rank whose layer differs from its owner's: ValueError
                 assert kind in ("ValueError", "RemoteRankError"), (r, kind, msg)
                 assert any("differs between ranks" in m for _, m, _ in lines.values())
             elif case == "load_serial":  # the owner of the last layer lacks entries

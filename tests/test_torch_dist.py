@@ -234,3 +234,16 @@ def test_a_process_that_ends_beside_a_busy_peer_exits_cleanly():
     rc, out = launch(2, "exits.py", "busy", timeout=120)
     assert "terminate called" not in out and rc == 0, out[-5000:]
     assert sorted(re.findall(r"rank (\d+) ends", out)) == ["0", "1"], out[-5000:]
+
+
+def test_a_group_this_rank_is_not_in_is_named():
+    """torch.distributed gives ranks outside a new_group the int GroupMember.NON_GROUP_MEMBER (-100):
+    passing it as comm said "got int"."""
+    import torch.distributed as dist
+
+    from mgrit.comm import as_communicator
+
+    with pytest.raises(ValueError, match="this rank is not a member of the process group passed as `comm`"):
+        as_communicator(dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(TypeError, match="got int"):
+        as_communicator(7)

@@ -7,6 +7,7 @@ gradient on every data rank.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections import OrderedDict
 
@@ -47,7 +48,7 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     if shard_size is not None and (isinstance(shard_size, bool) or not shard_size >= 0):
         raise ValueError(f"`shard_size` must be a number of samples >= 0, got {shard_size!r}")
     floats = [b for b in module.buffers() if b.is_floating_point()] if buffers else []
-    _check_alike(comm, params + floats, shard_size is not None)
+    _check_alike(comm, params + floats, shard_size is not None, module, params)
     weight = 1.0 if shard_size is None else float(shard_size)
     meta = np.array([p.grad is not None for p in params] + [weight], dtype=np.float64)
     meta = comm.allreduce_array(meta)
@@ -84,12 +85,17 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
                 off += b.numel()
 
 
-def _check_alike(comm, params, weighted: bool) -> None:
+def _check_alike(comm, params, weighted: bool, module, values) -> None:
     """Raise on every data rank alike (one reduction) unless all pass the same parameters (and buffers
     to average; number, shapes, dtypes) and all or none a ``shard_size``: they travel as flat buffers
-    matched by position."""
+    matched by position. The MGRIT blocks' settings (T, cycles, tolerances...) must agree too, and the
+    values of the parameters ``values`` (not the buffers: running statistics differ until averaged):
+    replicas built after seeding the ranks differently (or with another T or fwd_iters) averaged the
+    gradients of different networks, silently."""
     layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
-    mine = [float(len(params)), float(layout), float(weighted)]
+    blocks = [(name, m._replica_settings()) for name, m in module.named_modules() if hasattr(m, "_replica_settings")]
+    sums, scale = _value_sums(values)
+    mine = [float(len(params)), float(layout), float(weighted), float(zlib.crc32(repr(blocks).encode()))] + sums
     got = comm.exact_many([[v] for m in mine for v in (m, -m)], "max")
     if got[0] != -got[1] or got[2] != -got[3]:
         raise ValueError(
@@ -99,3 +105,34 @@ def _check_alike(comm, params, weighted: bool) -> None:
     if got[4] != -got[5]:
         raise ValueError("allreduce_gradients: `shard_size` was given on some data ranks and not on others: "
                          "pass it on every data rank (the shards are weighted by it) or on none")
+    if got[6] != -got[7]:
+        raise ValueError("allreduce_gradients: the data ranks' MGRIT blocks have different settings (n_layers, T, "
+                         "scheme, cycles, tolerances, ...; this rank: "
+                         f"{blocks[0] if blocks else 'none'}): build and configure them alike on every data rank")
+    rtol = max((_rtol(p.dtype) for p in values), default=0.0)
+    if any(got[k] + got[k + 1] > rtol * scale for k in (8, 10)):
+        raise ValueError("allreduce_gradients: the data ranks hold different parameter values (the sums of "
+                         f"their parameters differ by {max(got[8] + got[9], got[10] + got[11]):.3g}): seed every "
+                         "rank alike before building the model (or load one state dict on every rank), and step "
+                         "the same optimizer on every data rank")
+
+
+def _value_sums(params) -> tuple:
+    """Two sums of all parameter values (plain and weighted by position), and their magnitude: equal on data
+    replicas that hold the same values. One flat float64 copy (on the parameters' device)."""
+    vals = [p.detach().reshape(-1) for p in params if p.numel() and (p.is_floating_point() or p.is_complex())]
+    if not vals:
+        return [0.0, 0.0], 0.0
+    flat = torch.cat([v.real.double() if v.is_complex() else v.double() for v in vals])
+    w = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    plain, weighted, scale = torch.stack([flat.sum(), (flat * w).sum(), 2.0 * flat.abs().sum()]).tolist()
+    if not (math.isfinite(plain) and math.isfinite(weighted)):
+        return [0.0, 0.0], 0.0  # (non-finite parameters: not compared here)
+    return [plain, weighted], scale
+
+
+def _rtol(dtype) -> float:
+    """How far the replicas' sums may differ: rounding of the float64 sums of equal values (none), or of
+    parameters computed on other hardware; 100 units of the parameters' precision, at most 1e-4."""
+    eps = torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 0.0
+    return min(1e-4, 100 * eps)

@@ -310,9 +310,18 @@ def _checked_layer(j: int, m):
     return m
 
 
+def _named(fn) -> str:
+    """A function's module and qualified name (a callable object's class): what ranks compare of a scheme."""
+    if hasattr(fn, "__qualname__"):
+        return f"{getattr(fn, '__module__', '')}.{fn.__qualname__}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}"
+
+
 def _layout(m: nn.Module) -> tuple:
-    """What must agree between the copies of one layer on different ranks."""
-    return (type(m).__name__, [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
+    """What must agree between the copies of one layer on different ranks: its classes (every submodule's:
+    an activation swapped for another changes no parameter), parameters and buffers."""
+    return ([(n, type(s).__name__) for n, s in m.named_modules()],
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()],
             [(n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers()])
 
 
@@ -655,18 +664,20 @@ class LayerParallel(nn.Module):
             P, r = self._comm.size, self._comm.rank
             self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
-        session = self._session("building", share=(_uids[0], N, self.T, repr(self.options)))
+        session = self._session("building", share=(_uids[0], N, self.T, repr(self.options), _named(self.scheme),
+                                                   _named(self.layer_index)))
         with session:  # a failure while building the layers on one rank reaches every rank
             if P > 1:
                 self._uid = _agreed_build(session.shared, "LayerParallel", (
                     "n_layers (the number of layers)", "T",
-                    "MGRIT settings (cf, max_levels, min_coarse, relax, cycle)"))
+                    "MGRIT settings (cf, max_levels, min_coarse, relax, cycle)", "scheme", "layer_index"))
             held = sorted(self.plan.needed[r])
             modules = {j: _checked_layer(j, layers(j) if factory else layers[j]) for j in held}
             if P > 1:
                 # tied parameters: over the whole list when given one (every rank sees the same ties)
                 self._check_sharing(modules if factory else dict(enumerate(layers)))
-                self._check_structure(modules)
+                self._check_structure(modules, None if factory else {j: m for j, m in enumerate(layers)
+                                                                      if isinstance(m, nn.Module)})
         self.owned_layers = self.plan.owned[r]
         self.lo, self.hi = self.plan.fine[r]
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
@@ -773,18 +784,20 @@ class LayerParallel(nn.Module):
         self.refresh()
         return self
 
-    def _check_structure(self, modules):
-        """Every halo layer has the parameter and buffer layout of its owner's layer (collective)."""
+    def _check_structure(self, modules, listed=None):
+        """Every halo layer, and every layer of the list when one was given (``listed``: every rank holds
+        all of them), has the classes, parameters and buffers of its owner's layer (collective): ranks whose
+        lists differ where neither holds the other's layer trained a network of both, silently."""
         r = self._comm.rank
         mine = {j: _layout(m) for j, m in modules.items() if j in self.plan.owned[r]}
         every = {}
         for part in self._comm.gather(mine, root=None):
             every.update(part)
-        for j in modules:
-            if j not in self.plan.owned[r] and _layout(modules[j]) != every.get(j):
+        for j, m in sorted({**(listed or {}), **modules}.items(), key=operator.itemgetter(0)):
+            if j not in self.plan.owned[r] and _layout(m) != every.get(j):
                 raise ValueError(
                     f"layer {j} differs between ranks: rank {self.plan.owner(j)} (its owner) builds "
-                    f"{every.get(j)}, rank {r} builds {_layout(modules[j])}; every rank must build the same "
+                    f"{every.get(j)}, rank {r} builds {_layout(m)}; every rank must build the same "
                     "layers (the same factory, or the same list)")
 
     def _check_sharing(self, modules):
@@ -992,6 +1005,13 @@ class LayerParallel(nn.Module):
                 f"{what} of LayerParallel #{self._uid} ({self.n_layers} layers)"
             return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
         return contextlib.nullcontext()
+
+    def _replica_settings(self) -> tuple:
+        """What the data replicas of this block must share (compared by allreduce_gradients): the
+        network and the solves' settings, whose gradients it averages."""
+        return (self.n_layers, self.T, repr(self.options), _named(self.scheme), _named(self.layer_index),
+                self.fwd_iters, self.bwd_iters, self.fwd_tol, self.bwd_tol, self.tol_type, self.skip,
+                self.warm_start, self.spatial is None)
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares

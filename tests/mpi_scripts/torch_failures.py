@@ -18,6 +18,8 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``factory``: the layer factory raises (while the module is built); ``argument``: a bad
   argument there (``T=0``), found before the building handshake;
 * ``layout``: the factory builds layers of another layout (no bias) on that rank only;
+* ``activation``: that rank's list has another activation in a layer it does not hold (the
+  network was a silent mix of the ranks' lists);
 * ``tied``: the list ties the first and the last layer (every rank raises its own ValueError);
 * ``to_serial``: a layer that cannot be copied (it holds a lock) on that rank;
 * ``load_serial``: a state dict without the last layer's entries (only its owner lacks them).
@@ -33,7 +35,9 @@ CASE is the phase in which rank BAD_RANK fails:
   that rank (each handshake compares which block it is for); ``shuffled``, that rank's batch
   in another row order; ``loss``, another loss there (the adjoint's handshake compares the
   output gradients), ``nanloss``, a NaN loss there only (a NaN loss on every rank gives NaN
-  gradients everywhere, as serial autograd: checked after the cases); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``shard``,
+  gradients everywhere, as serial autograd: checked after the cases); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``scheme``, a block stepped by Heun there;
+  ``replica_values`` / ``replica_T``, data replicas (the world as data communicator) whose model differs
+  there in a parameter value / in the block's T (the averaged gradients were of no one network); ``shard``,
   ``allreduce_gradients`` with ``shard_size`` on that rank only; ``modules``, with a module
   of other parameters there.
 * Ranks at different calls of one block: ``calls``, that rank calls ``to_serial()`` where the
@@ -127,6 +131,20 @@ def run_case(case, bad):
     if case == "n_layers":
         LayerParallel(layers(17 if rank == bad else 16), cf=2, max_levels=3, comm=world)
         return
+    if case == "scheme":  # the first pass blamed hooks or attributes changed on one rank
+        from propagators.torch import forward_euler, heun
+
+        LayerParallel(layers(), cf=2, max_levels=3, comm=world, scheme=heun if rank == bad else forward_euler)
+        return
+    if case in ("replica_values", "replica_T"):  # data replicas (world as the data communicator) that differ
+        lp = LayerParallel(layers(8), cf=2, max_levels=2, T=2.0 if case == "replica_T" and rank == bad else 1.0)
+        model = nn.Sequential(nn.Linear(4, 4), lp)
+        if case == "replica_values" and rank == bad:  # (a rank seeded otherwise)
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
+        model(torch.randn(2, 4)).sum().backward()
+        allreduce_gradients(model, world)
+        return
     if case in ("shard", "modules"):
         model = nn.Linear(4, 3, bias=not (case == "modules" and rank == bad))
         model(torch.randn(2, 4)).sum().backward()
@@ -140,6 +158,13 @@ def run_case(case, bad):
         return
     if case in ("factory", "layout"):
         LayerParallel(factory(case, bad), n_layers=16, cf=2, max_levels=3, comm=world)
+        return
+    if case == "activation":  # that rank's list differs at a layer it does not hold (another activation)
+        ls = layers()
+        if rank == bad:
+            far = 15 if bad == 0 else 0
+            ls[far] = nn.Sequential(ls[far][0], nn.ReLU())
+        LayerParallel(ls, cf=2, max_levels=3, comm=world)
         return
     if case == "tied":
         ls = layers()
