@@ -35,6 +35,11 @@ def positive_float(text: str) -> float:
     return _checked(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
+def nonnegative_float(text: str) -> float:
+    """A ratio that may be 0 or inf (SwitchRule's ``ratio=inf`` only monitors): a number >= 0, not NaN."""
+    return _checked(text, float, lambda v: v >= 0, "a number >= 0 (inf allowed)")
+
+
 def positive_ints(text: str) -> str:
     """A comma-separated list of integers >= 1 (``"16,64"``), returned as the normalised list text so that
     the scripts go on splitting it at the commas."""

@@ -34,7 +34,7 @@ from torch import nn
 from propagators.data import load_digits
 from propagators.torch import LayerParallel
 from propagators.torch.switch import SerialSwitch, Switchable
-from _cli import nonnegative_int, positive_float, positive_int  # noqa: E402
+from _cli import nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
 
 
 def build(layers: int, width: int, T: float, fwd: int, bwd: int, seed: int):
@@ -104,7 +104,7 @@ def main(argv=None):
     p.add_argument("--batch", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--every", type=positive_int, default=5)
-    p.add_argument("--ratio", type=positive_float, default=0.5, help="the error may be this fraction of the noise")
+    p.add_argument("--ratio", type=nonnegative_float, default=0.5, help="the error may be this fraction of the noise")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)

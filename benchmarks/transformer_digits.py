@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from propagators.data import load_digits  # noqa: E402
 from propagators.torch.switch import SerialSwitch, SwitchRule  # noqa: E402
 from propagators.torch.transformer import make_vit  # noqa: E402
-from _cli import nonnegative_int, positive_float, positive_int  # noqa: E402
+from _cli import nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
 
 
 def parse(argv=None):
@@ -68,9 +68,9 @@ def parse(argv=None):
     p.add_argument("--every", type=positive_int, default=5, help="steps between gradient-error measurements")
     p.add_argument("--criterion", default="noise", choices=("noise", "signal"),
                    help="compare the gradient error with the estimated noise or signal")
-    p.add_argument("--ratio", type=positive_float, default=1.0, help="switch when error > ratio * noise (or signal)")
+    p.add_argument("--ratio", type=nonnegative_float, default=1.0, help="switch when error > ratio * noise (or signal)")
     p.add_argument("--window", type=positive_int, default=3, help="measurements averaged per decision")
-    p.add_argument("--patience", type=nonnegative_int, default=1)
+    p.add_argument("--patience", type=positive_int, default=1)
     p.add_argument("--action", default="serial", choices=("serial", "tighten"))
     p.add_argument("--train-samples", type=nonnegative_int, default=0, help="use only this many training samples (0: all)")
     p.add_argument("--seed", type=nonnegative_int, default=0)

@@ -32,6 +32,8 @@ Eleven fine points (``N = 10``) on three ranks, coarsened by 2 twice:
 """
 from __future__ import annotations
 
+import math
+import operator
 from bisect import bisect_right
 from typing import Sequence
 
@@ -100,11 +102,7 @@ def fine_ranges(n_points: int, size: int, partition: Sequence[int] | None = None
     """
     if partition is None:
         return [block_range(n_points, size, r) for r in range(size)]
-    starts = list(partition)
-    bad = [s for s in starts if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer))]
-    if bad:  # (a float was truncated: 2.7 gave a block starting at 2; NaN raised int()'s own error)
-        raise ValueError(f"`partition` must list integer start indices, got {bad[0]!r} in {partition!r}")
-    starts = [int(s) for s in starts]
+    starts = [_start(s, partition) for s in partition]
     if len(starts) != size or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
             or starts[-1] > n_points:
         raise ValueError(
@@ -113,6 +111,24 @@ def fine_ranges(n_points: int, size: int, partition: Sequence[int] | None = None
         )
     ends = starts[1:] + [n_points]
     return [(a, b - 1) for a, b in zip(starts, ends)]
+
+
+def _start(s, partition) -> int:
+    """One start index: an integer (Python, numpy or an integer tensor) or an integral float (5.0); a float
+    such as 2.7 was truncated to 2 and NaN raised int()'s own error, a bool counted as 0 or 1."""
+    if isinstance(s, (bool, np.bool_, str, bytes)) or str(getattr(s, "dtype", "")) in ("bool", "torch.bool"):
+        raise ValueError(f"`partition` must list integer start indices, got {s!r} in {partition!r}")
+    try:
+        return operator.index(s)
+    except TypeError:
+        pass
+    try:
+        f = float(s)
+    except (TypeError, ValueError):
+        f = math.nan
+    if not f.is_integer():
+        raise ValueError(f"`partition` must list integer start indices, got {s!r} in {partition!r}")
+    return int(f)
 
 
 def level_ranges(hierarchy, size: int, partition: Sequence[int] | None = None) -> list:

@@ -248,7 +248,12 @@ def _bidiagonal_sigma_min(abs_mu: float, n: int) -> float:
     def f(theta):
         return math.sin((n + 1) * theta) - a * math.sin(n * theta)
 
-    theta = lo if f(lo) <= 0.0 else brentq(f, lo, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+    if f(lo) <= 0.0:  # (a = 1, to rounding)
+        theta = lo
+    elif f(hi) >= 0.0:  # (a below n eps: sin((n+1) hi) rounds to about 1e-16, above a sin(n hi))
+        theta = hi
+    else:
+        theta = brentq(f, lo, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
     return math.sqrt((1.0 - a) ** 2 + 4.0 * a * math.sin(theta / 2) ** 2)
 
 

@@ -1163,10 +1163,11 @@ def _reference_trajectory(propagator, u0, t, spectrum0):
     """Approximate solution at every point of ``t`` (rows, flattened), or None when the run blows up.
 
     A coarse sequential run (the largest stable single-step stride of
-    ``spectrum0`` that is at most ``N^(1/3)``, halved if the run blows up),
-    then the fine steps from every point of the run to the next, batched:
-    ``N / s`` sequential steps and ``s - 1`` batched calls for stride ``s``
-    (docs/tuning.md §7).
+    ``spectrum0`` that is at most ``N^(1/3)``, halved if the run blows up or
+    disagrees with the run at half its stride by more than
+    :data:`REFERENCE_AGREEMENT`), then the fine steps from every point of the
+    run to the next, batched: ``N / s`` sequential steps (``2 N / s`` more for
+    the check) and ``s - 1`` batched calls for stride ``s`` (docs/tuning.md §7).
     """
     n = t.shape[0] - 1
     max_stride = max(1, int(round(n ** (1.0 / 3.0))))
@@ -1712,6 +1713,19 @@ def _run_stride(spectrum0, n, min_steps, max_stride=None) -> int:
     return stride
 
 
+def _runs_through(propagator, u0, t, stride) -> bool:
+    """Whether a sequential run over every ``stride``-th point of ``t`` stays finite and bounded (as
+    :func:`_coarse_run` judges it), without retrying at smaller strides."""
+    scale = float(np.max(np.abs(_to_numpy(u0)))) + 1.0
+    idx, u = list(range(0, t.shape[0], stride)), u0
+    with np.errstate(all="ignore"):
+        for a, b in zip(idx[:-1], idx[1:]):
+            u = checked_state(propagator.step(u, float(t[a]), float(t[b])), u0[None], 0)
+            if not B.all_finite(u) or float(np.max(np.abs(_to_numpy(u)))) > 1e6 * scale:
+                return False
+    return True
+
+
 def _coarse_run(propagator, u0, t, stride):
     """A sequential run over every ``stride``-th point of ``t``: ``(indices, states)``.
 
@@ -2219,6 +2233,9 @@ def predict_options(
                    if name in ignored and not _same(ignored[name], default)]
     if not isinstance(skip, (bool, np.bool_)):
         raise ValueError(f"`skip` must be True or False, got {skip!r}")
+    if ignored.get("partition") is not None and len(ignored["partition"]) != ranks:
+        raise ValueError(f"`partition` lists {len(ignored['partition'])} blocks but `ranks` is {ranks}: the model "
+                         f"replays the solve on `ranks` ranks, one block each; pass ranks={len(ignored['partition'])}")
     an = _Analysis(propagator, u0, t, [key], reduction=reduction, measure=measure, cost=cost, latency=latency,
                    samples=samples, jvp=jvp, dense_max=dense_max, krylov=krylov, modes=modes,
                    max_points=max_points, seed=seed, ranks=ranks, min_coarse=min_coarse,
@@ -2346,12 +2363,11 @@ class _Analysis:
         return model, note
 
     def _blows_up(self, stride: int) -> bool:
-        """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up."""
+        """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up
+        (one run per stride, stopped where it blows up; not repeated at smaller strides)."""
         if stride not in self._bounded:
             propagator, u0 = self._stepping
-            idx = list(range(0, self.t.shape[0], stride))
-            run = _coarse_run(propagator, u0, self.t, stride)
-            self._bounded[stride] = len(run[1]) == len(idx) and run[0] == idx
+            self._bounded[stride] = _runs_through(propagator, u0, self.t, stride)
         return not self._bounded[stride]
 
     def _expected(self, key, level_relax, w):
@@ -2375,7 +2391,7 @@ class _Analysis:
             # levels' nonlinear coarse runs blows up (Van der Pol's large RK4 steps); when they all stay bounded
             # the linearization failed, not the solve (Lorenz over 20 time units: its errors grow like
             # e^(0.9 t) along the linearization, but saturate on the attractor), and it is not modelled
-            if any(self._blows_up(int(st)) for st in np.cumprod(key)):
+            if any(self._blows_up(int(st)) for st in np.cumprod(key)[::-1]):  # (the coarsest first)
                 return math.inf, None, False, ""
             return None, None, False, "leaves the linearization, its coarse runs do not blow up: not modelled"
         last = [x for x in res if x is not None][-1:]

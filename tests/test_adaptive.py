@@ -143,6 +143,11 @@ def test_switch_refuses_mgrit_blocks_it_cannot_make_exact():
     converged = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], cf=2, fwd_tol=1e-12,
                               bwd_tol=1e-12)
     SerialSwitch(nn.Sequential(nn.Linear(3, 6), wrapped, converged), nn.functional.mse_loss)  # exact enough
+    one_level = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], max_levels=1)
+    many = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(8)], cf=2, fwd_iters=6,
+                         bwd_iters=6)  # (8 layers, cf 2: exact after 8 / 2 + 2 cycles)
+    for exact in (one_level, many):
+        SerialSwitch(nn.Sequential(nn.Linear(3, 6), wrapped, exact), nn.functional.mse_loss)
 
     class WithGRU(nn.Module):
         def __init__(self, gru):

@@ -169,6 +169,7 @@ def test_families_quick_run_two_ranks_give_one_process_gradients():
     ("memory_per_rank.py", ["--ranks", "1,,2"], "argument --ranks: '1,,2' is not a comma-separated list"),
     ("warm_start.py", ["--T", "nan"], "argument --T: 'nan' is not a finite number > 0"),
     ("multistage_digits.py", ["--seed", "-1"], "argument --seed: '-1' is not an integer >= 0"),
+    ("adaptive_cycles.py", ["--ratio", "nan"], "argument --ratio: 'nan' is not a number >= 0 (inf allowed)"),
 ])
 def test_benchmark_arguments_out_of_range_are_usage_errors(script, args, message):
     """``--repeats 0`` ran the default 5 repetitions, ``--layers 0`` divided by zero, ``--ranks 0`` too
@@ -181,10 +182,11 @@ def test_benchmark_arguments_out_of_range_are_usage_errors(script, args, message
 def test_benchmark_list_arguments_are_normalised():
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from _cli import positive_ints
+        from _cli import nonnegative_float, positive_ints
     finally:
         sys.path.remove(str(BENCHMARKS))
     assert positive_ints(" 16, 64 ") == "16,64"
+    assert nonnegative_float("inf") == float("inf") and nonnegative_float("0") == 0.0
     for bad in ("", "16,", "0", "16,-2", "1.5", "x"):
         with pytest.raises(Exception, match="is not"):
             positive_ints(bad)

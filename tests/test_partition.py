@@ -117,10 +117,16 @@ def test_partition_and_model_are_attributes_after_import_mgrit():
     assert mgrit.model.level_ranges is mgrit.partition.level_ranges is level_ranges
 
 
-@pytest.mark.parametrize("bad", [[0, 2.7, 5.9], [0, True, 5], [0, np.True_, 5], [0, float("nan"), 5], [0, 3.0, 6]])
+@pytest.mark.parametrize("bad", [[0, 2.7, 5.9], [0, True, 5], [0, np.True_, 5], [0, float("nan"), 5], [0, "3", 6]])
 def test_partition_entries_must_be_integers(bad):
     """Floats were truncated (2.7 gave a block starting at 2), True counted as 1, NaN raised int()'s own
-    error; numpy integers stay accepted."""
+    error; integers of any kind and integral floats stay accepted."""
     with pytest.raises(ValueError, match="`partition` must list integer start indices"):
         fine_ranges(9, 3, bad)
-    assert fine_ranges(9, 3, np.array([0, 3, 6])) == fine_ranges(9, 3, [0, np.int32(3), 6]) == [(0, 2), (3, 5), (6, 8)]
+    want = [(0, 2), (3, 5), (6, 8)]
+    assert fine_ranges(9, 3, np.array([0, 3, 6])) == fine_ranges(9, 3, [0, np.int32(3), 6]) == want
+    assert fine_ranges(9, 3, np.array([0.0, 3.0, 6.0])) == fine_ranges(9, 3, [0, 3.0, 6]) == want
+    torch = pytest.importorskip("torch")
+    assert fine_ranges(9, 3, torch.tensor([0, 3, 6])) == want
+    with pytest.raises(ValueError, match="integer start indices"):
+        fine_ranges(9, 3, torch.tensor([0.0, 2.5, 6.0]))

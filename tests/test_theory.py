@@ -451,6 +451,9 @@ def test_the_bidiagonal_extremes_in_linear_time_equal_the_dense_ones():
             if (n - 1) * np.log(a) < 700:
                 exact = th._inverse_bidiagonal_norm(a, n, dense=True)
                 assert abs(th._inverse_bidiagonal_norm(a, n, dense=False) - exact) <= 1e-12 * exact, (n, a)
+    for a, n in ((1e-20, 5), (1e-12, 100_000), (3e-17, 1)):  # (below n eps: the bracket's end is the root)
+        assert th._bidiagonal_sigma_min(a, n) == pytest.approx(1.0 - a, rel=1e-15, abs=0.0)
+    assert th.two_level_norm(*th.level_factors(-1e14, 4, 2), 4, 1000) > 0  # (a stiff mode: it raised)
     lam, mu = th.dahlquist_factors(-0.1, 4)
     norm = th.two_level_norm(lam, mu, 4, 100_000)  # (a dense SVD would take 80 GB)
     lo, hi = th.sharp_bounds(lam, mu, 4, 100_000)

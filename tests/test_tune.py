@@ -678,6 +678,9 @@ def test_predict_options_times_the_schedule_of_the_options_given(extra):
     direct = predict(h, 4, p.predicted_cycles, latency=1.0, converged=True, **extra).time
     default = predict(h, 4, p.predicted_cycles, latency=1.0, converged=True).time
     assert p.predicted_time == direct != default
+    if "partition" in extra:
+        with pytest.raises(ValueError, match=r"`partition` lists 4 blocks but `ranks` is 1.*pass ranks=4"):
+            mgrit.tune.predict_options(heat, heat.initial(), t, **dict(base, ranks=1), **extra)
 
 
 def test_power_cycles_with_growth_neither_underflow_nor_overflow():

@@ -1007,11 +1007,11 @@ class LayerParallel(nn.Module):
         return contextlib.nullcontext()
 
     def _replica_settings(self) -> tuple:
-        """What the data replicas of this block must share (compared by allreduce_gradients): the
-        network and the solves' settings, whose gradients it averages."""
+        """What the data replicas of this block must share (compared by allreduce_gradients): the network
+        whose gradients it averages. Not the cycles or tolerances: SerialSwitch adapts those on each data
+        rank from its own shard (docs/transformer.md)."""
         return (self.n_layers, self.T, repr(self.options), _named(self.scheme), _named(self.layer_index),
-                self.fwd_iters, self.bwd_iters, self.fwd_tol, self.bwd_tol, self.tol_type, self.skip,
-                self.warm_start, self.spatial is None)
+                self.spatial is None)
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares

@@ -175,7 +175,7 @@ class MultiStage(nn.Module):
         first, tie = {}, None
         for i, p in enumerate(self):
             held = [m for _, m in p.layers.items()] + list(p._halo.values()) if isinstance(p, LayerParallel) else [p]
-            for q in (q for m in held for q in m.parameters()):
+            for q in (q for m in held for q in m.parameters() if q.requires_grad):  # (a frozen one: no gradient)
                 k = first.setdefault(id(q), i)
                 stage = isinstance(p, LayerParallel) or isinstance(self[k], LayerParallel)
                 if k != i and stage and tie is None:  # (replicated pieces alone: every rank holds both)

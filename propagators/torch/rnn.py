@@ -359,9 +359,9 @@ class _ParallelRNN(nn.Module):
         self.last_dropout_seed: int | None = None
 
     def _replica_settings(self) -> tuple:
-        """What the data replicas of this module must share (compared by allreduce_gradients)."""
-        return (repr(self.options), self.cycle, self.coarse, self.fwd_iters, self.bwd_iters, self.fwd_tol,
-                self.bwd_tol, self.tol_type, self.skip, self.dropout, self.return_sequence)
+        """What the data replicas of this module must share (compared by allreduce_gradients): the network
+        (not the cycles or tolerances, which may adapt per data rank)."""
+        return (repr(self.options), self.cycle, self.coarse, self.dropout, self.return_sequence)
 
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks

@@ -30,6 +30,29 @@ from .rnn import _ParallelRNN
 MODES = ("parallel", "serial")
 
 
+def _exact_iterations(lp: LayerParallel) -> int:
+    """Cycles after which ``lp``'s solves equal sequential stepping (:attr:`Switchable.exact_iterations`)."""
+    if len(lp.hierarchy) == 1:
+        return 1  # one level: the solve is sequential stepping
+    cf = lp.options["cf"]
+    try:
+        first = int(cf)
+    except TypeError:  # one factor per level: the first coarsens the layers to level 1
+        first = int(list(cf)[0])
+    return math.ceil(lp.n_layers / first) + 2
+
+
+def _exact_block(m) -> bool:
+    """Whether an MGRIT block outside the Switchables gives the serial network's gradients: solves to
+    tolerances, one level, or (LayerParallel) at least its exact number of cycles."""
+    if m.fwd_tol is not None and m.bwd_tol is not None:
+        return True
+    if isinstance(m, LayerParallel):
+        n = _exact_iterations(m)
+        return m.fwd_iters >= n and m.bwd_iters >= n
+    return m.options.get("max_levels") == 1
+
+
 class Switchable(nn.Module):
     """A :class:`LayerParallel` that can run serially (exactly) with the same parameters.
 
@@ -56,14 +79,7 @@ class Switchable(nn.Module):
     def exact_iterations(self) -> int:
         """Cycles after which a solve equals sequential stepping, whatever the residual
         (F-relaxation moves the exact front one coarse point per cycle; one more for skip)."""
-        if len(self.lp.hierarchy) == 1:
-            return 1  # one level: the solve is sequential stepping
-        cf = self.lp.options["cf"]
-        try:
-            first = int(cf)
-        except TypeError:  # one factor per level: the first coarsens the layers to level 1
-            first = int(list(cf)[0])
-        return math.ceil(self.lp.n_layers / first) + 2
+        return _exact_iterations(self.lp)
 
     @property
     def mode(self) -> str:
@@ -212,9 +228,9 @@ class SerialSwitch:
     ----------
     model : nn.Module
         The network; it must contain at least one :class:`Switchable`, and every other MGRIT block
-        in it (a bare LayerParallel, ParallelGRU or ParallelLSTM) must run its solves to tolerances
-        (``fwd_tol`` and ``bwd_tol``): a ValueError otherwise, since its error would stay in the
-        exact reference.
+        in it (a bare LayerParallel, ParallelGRU or ParallelLSTM) must be exact: solves to tolerances
+        (``fwd_tol`` and ``bwd_tol``), one level, or (LayerParallel) at least its exact number of
+        cycles. A ValueError otherwise, since its error would stay in the exact reference.
     loss_fn : callable
         ``loss_fn(model(x), target)``, a mean over the samples of the batch.
     every : int
@@ -260,9 +276,9 @@ class SerialSwitch:
         for name, m in model.named_modules():
             # an MGRIT block the switch cannot put in serial mode: its error would be in the "exact"
             # gradient too, so the measured error would be too small, and switching would not remove it
-            # (one whose solves run to tolerances is exact enough to stay as it is)
+            # (one whose solves run to tolerances, or are exact, can stay as it is)
             unwrapped = isinstance(m, LayerParallel) and id(m) not in wrapped or isinstance(m, _ParallelRNN)
-            if unwrapped and (m.fwd_tol is None or m.bwd_tol is None):
+            if unwrapped and not _exact_block(m):
                 advice = "wrap it, `Switchable(lp)`, and use that in the model, or" if isinstance(m, LayerParallel) \
                     else "use the serial module (to_gru() / to_lstm()) or"
                 raise ValueError(f"the model's {type(m).__name__} `{name}` is not a Switchable: SerialSwitch "

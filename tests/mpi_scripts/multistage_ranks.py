@@ -215,6 +215,9 @@ def tied_pieces_case():
     except ValueError as exc:
         if "pieces 0 and 1 share a parameter" not in str(exc):
             fail(f"tied pieces: unexpected ValueError: {exc}")
+    frozen = nn.Linear(4, 4).requires_grad_(False)  # a frozen table in the stem and a stage layer: allowed
+    layers = [nn.Sequential(frozen, nn.Tanh())] + [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)]
+    MultiStage([frozen, Stage(layers), nn.Linear(4, 2)], cf=2, comm=world)
     head = nn.Linear(4, 4)
     par = MultiStage([head, Stage(lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 6), head], cf=2, comm=world,
                      **TIGHT)

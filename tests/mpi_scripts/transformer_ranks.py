@@ -181,8 +181,25 @@ def measure_keeps_the_warm_start():
     check("the training pass after a measurement (warm start)", outs[1], outs[0])
 
 
+def replicas_may_adapt_their_cycles():
+    """Data replicas (each rank a whole block, the world as data communicator) whose SerialSwitch tightened
+    the cycles on one rank only: allreduce_gradients compares the network, not the cycles (it raised
+    "different settings" when it compared fwd_iters too)."""
+    from mpi4py import MPI
+
+    from propagators.torch import LayerParallel, Switchable, allreduce_gradients
+
+    torch.manual_seed(3)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, comm=MPI.COMM_SELF,
+                       fwd_iters=4 if rank == 0 else 1)
+    model = nn.Sequential(nn.Linear(3, 4), Switchable(lp)).double()
+    model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+    allreduce_gradients(model, world)
+
+
 blocks_equal_serial()
 vit_equals_serial()
+replicas_may_adapt_their_cycles()
 serial_mode_and_measure()
 measure_keeps_the_warm_start()
 world.Barrier()
