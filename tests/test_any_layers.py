@@ -2110,3 +2110,56 @@ def test_rounding_tolerance(dtype, tol):
     from propagators.torch.kernel import rounding_tolerance
 
     assert rounding_tolerance(dtype) == tol
+
+
+def test_the_data_replica_checksums_see_every_bit_and_its_place():
+    """allreduce_gradients' value check: equal for equal parameters (any dtype, NaN included), different
+    for a swap of two tensors, a transposed weight, one float32 element 1e-7 off among 4M, or a row
+    negated. (Sums and norms with a tolerance of 1e-5 of the 1-norm passed the last three.)"""
+    from propagators.torch.data_parallel import _value_sums
+
+    torch.manual_seed(0)
+    params = [torch.randn(4, 4), torch.randn(4, 4), torch.randn(700, 700), torch.randn(3, dtype=torch.complex64),
+              torch.randn(5).bfloat16(), torch.randn(5).half(), torch.tensor([float("nan"), 1.0])]
+    same = _value_sums([p.clone() for p in params])
+    assert same == _value_sums(params)
+    variants = {"swap": [params[1], params[0]] + params[2:],
+                "transpose": [params[0].T.contiguous()] + params[1:],
+                "one element": params[:2] + [params[2].clone().index_put_((torch.tensor(5), torch.tensor(7)),
+                                                                            params[2][5, 7] * (1 + 1e-7))] + params[3:],
+                "row": params[:2] + [torch.cat([-params[2][:1], params[2][1:]])] + params[3:],
+                "small": [params[0].clone().fill_(0.5)] + params[1:]}
+    for name, ps in variants.items():
+        assert _value_sums(ps) != same, name
+
+
+def test_what_ranks_compare_of_a_scheme_spells_out_its_arguments():
+    """Two partials of one scheme with other arguments, two closures of one factory, two callable objects
+    of one class all compared equal ("functools.partial"): ranks built different networks, which the first
+    pass blamed on hooks. Nothing process-specific (a memory address) may enter it."""
+    import functools
+
+    from propagators.torch import forward_euler
+    from propagators.torch.module import _named
+
+    def damped(f, u, h, damping=1.0):
+        return forward_euler(f, u, h)
+
+    def make(a):
+        def scheme(f, u, h):
+            return forward_euler(f, u, h) * a
+        return scheme
+
+    class Scheme:
+        def __init__(self, k):
+            self.k, self.layer = k, nn.Linear(2, 2)
+
+        def __call__(self, f, u, h):
+            return forward_euler(f, u, h) * self.k
+
+    pairs = [(functools.partial(damped, damping=0.5), functools.partial(damped, damping=1.0)),
+             (make(1.0), make(2.0)), (Scheme(1), Scheme(2))]
+    for a, b in pairs:
+        assert _named(a) != _named(b)
+    for fn in (functools.partial(damped, damping=0.5), make(1.0), Scheme(1), forward_euler):
+        assert _named(fn) == _named(copy.deepcopy(fn)) and "0x" not in _named(fn), _named(fn)

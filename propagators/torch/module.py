@@ -310,11 +310,38 @@ def _checked_layer(j: int, m):
     return m
 
 
-def _named(fn) -> str:
-    """A function's module and qualified name (a callable object's class): what ranks compare of a scheme."""
+def _named(fn, depth: int = 0) -> str:
+    """What ranks compare of a scheme or a layer_index: a function's module and qualified name with the
+    values it closes over, a partial's function and arguments, a callable object's class and attributes
+    (``functools.partial(scheme, damping=0.5)`` against ``damping=1.0`` were both "functools.partial").
+    Only plain values are spelled out (no repr with a memory address, which differs between processes)."""
+    def value(v):
+        if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+            return repr(v)
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(map(value, v)) + ")"
+        if isinstance(v, dict):
+            items = sorted(v.items(), key=lambda kv: repr(kv[0]))
+            return "{" + ", ".join(f"{k!r}: {value(x)}" for k, x in items) + "}"
+        if callable(v) and depth < 3:
+            return _named(v, depth + 1)
+        return type(v).__qualname__
+    if isinstance(fn, functools.partial):
+        return f"partial({_named(fn.func, depth + 1)}, {value(fn.args)}, {value(fn.keywords)})"
     if hasattr(fn, "__qualname__"):
-        return f"{getattr(fn, '__module__', '')}.{fn.__qualname__}"
-    return f"{type(fn).__module__}.{type(fn).__qualname__}"
+        cells = [value(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ())
+                 if _cell_filled(c)]
+        return f"{getattr(fn, '__module__', '')}.{fn.__qualname__}" + (f"[{', '.join(cells)}]" if cells else "")
+    attrs = getattr(fn, "__dict__", {})
+    return f"{type(fn).__module__}.{type(fn).__qualname__}({value(attrs)})"
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (an empty cell: a name the function refers to before it is bound)
+        return False
+    return True
 
 
 def _layout(m: nn.Module) -> tuple:

@@ -26,7 +26,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator
 
-from .module import LayerParallel
+from .module import LayerParallel, _announced
 
 _OWN = ("comm", "data_comm")
 
@@ -155,6 +155,7 @@ class MultiStage(nn.Module):
                     f"from this MultiStage's ({self._comm.size} rank(s)); every stage runs on the same layer "
                     "communicator: build each with comm=<that communicator>, or pass Stage specifications")
             self.add_module(str(i), p)
+        self._frozen_ties: list = []  # (piece, name, parameter): frozen and shared with a stage layer
         if self._comm.size > 1:
             self._refuse_ties()
         # consecutive replicated pieces run in one failure-aware session on several ranks
@@ -171,20 +172,42 @@ class MultiStage(nn.Module):
         """On several ranks a parameter shared by two pieces, one of them a stage, is a ValueError on every
         rank: a stage's layer is held by its owner (and the ranks that lend it as a halo) only, so a replicated
         piece tied to it would get that layer's gradient on those ranks and not on the others, and the
-        replicas would drift apart."""
-        first, tie = {}, None
+        replicas would drift apart. A frozen parameter shared by a replicated piece and a stage layer gets no
+        gradient and is allowed; every pass checks that it is still frozen (:meth:`_check_frozen_ties`)."""
+        first, tie, frozen = {}, None, set()
+        names = {id(q): (i, n) for i, p in enumerate(self) if not isinstance(p, LayerParallel)
+                 for n, q in p.named_parameters()}
         for i, p in enumerate(self):
             held = [m for _, m in p.layers.items()] + list(p._halo.values()) if isinstance(p, LayerParallel) else [p]
-            for q in (q for m in held for q in m.parameters() if q.requires_grad):  # (a frozen one: no gradient)
+            for q in (q for m in held for q in m.parameters()):
                 k = first.setdefault(id(q), i)
                 stage = isinstance(p, LayerParallel) or isinstance(self[k], LayerParallel)
-                if k != i and stage and tie is None:  # (replicated pieces alone: every rank holds both)
+                if k == i or not stage:  # (replicated pieces alone: every rank holds both)
+                    continue
+                if not q.requires_grad and id(q) in names:
+                    frozen.add(names[id(q)])
+                elif tie is None:
                     tie = (k, i)
-        tie = next((t for t in self._comm.gather(tie, root=None) if t is not None), None)  # (seen where held)
+        seen = self._comm.gather((tie, sorted(frozen)), root=None)  # (a stage layer's ties are seen where held)
+        tie = next((t for t, _ in seen if t is not None), None)
         if tie is not None:
             raise ValueError(f"pieces {tie[0]} and {tie[1]} share a parameter; on several ranks a stage's layers "
                              "are held by some ranks only, so a tied parameter would get different gradients on "
                              "different ranks. Give every piece its own parameters, or run on one rank")
+        # every rank holds the replicated piece: its own copy of the parameter is checked at each pass
+        self._frozen_ties = [(i, n, dict(self[i].named_parameters())[n]) for i, n in sorted({x for _, f in seen
+                                                                                              for x in f})]
+
+    def _check_frozen_ties(self) -> None:
+        """A frozen parameter shared by a replicated piece and a stage layer must stay frozen on several
+        ranks (unfrozen, the replicas' gradients of it would differ: 0.19 apart); raised on every rank."""
+        with _announced(self._comm):  # (unfrozen on one rank only: the others raise RemoteRankError)
+            for i, n, q in self._frozen_ties:
+                if q.requires_grad:
+                    raise ValueError(f"parameter `{n}` of piece {i} is shared with a stage layer and was frozen "
+                                     "when this MultiStage was built; on several ranks it must stay frozen (only "
+                                     "the ranks holding that layer would add its gradient): build the model with "
+                                     "separate parameters to train it")
 
     # -- structure --------------------------------------------------------------
     def __getitem__(self, i) -> nn.Module:
@@ -228,6 +251,8 @@ class MultiStage(nn.Module):
 
     # -- forward ----------------------------------------------------------------
     def forward(self, x):
+        if self._frozen_ties:
+            self._check_frozen_ties()
         for is_stage, idx in self._segments:
             if is_stage:
                 x = self[idx[0]](x)

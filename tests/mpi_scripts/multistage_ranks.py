@@ -217,11 +217,19 @@ def tied_pieces_case():
             fail(f"tied pieces: unexpected ValueError: {exc}")
     frozen = nn.Linear(4, 4).requires_grad_(False)  # a frozen table in the stem and a stage layer: allowed
     layers = [nn.Sequential(frozen, nn.Tanh())] + [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)]
-    MultiStage([frozen, Stage(layers), nn.Linear(4, 2)], cf=2, comm=world)
+    net = MultiStage([frozen, Stage(layers), nn.Linear(4, 2)], cf=2, comm=world)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))  # (the same on every rank)
+    net(x).sum().backward()
+    frozen.requires_grad_(True)  # unfrozen after the build: the ranks' gradients of it would differ (by 0.19)
+    try:
+        net(x)
+        fail("a frozen parameter shared with a stage layer, unfrozen after the build: no error")
+    except ValueError as exc:
+        if "shared with a stage layer and was frozen" not in str(exc):
+            fail(f"unfrozen tie: unexpected ValueError: {exc}")
     head = nn.Linear(4, 4)
     par = MultiStage([head, Stage(lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 6), head], cf=2, comm=world,
                      **TIGHT)
-    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))  # (the same on every rank)
     par(x).sum().backward()
     par.check_replicas(grads=True)
 

@@ -37,7 +37,8 @@ CASE is the phase in which rank BAD_RANK fails:
   output gradients), ``nanloss``, a NaN loss there only (a NaN loss on every rank gives NaN
   gradients everywhere, as serial autograd: checked after the cases); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``scheme``, a block stepped by Heun there;
   ``replica_values`` / ``replica_T``, data replicas (the world as data communicator) whose model differs
-  there in a parameter value / in the block's T (the averaged gradients were of no one network); ``shard``,
+  there in a parameter value / in the block's T (the averaged gradients were of no one network);
+  ``replica_swap``, two layers of one shape swapped there; ``shard``,
   ``allreduce_gradients`` with ``shard_size`` on that rank only; ``modules``, with a module
   of other parameters there.
 * Ranks at different calls of one block: ``calls``, that rank calls ``to_serial()`` where the
@@ -142,6 +143,13 @@ def run_case(case, bad):
         if case == "replica_values" and rank == bad:  # (a rank seeded otherwise)
             with torch.no_grad():
                 model[0].weight[0, 0] += 1e-3
+        model(torch.randn(2, 4)).sum().backward()
+        allreduce_gradients(model, world)
+        return
+    if case == "replica_swap":  # two layers of one shape swapped there: sums and norms agree, the network not
+        torch.manual_seed(0)
+        a, b, big = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(300, 300)  # (big: checksummed on its own)
+        model = nn.Sequential(*((b, a) if rank == bad else (a, b)), nn.Linear(4, 300), big)
         model(torch.randn(2, 4)).sum().backward()
         allreduce_gradients(model, world)
         return
