@@ -1713,17 +1713,19 @@ def _run_stride(spectrum0, n, min_steps, max_stride=None) -> int:
     return stride
 
 
-def _runs_through(propagator, u0, t, stride) -> bool:
-    """Whether a sequential run over every ``stride``-th point of ``t`` stays finite and bounded (as
-    :func:`_coarse_run` judges it), without retrying at smaller strides."""
+def _run_once(propagator, u0, t, stride):
+    """A sequential run over every ``stride``-th point of ``t``: ``(indices, states)``, the states cut where
+    the run blows up (not finite, or beyond 1e6 times the initial state's size: fewer states than indices)."""
+    idx = list(range(0, t.shape[0], stride))
     scale = float(np.max(np.abs(_to_numpy(u0)))) + 1.0
-    idx, u = list(range(0, t.shape[0], stride)), u0
-    with np.errstate(all="ignore"):
+    states, u = [u0], u0
+    with np.errstate(all="ignore"):  # a run that blows up is detected below
         for a, b in zip(idx[:-1], idx[1:]):
             u = checked_state(propagator.step(u, float(t[a]), float(t[b])), u0[None], 0)
             if not B.all_finite(u) or float(np.max(np.abs(_to_numpy(u)))) > 1e6 * scale:
-                return False
-    return True
+                break
+            states.append(u)
+    return idx, states
 
 
 def _coarse_run(propagator, u0, t, stride):
@@ -1732,19 +1734,9 @@ def _coarse_run(propagator, u0, t, stride):
     A run that blows up is repeated with half the stride; at stride 1 it is
     cut where it blew up (fewer states than indices).
     """
-    n = t.shape[0] - 1
-    scale = float(np.max(np.abs(_to_numpy(u0)))) + 1.0
     while True:
-        idx = list(range(0, n + 1, stride))
-        states, u, ok = [u0], u0, True
-        with np.errstate(all="ignore"):  # a run that blows up is detected below
-            for a, b in zip(idx[:-1], idx[1:]):
-                u = checked_state(propagator.step(u, float(t[a]), float(t[b])), u0[None], 0)
-                if not B.all_finite(u) or float(np.max(np.abs(_to_numpy(u)))) > 1e6 * scale:
-                    ok = False
-                    break
-                states.append(u)
-        if ok or stride == 1:
+        idx, states = _run_once(propagator, u0, t, stride)
+        if len(states) == len(idx) or stride == 1:
             return idx, states
         stride //= 2
 
@@ -2366,8 +2358,8 @@ class _Analysis:
         """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up
         (one run per stride, stopped where it blows up; not repeated at smaller strides)."""
         if stride not in self._bounded:
-            propagator, u0 = self._stepping
-            self._bounded[stride] = _runs_through(propagator, u0, self.t, stride)
+            idx, states = _run_once(*self._stepping, self.t, stride)
+            self._bounded[stride] = len(states) == len(idx)
         return not self._bounded[stride]
 
     def _expected(self, key, level_relax, w):

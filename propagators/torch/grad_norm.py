@@ -64,9 +64,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
         # instead of waiting
         with b._session("grad_norm / clip_grad_norm_", p, agree="norm types"):
             if math.isinf(p):
-                local = _part(own, p)  # (the communicator's max takes a NaN for inf: count NaNs apart)
-                nans = b.comm.sum_exact([float(math.isnan(local))])
-                parts.append(math.nan if nans else b.comm.max([0.0 if math.isnan(local) else local]))
+                local = _part(own, p)  # (the communicator's max takes a NaN for inf: NaNs flagged apart)
+                nan, top = b.comm.exact_many([[float(math.isnan(local))], [0.0 if math.isnan(local) else local]],
+                                             "max")  # (one reduction)
+                parts.append(math.nan if nan else top)
             else:
                 parts.append(b.comm.sum_exact([_part([g], p) for g in own]))
     if math.isinf(p):

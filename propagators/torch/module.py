@@ -691,8 +691,7 @@ class LayerParallel(nn.Module):
             P, r = self._comm.size, self._comm.rank
             self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
         self._uid = None  # (agreed below: which module a pass is of, compared in every handshake)
-        session = self._session("building", share=(_uids[0], N, self.T, repr(self.options), _named(self.scheme),
-                                                   _named(self.layer_index)))
+        session = self._session("building", share=(_uids[0], *self._network()))
         with session:  # a failure while building the layers on one rank reaches every rank
             if P > 1:
                 self._uid = _agreed_build(session.shared, "LayerParallel", (
@@ -1033,12 +1032,16 @@ class LayerParallel(nn.Module):
             return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
         return contextlib.nullcontext()
 
+    def _network(self) -> tuple:
+        """The network's settings every layer rank must build alike (compared at build): the number of
+        layers, T, the MGRIT options, the scheme and the layer index."""
+        return self.n_layers, self.T, repr(self.options), _named(self.scheme), _named(self.layer_index)
+
     def _replica_settings(self) -> tuple:
         """What the data replicas of this block must share (compared by allreduce_gradients): the network
         whose gradients it averages. Not the cycles or tolerances: SerialSwitch adapts those on each data
         rank from its own shard (docs/transformer.md)."""
-        return (self.n_layers, self.T, repr(self.options), _named(self.scheme), _named(self.layer_index),
-                self.spatial is None)
+        return self._network() + (self.spatial is None,)
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares
