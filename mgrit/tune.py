@@ -40,6 +40,7 @@ import numpy as np
 
 from . import _backend as B
 from . import theory
+from .comm import _equal
 from .hierarchy import build_hierarchy, check_levels, check_time_grid, is_integer, parse_relax, per_level
 from .model import StepCost, predict, sequential_time
 from .propagator import Propagator
@@ -2240,13 +2241,8 @@ def predict_options(
 
 
 def _same(a, b) -> bool:
-    """``a`` is the default ``b`` (None, a bool, a number or a string)."""
-    if b is None:
-        return a is None
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an array or a tensor is not a default
-        return False
+    """``a`` is the default ``b`` (None, a bool, a number or a string; an array or a tensor is not a default)."""
+    return a is None if b is None else _equal(a, b)
 
 
 class _Analysis:
