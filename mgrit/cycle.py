@@ -281,8 +281,10 @@ class Levels(LevelOps):
             raise DivergenceError(
                 f"MGRIT diverged: NaN or Inf on level {l} in iteration {iteration}. Either the propagator "
                 "returned NaN or Inf for some state (a layer's log or sqrt of a negative value, an overflow: "
-                "check it on the serial trajectory) or the iteration diverged: reduce the time step, use "
-                "more levels of relaxation ('FCF') or a smaller `cf`"
+                "check it on the serial trajectory) or the iteration diverged. A coarse step that is unstable "
+                "(an explicit scheme over too long a step) is the usual cause: use fewer levels (`max_levels`, "
+                "a larger `min_coarse`), then more relaxation (relax='FCF') or a smaller `cf`; "
+                "mgrit.choose_settings(propagator, u0, t) checks every level's stability and picks them"
             )
 
     def restrict(self, l, R):

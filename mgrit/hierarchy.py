@@ -19,19 +19,31 @@ from . import _backend as B
 _RELAX_RE = re.compile(r"^F(CF)*$")
 
 
-def per_level(value, n: int, name: str) -> list:
-    """Expand a scalar or a sequence (last entry repeats) to ``n`` per-level values."""
+def per_level_entries(value):
+    """The entries of a per-level value: a list or tuple as it is, a 1-D numpy array as a list of its
+    numbers; None for one value (a string, a number, a 0-d array, any other object)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return None
+    return value
+
+
+def per_level(value, n: int, name: str) -> list:
+    """Expand a scalar or a sequence (a list, a tuple or a 1-D numpy array; last entry repeats) to ``n``
+    per-level values."""
+    entries = per_level_entries(value)
+    if entries is None:
         return [value] * n
-    if len(value) == 0:
+    if len(entries) == 0:
         raise ValueError(f"`{name}` is an empty sequence; give one value or one per level")
-    return [value[min(i, len(value) - 1)] for i in range(n)]
+    return [entries[min(i, len(entries) - 1)] for i in range(n)]
 
 
 def _levels_to_check(max_levels: int, *values) -> int:
     """How many per-level entries can matter: a grid of fewer than 2^64 points has at most 64 levels (every
     level at least halves it) and a sequence's last entry repeats, so ``max_levels = 10**9`` costs nothing."""
-    longest = max([len(v) for v in values if isinstance(v, Sequence) and not isinstance(v, (str, bytes))] + [1])
+    longest = max([len(e) for e in map(per_level_entries, values) if e is not None] + [1])
     return min(int(max_levels), 64 + longest)
 
 

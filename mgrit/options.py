@@ -13,12 +13,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .hierarchy import Hierarchy, check_flag, check_integer, check_levels, check_time_grid, levels_of
+from .hierarchy import (Hierarchy, check_flag, check_integer, check_levels, check_time_grid, levels_of,
+                        per_level_entries)
 
 
 def _frozen(value):
-    """Lists become tuples (a frozen value holds no mutable list); the rest is kept."""
-    return tuple(value) if isinstance(value, list) else value
+    """Lists and 1-D numpy arrays become tuples (a frozen value holds nothing mutable); the rest is kept."""
+    entries = per_level_entries(value)
+    return tuple(entries) if isinstance(entries, list) else value
 
 
 @dataclass(frozen=True)

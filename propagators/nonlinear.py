@@ -7,6 +7,8 @@ import numpy as np
 
 from mgrit import Propagator
 
+from ._checks import check_states
+
 
 def _rk4(f, U, t0, t1, substeps):
     """Classical RK4 on stacked states ``U`` (n, d) with per-row times; ``substeps`` per interval."""
@@ -26,6 +28,7 @@ class _RK4System(Propagator):
     """Shared step logic: one interval = ``substeps`` RK4 steps of ``rhs``."""
 
     substeps: int = 1
+    size = 0  #: the state's length (set by each system; not a dataclass field)
 
     def __post_init__(self):  # (the dataclasses below call it after their __init__)
         if isinstance(self.substeps, bool) or not isinstance(self.substeps, (int, np.integer)) or self.substeps < 1:
@@ -35,9 +38,11 @@ class _RK4System(Propagator):
         raise NotImplementedError
 
     def step(self, u, t0, t1):
+        check_states(self, u, (self.size,), batched=False)
         return _rk4(self.rhs, u[None, :], np.array([t0]), np.array([t1]), self.substeps)[0]
 
     def step_batch(self, U, t0, t1):
+        check_states(self, U, (self.size,), batched=True)
         return _rk4(self.rhs, U, np.asarray(t0, float), np.asarray(t1, float), self.substeps)
 
 
@@ -56,6 +61,7 @@ class Lorenz(_RK4System):
     rho: float = 28.0
     beta: float = 8.0 / 3.0
     substeps: int = 1
+    size = 3
 
     def rhs(self, t, U):
         x, y, z = U[:, 0], U[:, 1], U[:, 2]
@@ -75,6 +81,7 @@ class Brusselator(_RK4System):
     a: float = 1.0
     b: float = 3.0
     substeps: int = 1
+    size = 2
 
     def rhs(self, t, U):
         x, y = U[:, 0], U[:, 1]

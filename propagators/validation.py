@@ -17,10 +17,12 @@ from scipy.linalg import lapack
 
 from mgrit import Propagator
 
+from ._checks import FixedParameters, check_states
+
 __all__ = ["AdvectionDiffusion1D", "VanDerPol"]
 
 
-class AdvectionDiffusion1D(Propagator):
+class AdvectionDiffusion1D(FixedParameters, Propagator):
     """Backward Euler for ``u_t + c u_x = nu u_xx`` on ``[0, 1]``.
 
     Parameters
@@ -43,7 +45,9 @@ class AdvectionDiffusion1D(Propagator):
     cache_size : int
         Most step sizes whose factorization is kept (Dirichlet).
 
-    Each step solves ``(I - dt A) u_1 = u_0``; :meth:`generator_eigenvalues`
+    The parameters are fixed when it is built (the stencil and the cached
+    factorizations depend on them: setting one is an AttributeError); a state
+    of another length is a ValueError. Each step solves ``(I - dt A) u_1 = u_0``; :meth:`generator_eigenvalues`
     gives the eigenvalues of ``A``, so one step has the eigenvalues
     ``1 / (1 - dt a_k)``.
 
@@ -85,6 +89,8 @@ class AdvectionDiffusion1D(Propagator):
             left, mid, right = self.c / (2 * dx), 0.0, -self.c / (2 * dx)
         self._stencil = (left + d, mid - 2 * d, right + d)
         self._lu: OrderedDict = OrderedDict()
+
+    _fixed = ("nx", "c", "nu", "scheme", "boundary", "dx", "x")
 
     def __repr__(self) -> str:
         return (f"AdvectionDiffusion1D(nx={self.nx}, c={self.c}, nu={self.nu}, scheme={self.scheme!r}, "
@@ -153,11 +159,13 @@ class AdvectionDiffusion1D(Propagator):
         return x
 
     def step(self, u, t0, t1):
+        check_states(self, u, (self.size,), batched=False)
         return self.step_batch(np.asarray(u)[None], np.array([t0], dtype=np.float64),
                                np.array([t1], dtype=np.float64))[0]
 
     def step_batch(self, U, t0, t1):
         U = np.asarray(U)
+        check_states(self, U, (self.size,), batched=True)
         dt = np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)
         if U.shape[0] == 0:
             return U.astype(np.result_type(U, np.float64), copy=True)
@@ -220,9 +228,11 @@ class VanDerPol(Propagator):
         return np.array([[0.0, 1.0], [-1.0 - 2.0 * self.mu * x * y, self.mu * (1.0 - x * x)]])
 
     def step(self, u, t0, t1):
+        check_states(self, u, (2,), batched=False)
         return self.step_batch(np.asarray(u)[None], np.array([t0], dtype=np.float64),
                                np.array([t1], dtype=np.float64))[0]
 
     def step_batch(self, U, t0, t1):
+        check_states(self, U, (2,), batched=True)
         h = ((np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)) / self.substeps)[:, None]
         return _rk4(self.rhs, np.asarray(U), h, int(self.substeps))

@@ -1,0 +1,117 @@
+"""The reference numpy propagators keep their contract under hostile use: step_batch equals step row by
+row, parameters that cached work depends on stay fixed, bad states and parameters are clear errors."""
+import numpy as np
+import pytest
+
+import mgrit
+from propagators import AdvectionDiffusion1D, Brusselator, Dahlquist, Heat1D, Lorenz, VanDerPol
+
+
+def _sequential(p, u0, t):
+    u = u0
+    for a, b in zip(t[:-1], t[1:]):
+        u = p.step(u, float(a), float(b))
+    return u
+
+
+@pytest.mark.parametrize("xi", [np.array([-1.0, -2.0, -3.0]), np.array([-1.0 + 2j, -0.5, -4.0])])
+@pytest.mark.parametrize("scheme", ["be", "fe"])
+def test_dahlquist_with_an_array_xi_equals_sequential_stepping_on_many_levels(xi, scheme):
+    # step_batch multiplied row k by xi[k]: a 3-entry state with batches of 3 rows converged to a wrong
+    # answer (0.19 off) and other batch sizes raised a broadcasting error
+    p = Dahlquist(xi, scheme)
+    t = np.linspace(0.0, 0.5 if scheme == "fe" else 1.0, 65)
+    u0 = np.array([1.0, 0.5, -2.0], dtype=np.result_type(xi, np.float64))
+    res = mgrit.solve(p, u0, t, cf=4, tol=1e-13, max_iter=50)
+    assert res.status is mgrit.Status.CONVERGED
+    np.testing.assert_allclose(res.u[-1], _sequential(p, u0, t), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_dahlquist_step_batch_rows_equal_step_for_an_array_xi(n):
+    p = Dahlquist(np.array([[-1.0], [-2.0]]))
+    rng = np.random.default_rng(0)
+    U, t0 = rng.standard_normal((n, 2, 3)), rng.random(n)
+    t1 = t0 + rng.random(n)
+    rows = np.stack([p.step(U[k], t0[k], t1[k]) for k in range(n)])
+    np.testing.assert_array_equal(p.step_batch(U, t0, t1), rows)
+    assert not np.allclose(rows[..., 0, :], rows[..., 1, :])  # the two xi entries really differ
+
+
+def test_dahlquist_refuses_a_state_that_xi_does_not_broadcast_to():
+    p = Dahlquist(np.array([-1.0, -2.0, -3.0]))
+    with pytest.raises(ValueError, match=r"`xi` of shape \(3,\).*state's shape \(4,\)"):
+        p.step(np.ones(4), 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"state's shape \(4,\)"):
+        p.step_batch(np.ones((3, 4)), np.zeros(3), np.ones(3))
+    with pytest.raises(ValueError, match=r"state's shape \(\)"):  # xi would make a scalar state an array
+        p.step(np.float64(1.0), 0.0, 1.0)
+
+
+@pytest.mark.parametrize("name, value", [("a", 5.0), ("nx", 9), ("forcing", False), ("dx", 0.1)])
+def test_heat_parameters_are_fixed_once_built(name, value):
+    # changing `a` left the LU factorizations of step sizes already seen at the old `a`: one solve mixed
+    # two problems (the steps 1.98 off a fresh Heat1D(17, a=5))
+    h = Heat1D(17)
+    h.step(h.initial(), 0.0, 0.1)
+    with pytest.raises(AttributeError, match=f"`{name}` is fixed.*build a new Heat1D"):
+        setattr(h, name, value)
+    np.testing.assert_array_equal(h.step(h.initial(), 0.0, 0.1), Heat1D(17).step(h.initial(), 0.0, 0.1))
+    h.cache_size = 3  # the cache's size may change: it holds nothing a step depends on
+    assert h.cache_size == 3
+
+
+@pytest.mark.parametrize("name", ["c", "nu", "nx", "scheme", "boundary"])
+def test_advection_diffusion_parameters_are_fixed_once_built(name):
+    p = AdvectionDiffusion1D(16, c=1.0, nu=0.01)
+    with pytest.raises(AttributeError, match=f"`{name}` is fixed"):
+        setattr(p, name, getattr(p, name))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(a=float("nan")), "`a` must be a finite number >= 0"),
+    (dict(a=-1.0), "`a` must be a finite number >= 0"),
+    (dict(a="1"), "`a` must be a finite number"),
+    (dict(forcing="False"), "`forcing` must be True or False"),
+    (dict(forcing=0), "`forcing` must be True or False"),
+])
+def test_heat_refuses_bad_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Heat1D(17, **kwargs)
+
+
+@pytest.mark.parametrize("p, size", [
+    (AdvectionDiffusion1D(16), 16), (AdvectionDiffusion1D(16, boundary="dirichlet"), 14),
+    (Lorenz(), 3), (Brusselator(), 2), (VanDerPol(), 2),
+])
+def test_a_state_of_another_shape_is_a_clear_error(p, size):
+    for bad in (np.ones(size + 2), np.ones(max(size - 2, 1)), np.float64(1.0), np.ones((2, size))):
+        with pytest.raises(ValueError, match=rf"steps a state of shape \({size},\); got shape"):
+            p.step(bad, 0.0, 0.1)
+    with pytest.raises(ValueError, match=rf"steps a stack of states of shape \(n, {size}\); got shape"):
+        p.step_batch(np.ones((3, size + 1)), np.zeros(3), np.full(3, 0.1))
+    u = np.linspace(0.1, 0.9, size)
+    np.testing.assert_array_equal(p.step_batch(u[None], np.zeros(1), np.full(1, 0.1))[0], p.step(u, 0.0, 0.1))
+
+
+@pytest.mark.parametrize("kwargs", [dict(cf=np.array([2, 4])), dict(c_weight=np.array([1.0, 1.5])),
+                                    dict(relax=np.array(["F", "FCF"]))])
+def test_per_level_options_may_be_numpy_arrays(kwargs):
+    # a 1-D array was "`cf` must be an integer >= 2 (or one per level)" although it gave one per level
+    t = np.linspace(0.0, 1.0, 65)
+    as_list = {k: v.tolist() for k, v in kwargs.items()}
+    a = mgrit.solve(Dahlquist(-1.0), np.ones(1), t, tol=1e-12, **kwargs)
+    b = mgrit.solve(Dahlquist(-1.0), np.ones(1), t, tol=1e-12, **as_list)
+    assert a.residuals == b.residuals and a.iterations == b.iterations
+    assert [lv.cf for lv in a.hierarchy] == [lv.cf for lv in b.hierarchy]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_divergence_advice_names_fewer_levels_first():
+    # an explicit coarse step that is unstable is the usual cause; the advice (smaller steps, FCF, smaller cf)
+    # did not help Van der Pol with the default levels, fewer levels did
+    p, t = VanDerPol(mu=1.0), np.linspace(0.0, 10.0, 4097)
+    with pytest.raises(mgrit.DivergenceError, match=r"fewer levels \(`max_levels`.*choose_settings"):
+        mgrit.solve(p, np.array([2.0, 0.0]), t, cf=4)
+    res = mgrit.solve(p, np.array([2.0, 0.0]), t, cf=4, max_levels=3)
+    assert res.status is mgrit.Status.CONVERGED
