@@ -329,3 +329,13 @@ def test_coarse_copies_follow_the_weights_and_need_no_gradients():
 @needs_mpiexec
 def test_two_ranks_equal_serial():
     assert_all_ok(2, *launch(2, "cnn_spatial_ranks.py"))
+
+
+@pytest.mark.parametrize("conv", [lambda: nn.Conv1d(8, 8, 3, padding=1), lambda: nn.ConvTranspose1d(8, 8, 3, padding=1)])
+def test_one_dimensional_convolutions_are_refused_with_spatial_coarsening(conv):
+    # the last two axes of their (N, C, L) states are the channels and the length: the channels were averaged
+    # and the error then said the layers must work on maps of any size
+    lp = LayerParallel([nn.Sequential(conv(), nn.Tanh()) for _ in range(8)], cf=2, max_levels=3,
+                       spatial=SpatialCoarsening())
+    with pytest.raises(ValueError, match=r"layer 0 holds Conv.*1d.*\(N, C, L\).*spatial=None"):
+        lp(torch.randn(4, 8, 32))

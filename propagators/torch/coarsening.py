@@ -395,6 +395,7 @@ class CoarseLayers:
                     getattr(d, name).copy_(b)
 
 
+_CONV_1D = (nn.Conv1d, nn.ConvTranspose1d)
 _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
 
 
@@ -426,8 +427,10 @@ class CoarsePropagator(ODEPropagator):
     def _explain(self, exc, shape):
         return LayerError(
             f"{exc} -- on the coarse feature maps {tuple(shape)} of time level {self.level} (spatial "
-            "coarsening). Layers must work on maps of any size: convolutions with 'same' padding, element-wise "
-            "operations, normalisations over channels; or pass spatial=None")
+            "coarsening, which halves the last two axes of the state: (H, W) of (N, C, H, W) maps). Layers must "
+            "work on maps of any size: convolutions with 'same' padding, element-wise operations, normalisations "
+            "over channels; or pass spatial=None (also for states whose last two axes are not both spatial, "
+            "such as (N, tokens, dim))")
 
     def step(self, u, t0, t1):
         try:
@@ -534,6 +537,12 @@ def spatial_levels(spec: SpatialCoarsening, cache: CoarseLayers, fine: ODEPropag
     if x.dim() < 3:
         raise ValueError(f"spatial coarsening needs feature maps of shape (..., C, H, W), got an input of shape "
                          f"{tuple(x.shape)}; pass spatial=None for other states")
+    one_d = next(((j, s) for j in sorted(modules) for s in modules[j].modules() if isinstance(s, _CONV_1D)), None)
+    if one_d is not None:
+        raise ValueError(
+            f"layer {one_d[0]} holds {type(one_d[1]).__name__}: its states (N, C, L) have one spatial axis, and "
+            "spatial coarsening halves the last two (it would average the channels): pass spatial=None (spatial "
+            "coarsening is for (N, C, H, W) maps)")
     depths = spec.depths(len(hierarchy), x.shape[-2:])
     used = used_layers(hierarchy, n_layers, fine.layer_index, depths)
     coarse = cache.bind(spec, modules, used, scheme, batched, streams) if used else {}

@@ -846,6 +846,9 @@ class KernelPass:
         self._req = None
         self._stacked: dict = {}
         self._gathered: dict = {}
+        #: id of every stacked or gathered buffer copy -> (class id, buffer name, version when made): a layer
+        #: that changes its buffers in a batched call changes these copies, not its own buffers
+        self._copies: dict = {}
         self._steppers: dict = {}  # owner -> {pattern: step function} (see steppers)
         #: dropout masks of this pass by layer (a list per layer, in call order); None: no dropout
         self.masks: dict | None = None
@@ -932,6 +935,7 @@ class KernelPass:
                 with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
                     hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
                            {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
+                    self._note_copies(cid, hit[1])
                     if self.masks is not None and int(c.members[0]) in self.masks:
                         ms = [self.masks[int(j)] for j in members]
                         hit[1][MASKS] = tuple(torch.stack([m[q] for m in ms]) for q in range(len(ms[0])))
@@ -958,7 +962,23 @@ class KernelPass:
             hit = self._gathered[key] = ({n: take(v) for n, v in p.items()},
                                          {n: (tuple(take(m) for m in v) if n == MASKS else take(v))
                                           for n, v in b.items()}, reverse)
+            self._note_copies(cid, hit[1])
         return hit[:2]
+
+    def _note_copies(self, cid: int, buffers: dict) -> None:
+        for n, v in buffers.items():
+            if n != MASKS:
+                self._copies[id(v)] = (cid, n, v._version)
+
+    def changed_copy(self):
+        """``(class id, buffer name)`` of a stacked or gathered buffer copy changed since it was made (a
+        layer that updates its buffers in place in a batched call), or None."""
+        for hit in (*self._stacked.values(), *self._gathered.values()):
+            for n, v in hit[1].items():
+                noted = self._copies.get(id(v))
+                if n != MASKS and noted is not None and noted[2] != v._version:
+                    return noted[:2]
+        return None
 
     def drop_forward_stacks(self) -> None:
         """Forget the parameters stacked in layer order and what is bound to them (gathered views, the
@@ -974,6 +994,7 @@ class KernelPass:
                     self._stacked[cid, True] = (
                         {n: v.flip(0) for n, v in p.items()},
                         {n: (tuple(m.flip(0) for m in v) if n == MASKS else v.flip(0)) for n, v in b.items()})
+                    self._note_copies(cid, self._stacked[cid, True][1])
                 del self._stacked[cid, False]
 
     # -- grouping --------------------------------------------------------------

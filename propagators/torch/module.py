@@ -33,10 +33,9 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_moved,
-                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
-                     rounding_tolerance, take_rows,
-                     uncached_parametrizations)
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error,
+                     _random_moved, _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
+                     rounding_tolerance, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -919,7 +918,8 @@ class LayerParallel(nn.Module):
         for c in self.kernel.classes:
             js = [int(j) for j in c.members if int(j) in owned]
             if js:
-                with _random_states_kept(x.device):  # (a look at the layer: the pass's draws stay the serial ones)
+                # (a look at the layer: the pass's draws stay the serial ones, its buffers as they were)
+                with _random_states_kept(x.device), self._buffers_kept(kp):
                     calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
                 mine.update({j: calls for j in js if calls})
         calls = mine
@@ -1185,7 +1185,8 @@ class LayerParallel(nn.Module):
             repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
             called = bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating  # the layers' code ran
             if not self._probed or repeating:
-                with _random_states_kept(x.device):  # (checks: they must not move the generators a pass uses)
+                # (checks: they must not move the generators a pass uses, nor a layer's buffers)
+                with _random_states_kept(x.device), self._buffers_kept(kp):
                     if not self._probed:
                         self._probe(kp, x)
                     if repeating:
@@ -1244,18 +1245,38 @@ class LayerParallel(nn.Module):
         tensor object but not the memory)."""
         return [(b._version, b.data_ptr()) for b in kp.buffers]
 
+    @contextlib.contextmanager
+    def _buffers_kept(self, kp):
+        """The first pass's checks call layers with their own buffers: one that changes them is a LayerError,
+        and the buffers are put back as they were (the checks leave no trace)."""
+        versions = self._buffer_versions(kp)
+        saved = [b.detach().clone() for b in kp.buffers]
+        try:
+            yield
+            self._check_buffers(kp, versions, saved)  # (the values too: a native batch_norm's update of its
+        except LayerError:                               # running statistics leaves the version counter)
+            with torch.no_grad():
+                for b, v in zip(kp.buffers, saved):
+                    b.copy_(v)
+            raise
+
     def _check_buffers(self, kp, versions, snapshot=None):
         now = self._buffer_versions(kp)
         current = [d[a] for d, a in kp.k._bflat]
         same = [a == b and c is d and (snapshot is None or _same_values(c, e))
                 for a, b, c, d, e in zip(now, versions, kp.buffers, current, snapshot or current)]
-        if not all(same):
-            k = same.index(False)
-            j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
-            name, owner, _ = kp.k.slots[j][1][k - kp.k._span[j][2]]
+        copy = kp.changed_copy() if all(same) else None  # changed in a batched call: the stacked copies
+        if not all(same) or copy is not None:
+            if copy is None:
+                k = same.index(False)
+                j = next(j for j, (_, _, b0, bn) in kp.k._span.items() if b0 <= k < b0 + len(bn))
+                name, owner, _ = kp.k.slots[j][1][k - kp.k._span[j][2]]
+            else:
+                j = int(kp.k.classes[copy[0]].members[0])
+                name = copy[1]
+                owner = next((o for n, o, _ in kp.k.slots[j][1] if n == name), None)
             hint = (f" ({type(owner).__name__} tracks running statistics in training mode: construct it with "
-                    "track_running_stats=False; BatchNorm is handled, other running statistics are not)"
-                    if getattr(owner, "track_running_stats", False) else "")
+                    "track_running_stats=False; BatchNorm is handled, other running statistics are not)" if getattr(owner, "track_running_stats", False) else "")
             raise LayerError(
                 f"layer {j} changed its buffer `{name}` during the forward pass{hint}. MGRIT evaluates every "
                 "layer many times per pass; put such layers in eval mode or make them pure functions of "
