@@ -53,8 +53,9 @@ def load_mnist(directory, kind: str = "train"):
 
     Looks for ``{kind}-images-idx3-ubyte[.gz]`` and ``{kind}-labels-idx1-ubyte[.gz]``
     with ``kind`` "train" or "t10k". Integer images (MNIST's own are bytes, type
-    code 0x08) are grey levels scaled to [0, 1] by 1/255; images stored as
-    floats are returned as they are (already scaled). Labels must be whole numbers of an integer type.
+    code 0x08) are grey levels 0..255 scaled to [0, 1] by 1/255 (other values are a
+    ValueError); images stored as floats are returned as they are (already scaled).
+    Labels must be whole numbers >= 0 of an integer type.
     """
     d = Path(directory)
 
@@ -76,6 +77,11 @@ def load_mnist(directory, kind: str = "train"):
     if labels.dtype.kind not in "ui":
         raise ValueError(f"MNIST labels in {d} hold {labels.dtype} values; class labels must be an integer type "
                          "(MNIST's own are bytes)")
+    if images.dtype.kind in "ui" and images.size and (images.min() < 0 or images.max() > 255):
+        raise ValueError(f"MNIST images in {d} hold integers from {images.min()} to {images.max()}, outside the grey "
+                         "levels 0..255 that integer images are scaled from; store bytes (type 0x08) or floats")
+    if labels.size and labels.min() < 0:
+        raise ValueError(f"MNIST labels in {d} include {labels.min()}; class labels must be >= 0")
     n, rows, cols = images.shape
     X = images.reshape(n, rows * cols).astype(np.float32)
     if images.dtype.kind in "ui":  # grey levels 0..255 (MNIST's bytes, or any integer type)

@@ -55,6 +55,18 @@ def _positive(text: str) -> float:
     return value
 
 
+#: the largest seed: torch.manual_seed takes seeds below 2**64, and the demo also uses ``seed + 1``
+_MAX_SEED = 2**64 - 2
+
+
+def _seed(text: str) -> int:
+    """argparse type: a whole number from 0 to :data:`_MAX_SEED`."""
+    value = _at_least(0)(text)
+    if value > _MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_SEED}, got {value}")
+    return value
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m propagators.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=_at_least(1), default=32, help="residual layers (time steps)")
@@ -67,7 +79,7 @@ def parse(argv=None):
     p.add_argument("--levels", type=_at_least(1), default=3, help="most time levels")
     p.add_argument("--fwd-iters", type=_at_least(1), default=2)
     p.add_argument("--bwd-iters", type=_at_least(1), default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help=f"seed of the weights, the split and the batches (0 to {_MAX_SEED})")
     p.add_argument("--ranks", type=_at_least(1), default=1, help="relaunch under the launcher with this many ranks")
     p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
                    help="engine of --ranks: mpiexec (mpi4py) or torchrun (torch.distributed, gloo)")

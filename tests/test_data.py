@@ -125,3 +125,24 @@ def test_mnist_integer_images_of_any_width_are_grey_levels(tmp_path, code, dtype
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(2, dtype=np.uint8), 0x08)
     X, _ = load_mnist(tmp_path)
     np.testing.assert_array_equal(X, images.reshape(2, 12).astype(np.float32) / np.float32(255))
+
+
+@pytest.mark.parametrize("images, code, match", [
+    (np.array([[[-1, 127]]], np.int8), 0x09, "integers from -1 to 127, outside the grey levels 0..255"),
+    (np.array([[[1000, 65793]]], ">i4"), 0x0C, "integers from 1000 to 65793"),
+])
+def test_integer_images_outside_the_grey_levels_are_refused(tmp_path, images, code, match):
+    # they were scaled by 1/255 all the same: -0.0039 and 258 for "grey levels scaled to [0, 1]"
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, code)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([3], np.uint8), 0x08)
+    with pytest.raises(ValueError, match=match):
+        load_mnist(tmp_path)
+    write_idx(tmp_path / "train-images-idx3-ubyte", np.array([[[0, 255]]], ">i2"), 0x0B)  # in range: any type
+    np.testing.assert_array_equal(load_mnist(tmp_path)[0], [[0.0, 1.0]])
+
+
+def test_negative_labels_are_refused(tmp_path):
+    write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((2, 1, 1), np.uint8), 0x08)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([1, -1], np.int8), 0x09)
+    with pytest.raises(ValueError, match="include -1; class labels must be >= 0"):
+        load_mnist(tmp_path)

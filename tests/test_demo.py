@@ -26,6 +26,8 @@ def test_demo_quick_runs_and_reports_both_models():
     (["--cf", "1"], "--cf: must be at least 2"),
     (["--lr", "nan"], "--lr: must be a finite number > 0"),
     (["--layers", "x"], "--layers: 'x' is not a whole number"),
+    (["--seed", "-1"], "--seed: must be at least 0"),  # was numpy's "expected non-negative integer" traceback
+    (["--seed", "99999999999999999999"], "--seed: must be at most 18446744073709551614"),  # was an OverflowError traceback
 ])
 def test_bad_demo_arguments_are_usage_errors(args, match, capsys):
     from propagators.demo import parse

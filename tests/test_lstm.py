@@ -247,6 +247,8 @@ def test_an_empty_batch_gives_nn_lstms_empty_outputs_and_zero_gradients():
      r"c0 must have shape"),
     (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H), torch.randn(1, B, H).float()), TypeError,
      "c0 is torch.float32"),
+    (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H), None), TypeError,  # ("a Tensor or None, got None")
+     r"c0 must be a torch.Tensor, got NoneType \(pass hx=None for zero initial states"),
     (lambda: torch.randn(5, B, I + 1), lambda: None, ValueError, "input_size"),
     (lambda: torch.nn.utils.rnn.pack_sequence([torch.randn(3, I)]), lambda: None, TypeError,
      "ParallelLSTM does not take a PackedSequence"),
@@ -309,3 +311,14 @@ def test_on_a_device_equals_nn_lstm_and_the_masked_stack(device):
     first.load_state_dict({k: v for k, v in drop.state_dict().items() if k.endswith("_l0")})
     second.load_state_dict({k.replace("_l1", "_l0"): v for k, v in drop.state_dict().items() if k.endswith("_l1")})
     assert maxdiff(out, second(first(x)[0] * mask)[0]) < TOL
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_final_states_are_contiguous_like_nn_lstms(bidirectional):
+    # h_n and c_n were strided slices of one tensor: code written for nn.LSTM (h_n.view(-1)) raised
+    torch.manual_seed(0)
+    par = ParallelLSTM(I, H, num_layers=2, bidirectional=bidirectional).double()
+    x = torch.randn(6, B, I, dtype=torch.float64)
+    (h, c), (hs, cs) = par(x)[1], par.to_lstm()(x)[1]
+    assert h.is_contiguous() and c.is_contiguous() and h.stride() == hs.stride() and c.stride() == cs.stride()
+    assert h.view(-1).shape == hs.view(-1).shape

@@ -231,4 +231,5 @@ class ParallelLSTM(_ParallelRNN):
 
     def _final_states(self, states):
         H = self.hidden_size
-        return states[..., :H], states[..., H:]  # (h_n, c_n)
+        # (h_n, c_n) contiguous, as nn.LSTM returns them (code written for it may .view() them)
+        return states[..., :H].contiguous(), states[..., H:].contiguous()

@@ -79,6 +79,9 @@ _PIECE_STEPS = 64
 #: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
 _SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, return_sequence, or solve "
                 "settings (fwd_iters, bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
+#: ... and, in the backward pass, which gradients it computes
+_BACKWARD_AGREE = ("which of the input and the initial states require grad (x.requires_grad, h0.requires_grad: "
+                   "alike on every rank), " + _SOLVE_AGREE)
 
 
 def _windows(x: torch.Tensor, i0: np.ndarray, k: int, offset: int) -> torch.Tensor:
@@ -589,7 +592,8 @@ class _ParallelRNN(nn.Module):
         units, B = self.num_layers * self.num_directions, int(x.shape[1])
         shape = (units, B, self.hidden_size) if batched else (units, self.hidden_size)
         if not isinstance(v, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(v).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__} (pass hx=None for zero initial "
+                            "states, or every initial state as a tensor)")
         if tuple(v.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} ("
                              f"{'num_layers * 2' if self.bidirectional else 'num_layers'}, "
@@ -835,7 +839,7 @@ class _ParallelRNN(nn.Module):
         # on several ranks one session per layer and pass around the adjoint solve (in reverse rank order,
         # inside it: no handshake or closing barrier of its own) and the gradients' reductions; its
         # handshake compares what the solve and the reductions need every rank to agree on
-        session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _SOLVE_AGREE)
+        session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _BACKWARD_AGREE)
         with session:
             if share is not None:
                 differ = _differing_parts(session.shared, ("gradient of the output sequence", self._state_names[1]),

@@ -93,6 +93,10 @@ def weights_inputs_and_copies(cls):
         par.return_sequence = rank == 0
         value_error_everywhere(lambda: par(x), "return_sequence", "return_sequence set on one rank only")
         par.return_sequence = True
+        # the input requires grad on one rank only: the backward passes compute different gradients; the
+        # error named sequence lengths, modes and settings, not the cause
+        y = par(x.clone().requires_grad_(rank == size - 1))[0]
+        value_error_everywhere(lambda: y.sum().backward(), "require grad", "the input requiring grad on one rank")
         bad = x.clone()
         if rank == size - 1:
             bad[3, 0, 1] = float("nan")
