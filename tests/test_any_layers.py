@@ -1607,6 +1607,22 @@ def test_input_sums_of_a_non_finite_tensor_warn_nothing_and_differ_from_finite(b
             assert _differing_inputs([_input_sums(x), s]) is not None
 
 
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(5, 5), nn.Tanh()),  # dense
+                                  lambda: nn.Sequential(nn.Linear(5, 5), nn.Softsign())])  # vmapped
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("layer", [1, 4])
+def test_one_layers_parameter_data_replaced_before_the_backward_is_a_clear_error(make, batched, layer):
+    # only the layers stepped singly saw it (layer 4 of 8, cf 2); the batched sweeps read the forward's
+    # stacked copies and the backward pass silently differentiated the forward's weights
+    torch.manual_seed(4)
+    lp = LayerParallel([make() for _ in range(8)], cf=2, batched=batched)
+    y = lp(torch.randn(3, 5))
+    w = lp.layers[layer][0].weight
+    w.data = w.data.clone()
+    with pytest.raises(LayerError, match=f"a parameter of layer {layer} got new data during this pass"):
+        y.sum().backward()
+
+
 def test_parameter_data_replaced_between_forward_and_backward_is_a_clear_error():
     """``p.data = ...`` bumps no version counter: the closed-form backward of dense layers would mix the
     forward's and the new weights; it raises instead. Between steps it is fine (the next pass binds anew)."""
@@ -1804,6 +1820,34 @@ def test_autocast_output_equals_serial_and_gradients_differ_by_its_precision():
     ys.float().square().sum().backward()
     for p, q in zip(lp.parameters(), net.parameters()):
         assert rel(p.grad, q.grad) < 5e-2
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_autocast_with_the_block_after_an_autocast_layer(batched):
+    """Behind an nn.Linear under autocast the block's input is bfloat16, and so is its stored trajectory: the
+    adjoint (in the parameters' float32) raised a dtype mismatch (baddbmm, or the layer's own matmul on the
+    looped path) while the serial network trained. It now returns the input's gradient in bfloat16 and
+    gradients within bfloat16's precision of serial autocast's and of full precision."""
+    torch.manual_seed(10)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()).float() for _ in range(16)]  # (autocast leaves float64)
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, relax="FCF", fwd_iters=16, bwd_iters=16,
+                       batched=batched)
+    head, tail = nn.Linear(4, 8).float(), nn.Linear(8, 3).float()
+    model = nn.Sequential(copy.deepcopy(head), lp, copy.deepcopy(tail))
+    serial = nn.Sequential(copy.deepcopy(head), ODENet(copy.deepcopy(layers), T=1.0), copy.deepcopy(tail))
+    full = copy.deepcopy(serial)
+    x = torch.randn(5, 4, dtype=torch.float32)
+    seen = {}
+    lp.register_full_backward_hook(lambda m, gin, gout: seen.update(gx=gin[0]))
+    for net in (model, serial):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = net(x)
+        y.float().square().sum().backward()
+    full(x).square().sum().backward()
+    assert seen["gx"].dtype == torch.bfloat16
+    for p, q, f in zip(model.parameters(), serial.parameters(), full.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert rel(p.grad, q.grad) < 5e-2 and rel(p.grad, f.grad) < 5e-2
 
 
 def test_a_training_steps_peak_memory_is_what_the_backward_must_hold(monkeypatch):

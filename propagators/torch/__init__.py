@@ -17,7 +17,7 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.coarsening` -- :class:`SpatialCoarsening`: coarse levels on coarser feature maps;
 * :mod:`~propagators.torch.multistage` -- :class:`MultiStage`: stages separated by shape-changing layers;
 * :mod:`~propagators.torch.transformer` -- transformer blocks as ODE steps, :func:`make_vit`;
-* :mod:`~propagators.torch.switch` -- :class:`SerialSwitch`: gradient error against minibatch noise,
+* :mod:`~propagators.torch.switch` -- :class:`SerialSwitch` (its rule: :class:`SwitchRule`): gradient error against minibatch noise,
   switching to serial or adapting the cycles;
 * :mod:`~propagators.torch.gru` -- :class:`ParallelGRU`: a GRU parallel over the sequence.
 * :mod:`~propagators.torch.lstm` -- :class:`ParallelLSTM`: an LSTM parallel over the sequence (both on the
@@ -35,7 +35,7 @@ from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
 from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
 from .schemes import dt_aware, forward_euler, heun, inject_layer, rk4
-from .switch import SerialSwitch, Switchable
+from .switch import SerialSwitch, Switchable, SwitchRule
 from .transformer import AttentionLayer, MLPLayer, TransformerBlock, ViT, make_vit, transformer_layers
 
 __all__ = [
@@ -48,5 +48,5 @@ __all__ = [
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",
     "AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "ViT", "make_vit",
-    "Switchable", "SerialSwitch",
+    "Switchable", "SerialSwitch", "SwitchRule",
 ]

@@ -822,6 +822,14 @@ def take_rows(pos: np.ndarray, device):
     return lambda X: X.index_select(0, pos)
 
 
+def _new_data_error(j: int) -> LayerError:
+    return LayerError(
+        f"a parameter of layer {j} got new data during this pass (p.data = ..., .to() or .double(), in a "
+        "layer's forward or between the forward pass and its backward): the backward pass would mix the "
+        "old and the new values. Layers must not change their parameters in forward; change parameters "
+        "after loss.backward() (as optimizer.step() does), or run the forward pass again")
+
+
 class KernelPass:
     """A :class:`LayerKernel` bound to the parameter values of one forward pass.
 
@@ -841,6 +849,8 @@ class KernelPass:
         #: bound for one forward pass and its backward (LayerParallel): parameters whose data is replaced
         #: in between raise (an ODEPropagator's kernel follows such changes instead)
         self.one_pass = one_pass
+        #: where the parameters' data lay at bind time (a pass of LayerParallel: checked by its backward pass)
+        self._param_data = list(map(torch.Tensor.data_ptr, self.params)) if one_pass else None
         self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
         self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
         self._req = None
@@ -895,13 +905,16 @@ class KernelPass:
             if hit is None or not self.one_pass:
                 hit = self._detached_values[j] = ({n: v.detach() for n, v in p.items()}, b)
                 return hit
-            # (no version counter tells autograd of such a change either)
-            raise LayerError(
-                f"a parameter of layer {j} got new data during this pass (p.data = ..., .to() or .double(), in a "
-                "layer's forward or between the forward pass and its backward): the backward pass would mix the "
-                "old and the new values. Layers must not change their parameters in forward; change parameters "
-                "after loss.backward() (as optimizer.step() does), or run the forward pass again")
+            raise _new_data_error(j)  # (no version counter tells autograd of such a change either)
         return hit
+
+    def check_parameter_data(self) -> None:
+        """LayerError unless every parameter's data lies where it lay at bind time (a pass of LayerParallel:
+        ``p.data = ...`` or ``.to()`` between its forward and backward passes; the batched sweeps read
+        copies stacked in the forward pass and would not see it)."""
+        if self._param_data is not None and list(map(torch.Tensor.data_ptr, self.params)) != self._param_data:
+            k = next(i for i, (p, d) in enumerate(zip(self.params, self._param_data)) if p.data_ptr() != d)
+            raise _new_data_error(next(j for j, (p0, pn, _, _) in self.k._span.items() if p0 <= k < p0 + len(pn)))
 
     def _bound_one(self, c: LayerClass, j, p):
         """``DenseRHS.bound`` of layer ``j``'s :meth:`_detached` parameters ``p`` as a stack of one

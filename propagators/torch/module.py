@@ -292,6 +292,16 @@ def _backward_checks(ctx) -> None:
             "(`lp.to_serial()` or `lp.serial(x)`)"
         )
     ctx.saved_tensors  # raises if a parameter was modified in place since forward
+    ctx.saved[0].kernel.check_parameter_data()  # ... or given new data (p.data = ..., .to())
+
+
+def _adjoint_dtype(params, state_dtype):
+    """The dtype of the adjoint solve: the held parameters' floating dtype where it is wider than the states'
+    (a trajectory stored in torch.autocast's dtype), else the states' own."""
+    wide = next((p.dtype for p in params if p.is_floating_point()), None)
+    if wide is None or not state_dtype.is_floating_point or torch.finfo(wide).bits <= torch.finfo(state_dtype).bits:
+        return state_dtype
+    return wide
 
 
 def _checked_layer(j: int, m):
@@ -1406,6 +1416,12 @@ class LayerParallel(nn.Module):
         pass's session); ``param_ids``: the ids of the pass's parameters, in the order of the gradients."""
         prop, U, g0, xshape = saved
         N, P, r = self.n_layers, self._comm.size, self._comm.rank
+        # under torch.autocast a block whose input is in the autocast dtype (after an autocast layer) stores
+        # its trajectory in that dtype; the adjoint runs in the parameters' own (wider) dtype, and the
+        # input's gradient is returned in the input's
+        given, work = gy.dtype, _adjoint_dtype(prop.kernel.params, U.dtype)
+        if work != U.dtype:
+            U, gy = U.to(work), gy.to(work)
 
         def states(ia):
             return U.index_select(0, torch.as_tensor(ia - g0, device=U.device))
@@ -1440,10 +1456,10 @@ class LayerParallel(nn.Module):
         # the adjoint at point 0 (A's last row where this rank holds it), a copy: the input's gradient
         # must not hold every adjoint
         if P == 1:
-            return A[-1].clone().reshape(xshape), grads
+            return A[-1].to(given, copy=True).reshape(xshape), grads
         root = self.plan.owner_of_point(0)  # (inside the backward pass's session)
         gx = self._comm.bcast_state(A[-1].clone() if r == root else None, gy, root=root)
-        return gx.reshape(xshape), grads
+        return gx.to(given).reshape(xshape), grads
 
     def _linearize(self, prop, U, g0):
         """``(D, i_top)``: the derivatives of every held layer at its stored input state (rows of
