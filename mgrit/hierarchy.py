@@ -29,6 +29,13 @@ def per_level_entries(value):
     return value
 
 
+def frozen_per_level(value):
+    """A per-level value as one comparable value: a list, tuple or 1-D numpy array as a tuple of its entries
+    (numpy's as Python numbers), anything else as it is."""
+    entries = per_level_entries(value)
+    return value if entries is None else tuple(entries)
+
+
 def per_level(value, n: int, name: str) -> list:
     """Expand a scalar or a sequence (a list, a tuple or a 1-D numpy array; last entry repeats) to ``n``
     per-level values."""

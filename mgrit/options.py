@@ -13,14 +13,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .hierarchy import (Hierarchy, check_flag, check_integer, check_levels, check_time_grid, levels_of,
-                        per_level_entries)
-
-
-def _frozen(value):
-    """Lists and 1-D numpy arrays become tuples (a frozen value holds nothing mutable); the rest is kept."""
-    entries = per_level_entries(value)
-    return tuple(entries) if isinstance(entries, list) else value
+from .hierarchy import (Hierarchy, check_flag, check_integer, check_levels, check_time_grid, frozen_per_level,
+                        levels_of)
 
 
 @dataclass(frozen=True)
@@ -30,7 +24,7 @@ class Options:
     The fields are the keyword arguments of :func:`mgrit.solve`, with the same
     meaning and defaults. Building the value checks them all (ValueError or
     TypeError naming the argument); ``norm="inf"`` is stored as ``math.inf``
-    and lists as tuples.
+    and lists (or 1-D numpy arrays) as tuples.
 
     >>> Options(cycle="F", norm="inf").norm
     inf
@@ -83,10 +77,10 @@ class Options:
             "nested": check_flag(self.nested, "nested"),
             "final_residual": check_flag(self.final_residual, "final_residual"),
             "max_iter": int(self.max_iter),
-            "cf": _frozen(self.cf),
-            "relax": _frozen(self.relax),
-            "c_weight": _frozen(self.c_weight),
-            "partition": _frozen(self.partition),
+            "cf": frozen_per_level(self.cf),
+            "relax": frozen_per_level(self.relax),
+            "c_weight": frozen_per_level(self.c_weight),
+            "partition": frozen_per_level(self.partition),
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)

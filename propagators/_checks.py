@@ -5,17 +5,26 @@ import numpy as np
 
 
 class FixedParameters:
-    """Refuses to change the parameters named in ``_fixed`` once ``__init__`` has set them.
+    """Refuses to change the parameters named in ``_fixed`` once the propagator is built.
 
     A propagator caches factorizations or stencils built from them; a changed
     parameter would leave those stale (old steps for cached step sizes, new
-    ones for the rest: two problems mixed in one solve).
+    ones for the rest: two problems mixed in one solve). Its ``__init__`` calls
+    :meth:`_building` first and :meth:`_built` last; until then (a subclass
+    setting a parameter before ``super().__init__()``, or ``__init__`` called
+    again to rebuild) every attribute may be set.
     """
 
     _fixed: tuple = ()
 
+    def _building(self) -> None:
+        object.__setattr__(self, "_is_built", False)
+
+    def _built(self) -> None:
+        object.__setattr__(self, "_is_built", True)
+
     def __setattr__(self, name, value):
-        if name in self._fixed and name in self.__dict__:
+        if name in self._fixed and self.__dict__.get("_is_built", False):
             raise AttributeError(
                 f"{type(self).__name__}'s `{name}` is fixed when it is built (the stencil and the factorizations it "
                 f"caches depend on it); build a new {type(self).__name__} with the new value instead")
@@ -32,9 +41,15 @@ def check_states(owner, U, shape: tuple, batched: bool) -> None:
 
 
 def check_number(value, name: str, minimum: float | None = None) -> float:
-    """``value`` as a float; ValueError unless it is a finite real number (at least ``minimum``)."""
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    if not ok or not np.isfinite(value) or (minimum is not None and value < minimum):
+    """``value`` as a float; ValueError unless it is a finite real number (at least ``minimum``): a Python or
+    numpy number, a 0-d array or tensor, a Fraction; not a bool or a string."""
+    number = None
+    if not isinstance(value, (bool, np.bool_, str, bytes)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+    if number is None or not np.isfinite(number) or (minimum is not None and number < minimum):
         bound = "" if minimum is None else f" >= {minimum:g}"
         raise ValueError(f"`{name}` must be a finite number{bound}, got {value!r}")
-    return float(value)
+    return number

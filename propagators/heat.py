@@ -85,6 +85,7 @@ class Heat1D(FixedParameters, Propagator):
     """
 
     def __init__(self, nx: int, a: float = 1.0, forcing: bool = True, cache_size: int = 64):
+        self._building()
         if not isinstance(nx, (int, np.integer)) or nx < 3:
             raise ValueError(f"`nx` must be an integer >= 3, got {nx!r}")
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
@@ -96,8 +97,9 @@ class Heat1D(FixedParameters, Propagator):
         self._sinpx = np.sin(np.pi * self.x)
         self._lu: OrderedDict = OrderedDict()
         self.factorizations = 0
+        self._built()
 
-    _fixed = ("nx", "a", "forcing", "x", "dx")
+    _fixed = ("nx", "a", "forcing", "dx")
 
     def __repr__(self) -> str:
         return f"Heat1D(nx={self.nx}, a={self.a}, forcing={self.forcing})"

@@ -62,6 +62,7 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
 
     def __init__(self, nx: int, c: float = 1.0, nu: float = 0.01, scheme: str = "upwind",
                  boundary: str = "periodic", cache_size: int = 64):
+        self._building()
         if boundary not in ("periodic", "dirichlet"):
             raise ValueError(f"`boundary` must be 'periodic' or 'dirichlet', got {boundary!r}")
         if scheme not in ("upwind", "central"):
@@ -89,8 +90,9 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
             left, mid, right = self.c / (2 * dx), 0.0, -self.c / (2 * dx)
         self._stencil = (left + d, mid - 2 * d, right + d)
         self._lu: OrderedDict = OrderedDict()
+        self._built()
 
-    _fixed = ("nx", "c", "nu", "scheme", "boundary", "dx", "x")
+    _fixed = ("nx", "c", "nu", "scheme", "boundary", "dx")
 
     def __repr__(self) -> str:
         return (f"AdvectionDiffusion1D(nx={self.nx}, c={self.c}, nu={self.nu}, scheme={self.scheme!r}, "

@@ -2207,3 +2207,15 @@ def test_what_ranks_compare_of_a_scheme_spells_out_its_arguments():
         assert _named(a) != _named(b)
     for fn in (functools.partial(damped, damping=0.5), make(1.0), Scheme(1), forward_euler):
         assert _named(fn) == _named(copy.deepcopy(fn)) and "0x" not in _named(fn), _named(fn)
+
+
+def test_per_level_options_given_alike_compare_alike():
+    # the build handshake between ranks compares the options' repr: a list, a tuple or an int32 / int64 array of
+    # the same values now give the same options (an int32 array against an int64 one made both ranks refuse)
+    import numpy as np
+
+    layers = [nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(8)]
+    built = [LayerParallel(copy.deepcopy(layers), cf=cf, relax=relax).options for cf, relax in
+             (([2, 4], ["F", "FCF"]), ((2, 4), ("F", "FCF")), (np.array([2, 4], np.int32), np.array(["F", "FCF"])),
+              (np.array([2, 4]), ("F", "FCF")))]
+    assert all(repr(o) == repr(built[0]) for o in built) and built[0]["cf"] == (2, 4)

@@ -339,3 +339,22 @@ def test_one_dimensional_convolutions_are_refused_with_spatial_coarsening(conv):
                        spatial=SpatialCoarsening())
     with pytest.raises(ValueError, match=r"layer 0 holds Conv.*1d.*\(N, C, L\).*spatial=None"):
         lp(torch.randn(4, 8, 32))
+
+
+def test_a_conv1d_inside_a_block_on_feature_maps_is_coarsened_as_before():
+    # channel attention (ECA-Net: a Conv1d over the pooled channels) on (N, C, H, W) maps: the first version of
+    # the Conv1d check refused it, from the layer's modules rather than the state's shape
+    class ChannelAttention(nn.Module):
+        def __init__(self, ch=4):
+            super().__init__()
+            self.conv, self.eca = nn.Conv2d(ch, ch, 3, padding=1), nn.Conv1d(1, 1, 3, padding=1, bias=False)
+
+        def forward(self, u):
+            v = torch.tanh(self.conv(u))
+            return v * torch.sigmoid(self.eca(v.mean((2, 3)).unsqueeze(1))).squeeze(1)[:, :, None, None]
+
+    torch.manual_seed(0)
+    lp = LayerParallel([ChannelAttention() for _ in range(8)], cf=2, max_levels=3, relax="FCF", fwd_iters=30,
+                       bwd_iters=30, spatial=SpatialCoarsening(coarsen_from=1)).double()
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    assert float((lp(x) - lp.to_serial()(x)).abs().max()) < 1e-12

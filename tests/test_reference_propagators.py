@@ -115,3 +115,28 @@ def test_divergence_advice_names_fewer_levels_first():
         mgrit.solve(p, np.array([2.0, 0.0]), t, cf=4)
     res = mgrit.solve(p, np.array([2.0, 0.0]), t, cf=4, max_levels=3)
     assert res.status is mgrit.Status.CONVERGED
+
+
+def test_parameters_may_be_set_until_the_propagator_is_built():
+    # the first version refused a subclass that sets a parameter before super().__init__(), an __init__ called
+    # again to rebuild, and a subclass adjusting `x` (read only while building)
+    class Scaled(Heat1D):
+        def __init__(self, nx):
+            self.a = 2.0
+            super().__init__(nx, a=self.a)
+            self.x = self.x * 1.0
+
+    h = Scaled(17)
+    assert h.a == 2.0
+    h.step(h.initial(), 0.0, 0.1)
+    Heat1D.__init__(h, 17)  # rebuilt: a fresh cache, the new value
+    assert h.a == 1.0 and len(h._lu) == 0
+    np.testing.assert_array_equal(h.step(h.initial(), 0.0, 0.1), Heat1D(17).step(h.initial(), 0.0, 0.1))
+    with pytest.raises(AttributeError, match="`a` is fixed"):
+        h.a = 3.0
+
+
+@pytest.mark.parametrize("a", [np.array(2.0), np.float32(2.0), np.int64(2), __import__("fractions").Fraction(1, 2)])
+def test_heat_takes_any_real_scalar_for_a(a):
+    # a 0-d array or a Fraction was "`a` must be a finite number >= 0" in the first version
+    assert Heat1D(17, a=a).a == float(a)

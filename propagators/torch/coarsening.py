@@ -537,12 +537,13 @@ def spatial_levels(spec: SpatialCoarsening, cache: CoarseLayers, fine: ODEPropag
     if x.dim() < 3:
         raise ValueError(f"spatial coarsening needs feature maps of shape (..., C, H, W), got an input of shape "
                          f"{tuple(x.shape)}; pass spatial=None for other states")
-    one_d = next(((j, s) for j in sorted(modules) for s in modules[j].modules() if isinstance(s, _CONV_1D)), None)
-    if one_d is not None:
+    one_d = None if x.dim() != 3 else next(
+        ((j, s) for j in sorted(modules) for s in modules[j].modules() if isinstance(s, _CONV_1D)), None)
+    if one_d is not None:  # (a Conv1d inside a block on (N, C, H, W) maps, as over pooled channels, is fine)
         raise ValueError(
-            f"layer {one_d[0]} holds {type(one_d[1]).__name__}: its states (N, C, L) have one spatial axis, and "
-            "spatial coarsening halves the last two (it would average the channels): pass spatial=None (spatial "
-            "coarsening is for (N, C, H, W) maps)")
+            f"layer {one_d[0]} holds {type(one_d[1]).__name__} and the states have shape {tuple(x.shape)}: "
+            "(N, C, L) sequences have one spatial axis, and spatial coarsening halves the last two (it would "
+            "average the channels): pass spatial=None (spatial coarsening is for (N, C, H, W) maps)")
     depths = spec.depths(len(hierarchy), x.shape[-2:])
     used = used_layers(hierarchy, n_layers, fine.layer_index, depths)
     coarse = cache.bind(spec, modules, used, scheme, batched, streams) if used else {}

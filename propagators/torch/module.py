@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator
-from mgrit.hierarchy import build_hierarchy, check_flag, check_integer
+from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error,
@@ -678,7 +678,7 @@ class LayerParallel(nn.Module):
             self.n_layers = N
             self._T = _check_T(T)
             self._h = self._T / N
-            self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, cycle=cycle)
+            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse, relax=frozen_per_level(relax), cycle=cycle)
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
             self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
@@ -925,13 +925,13 @@ class LayerParallel(nn.Module):
     def _record_dropout(self, kp, x, key):
         dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
         owned, mine = set(self.owned_layers), {}
-        for c in self.kernel.classes:
-            js = [int(j) for j in c.members if int(j) in owned]
-            if js:
-                # (a look at the layer: the pass's draws stay the serial ones, its buffers as they were)
-                with _random_states_kept(x.device), self._buffers_kept(kp):
+        # (a look at the layers: the pass's draws stay the serial ones, their buffers as they were)
+        with _random_states_kept(x.device), self._buffers_kept(kp):
+            for c in self.kernel.classes:
+                js = [int(j) for j in c.members if int(j) in owned]
+                if js:
                     calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
-                mine.update({j: calls for j in js if calls})
+                    mine.update({j: calls for j in js if calls})
         calls = mine
         if self._comm.size > 1:
             calls = {}

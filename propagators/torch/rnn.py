@@ -29,7 +29,7 @@ from torch import nn
 
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
-from mgrit.hierarchy import build_hierarchy, check_flag, check_levels
+from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_per_level
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _chunks, _differing_inputs,
                      _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active, _input_sums,
@@ -328,7 +328,7 @@ class _ParallelRNN(nn.Module):
             self.dropout = float(dropout)
             self.bidirectional = bool(bidirectional)  # (as torch: any truth value)
             self.num_directions = 2 if self.bidirectional else 1
-            self.options = dict(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax)
+            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse, relax=frozen_per_level(relax))
             self.cycle, self.coarse = cycle, coarse
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
