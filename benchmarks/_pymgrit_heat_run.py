@@ -88,15 +88,22 @@ def main():
             return step(u_start=u_start, t_start=t_start, t_stop=t_stop)
         return wrapper
 
+    def setup_and_solve():
+        heat0 = Heat1D(x_start=0, x_end=1, nx=args.nx, a=1, init_cond=init_cond, rhs=rhs,
+                       t_start=0, t_stop=args.t_stop, nt=args.nt)
+        problem = simple_setup_problem(problem=heat0, level=args.levels, coarsening=args.cf)
+        for level, p in enumerate(problem):
+            p.step = counted(p.step, level)  # Mgrit reads problem[l].step when it is built
+        solver = Mgrit(problem=problem, tol=args.tol, cf_iter=args.cf_iter, cycle_type=args.cycle,
+                       nested_iteration=not args.no_nested, logging_lvl=logging.WARNING)
+        return heat0, solver, solver.solve()
+
+    # a warm-up solve first (imports, first-call paths), as ours are timed in a process that already solved:
+    # the timed one builds everything anew (its factorization caches too, like ours)
+    setup_and_solve()
+    calls[:] = [0] * args.levels
     w0, c0 = time.perf_counter(), time.process_time()
-    heat0 = Heat1D(x_start=0, x_end=1, nx=args.nx, a=1, init_cond=init_cond, rhs=rhs,
-                   t_start=0, t_stop=args.t_stop, nt=args.nt)
-    problem = simple_setup_problem(problem=heat0, level=args.levels, coarsening=args.cf)
-    for level, p in enumerate(problem):
-        p.step = counted(p.step, level)  # Mgrit reads problem[l].step when it is built
-    solver = Mgrit(problem=problem, tol=args.tol, cf_iter=args.cf_iter, cycle_type=args.cycle,
-                   nested_iteration=not args.no_nested, logging_lvl=logging.WARNING)
-    info = solver.solve()
+    heat0, solver, info = setup_and_solve()
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     u = np.array([v.get_values() for v in solver.u[0]])
 

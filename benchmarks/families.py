@@ -19,7 +19,9 @@ of the sum of squares of the output) of the same network, same weights, same bat
 Under ``mpiexec -n 2`` (the script relaunches itself) every rank runs the serial
 network and a one-process layer-parallel network of its own at the same time (every
 rank's time a sample), then both ranks run one two-rank layer-parallel network (the
-slowest rank's time), interleaved, medians of ``--repeat``; each family's row is the
+slowest rank's time), then rank 0 runs the serial network and the one-process one alone
+while rank 1 waits in a barrier (the strongest baseline, in the same rounds as the
+two-rank network), interleaved, medians of ``--repeat``; each family's row is the
 median of ``--launches`` launches (fresh processes each) by its 1 -> 2 rank ratio. The
 one-process and two-rank networks are built from the same seed; the script prints the
 largest difference of their parameter gradients relative to the largest gradient
@@ -147,19 +149,31 @@ def child(a):
         serial, x, what = build(family, a, "serial")
         lp1, _, _ = build(family, a, None)
         lp2, _, _ = build(family, a, comm)
-        t_serial, t_lp1, t_lp2 = interleaved([step(serial, x), step(lp1, x), step(lp2, x)], a.repeat,
-                                             barrier=comm, joint=[False, False, True])
+        # ... and, in the same rounds, the serial network and the one-process one on rank 0 alone (rank 1 waits
+        # in the next barrier): the strongest baseline, side by side with the two-rank network
+        t_serial, t_lp1, t_lp2, t_alone, t_lp1_alone = interleaved(
+            [step(serial, x), step(lp1, x), step(lp2, x), _on_rank_0(step(serial, x), comm),
+             _on_rank_0(step(lp1, x), comm)], a.repeat, barrier=comm, joint=[False, False, True, True, True])
         g1, g2 = grads(lp1), grads(lp2)  # the last run of each: the same weights and input
         scale = max(float(v.abs().max()) for v in g1.values())
         diff = max(float((g2[n] - g1[n]).abs().max()) for n in g1 if n in g2) / scale
         # against serial autograd (the parameters in the same order, with the same shapes and values)
         gs = [p.grad for p in serial.parameters()]
         err = max(float((p.grad - q).abs().max()) for p, q in zip(lp1.parameters(), gs))
-        result[family] = {"what": what, "serial": t_serial, "lp1": t_lp1, "lp2": t_lp2,
+        result[family] = {"what": what, "serial": t_serial, "lp1": t_lp1, "lp2": t_lp2, "alone": t_alone,
+                          "lp1_alone": t_lp1_alone,
                           "diff": comm.allreduce(diff, op=MPI.MAX),
                           "err": err / max(float(q.abs().max()) for q in gs)}
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps(result))
+
+
+def _on_rank_0(fn, comm):
+    """``fn`` run on rank 0 only (the other ranks return at once and wait in the next barrier)."""
+    def run():
+        if comm.Get_rank() == 0:
+            fn()
+    return run
 
 
 def launch(a) -> list:
@@ -177,13 +191,6 @@ def main(argv=None):
         return child(a)
     if not (Path(sys.executable).parent / "mpiexec").exists():
         raise SystemExit("mpiexec not found next to this Python: run `make venv` (it installs mpich)")
-    torch.set_num_threads(1)
-    torch.backends.mkldnn.enabled = not a.no_onednn
-    alone = {}
-    for family in a.only:  # the strongest baseline: serial with the machine to itself (no mpiexec)
-        serial, x, _ = build(family, a, "serial")
-        lp1, _, _ = build(family, a, None)
-        alone[family] = interleaved([step(serial, x), step(lp1, x)], a.repeat)
     runs = launch(a)
     print(f"one training step (forward + backward of sum(output^2)), serial against layer-parallel (2 forward / "
           f"1 backward cycles, cf 4), float32, 1 thread per rank, under mpiexec -n 2; interleaved medians of "
@@ -196,13 +203,13 @@ def main(argv=None):
         print(f"{family:<7}{1e3 * r['serial']:>11.2f}{1e3 * r['lp1']:>17.2f}{1e3 * r['lp2']:>15.2f}"
               f"{r['lp1'] / r['serial']:>17.2f}{r['lp2'] / r['serial']:>18.2f}{r['lp1'] / r['lp2']:>13.2f}x"
               f"{r['diff']:>18.1e}{r['err']:>10.1e}   " + " ".join(f"{q['lp1'] / q['lp2']:.2f}" for q in rows))
-    print("\nalone (this process, no mpiexec, the other core idle), interleaved medians of "
-          f"{a.repeat}; the 2-rank time from the table above")
+    print("\nalone (rank 0 runs it while rank 1 waits in a barrier; in the same interleaved rounds as the table "
+          "above, whose 2-rank time the last column divides by it)")
     print(f"{'family':<7}{'serial ms':>11}{'LP 1 process ms':>17}{'1 proc / serial':>17}{'2 ranks / serial':>18}")
     for family in a.only:
-        (t_serial, t_lp1), (r, _) = alone[family], median_launch([q[family] for q in runs])
-        print(f"{family:<7}{1e3 * t_serial:>11.2f}{1e3 * t_lp1:>17.2f}{t_lp1 / t_serial:>17.2f}"
-              f"{r['lp2'] / t_serial:>18.2f}")
+        r, _ = median_launch([q[family] for q in runs])
+        print(f"{family:<7}{1e3 * r['alone']:>11.2f}{1e3 * r['lp1_alone']:>17.2f}{r['lp1_alone'] / r['alone']:>17.2f}"
+              f"{r['lp2'] / r['alone']:>18.2f}")
     print()
     for family in a.only:
         print(f"{family}: {runs[0][family]['what']}")

@@ -141,6 +141,7 @@ def parse(argv=None):
 def worker(a):
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
     from torch import nn
 
     torch.set_num_threads(1)
@@ -158,7 +159,9 @@ def worker(a):
         return float(t)
 
     class Block(nn.Module):
-        """Layers [lo, hi) of the residual network, u <- u + h layer(u)."""
+        """Layers [lo, hi) of the residual network, u <- u + h tanh(W_i u + b_i), written as the plain loop
+        ``u = u + h * tanh(F.linear(u, W_i, b_i))`` (the strongest autograd baseline: calling each layer's
+        nn.Sequential(Linear, Tanh) costs about 1.15-1.2x that at these sizes)."""
 
         def __init__(self, layers, h):
             super().__init__()
@@ -166,7 +169,8 @@ def worker(a):
 
         def forward(self, u):
             for f in self.layers:
-                u = u + self.h * f(u)
+                lin = f[0]
+                u = u + self.h * torch.tanh(F.linear(u, lin.weight, lin.bias))
             return u
 
     class Saved:
