@@ -1760,6 +1760,19 @@ def as_communicator(comm) -> Communicator:
     )
 
 
+def _uninitialised_hint() -> str:
+    """What to say when None was passed where a process group was meant: under torchrun (WORLD_SIZE > 1)
+    with torch.distributed not initialised, dist.group.WORLD is None."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    if launched and dist is not None and dist.is_available() and not dist.is_initialized():
+        return (f" (this process was launched with WORLD_SIZE={os.environ['WORLD_SIZE']} and torch.distributed is "
+                "not initialised: dist.group.WORLD is None until torch.distributed.init_process_group(...) "
+                "has been called)")
+    return ""
+
+
 def _is_process_group(obj) -> bool:
     """A ``torch.distributed`` ProcessGroup? (torch is looked up in ``sys.modules``, never imported)."""
     torch = sys.modules.get("torch")
@@ -1793,6 +1806,9 @@ def split_comm(comm, layer_size: int):
     -------
     layer_comm, data_comm : mpi4py.MPI.Comm (or torch.distributed.ProcessGroup)
     """
+    if comm is None:
+        raise ValueError("split_comm needs the world communicator, MPI.COMM_WORLD or torch.distributed's "
+                         "dist.group.WORLD, got None" + _uninitialised_hint())
     if _is_process_group(comm):
         from .torch_dist import split_group
 

@@ -84,6 +84,7 @@ multi-rank step. **The NCCL path is untested here (no GPU).**
 from __future__ import annotations
 
 import atexit
+import datetime
 import pickle
 import queue
 import threading
@@ -106,6 +107,9 @@ __all__ = ["TorchDistComm", "split_group", "retired_channels", "is_process_group
 
 _CODE_BITS = 10
 _MAX_SPACE = 1 << (31 - _CODE_BITS)  # gloo tags are int32
+#: the timeout of the always-posted notice receive: ten years, i.e. none (a gloo wait that times out closes
+#: the group's connections; a longer one overflows the clock arithmetic of the wait)
+_FOREVER = datetime.timedelta(days=3650)
 _NOTE_BYTES = 1024  # fixed size of a failure notice / alarm (the message is truncated to fit)
 _HEAD = 256  # first chunk of a pickled object: 8 bytes of length, then up to 248 bytes
 _DEVICE = -1  # the code of NCCL messages in the finish logs: one ordered stream per pair
@@ -322,7 +326,9 @@ class _Group:
             # back, which aborts the process if Python began to shut down meanwhile
             _KEEP.append((work, buf))
             try:
-                work.wait()
+                # with no timeout of its own the wait gets the group's (30 minutes by default), and a gloo
+                # receive that times out closes every connection of the group: a healthy job failed then
+                work.wait(_FOREVER)
             except BaseException:  # noqa: BLE001 - the group was destroyed: stop listening
                 return
             _signal()

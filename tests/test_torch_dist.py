@@ -236,6 +236,35 @@ def test_a_process_that_ends_beside_a_busy_peer_exits_cleanly():
     assert sorted(re.findall(r"rank (\d+) ends", out)) == ["0", "1"], out[-5000:]
 
 
+def test_a_healthy_job_outlives_its_process_groups_timeout():
+    """The failure-notice listener's receive is always posted; waited with the group's timeout (30 minutes
+    by default, 2 s here) gloo closed the group's connections when it ran out, and both processes raised
+    "rank ... is gone" in the middle of a healthy run."""
+    rc, out = launch(2, "long_run.py", timeout=120)
+    assert rc == 0 and sorted(re.findall(r"rank (\d) ok after", out)) == ["0", "1"], out[-5000:]
+
+
+def test_a_process_group_that_is_none_before_init_is_named(monkeypatch):
+    """Before init_process_group, dist.group.WORLD is None, which means "one process": under torchrun every
+    process trained alone and allreduce_gradients averaged nothing (split_comm raised AttributeError)."""
+    import torch
+    from torch import nn
+
+    import mgrit
+    from propagators.torch import allreduce_gradients
+
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    allreduce_gradients(model, None)  # no torchrun: one data replica, nothing to average
+    with pytest.raises(ValueError, match="got None$"):
+        mgrit.split_comm(None, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 and torch.distributed is not initialised"):
+        allreduce_gradients(model, None)
+    with pytest.raises(ValueError, match="dist.group.WORLD is None until torch.distributed.init_process_group"):
+        mgrit.split_comm(None, 1)
+
+
 def test_a_group_this_rank_is_not_in_is_named():
     """torch.distributed gives ranks outside a new_group the int GroupMember.NON_GROUP_MEMBER (-100):
     passing it as comm said "got int"."""

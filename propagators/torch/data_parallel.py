@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mgrit.comm import as_communicator
+from mgrit.comm import _uninitialised_hint, as_communicator
 
 
 def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = None, buffers: bool = False) -> None:
@@ -40,6 +40,8 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     ``data_comm.alarm(exc)``), this raises :class:`mgrit.RemoteRankError`
     instead of waiting forever.
     """
+    if data_comm is None and _uninitialised_hint():  # (None on its own: one data replica, nothing to average)
+        raise RuntimeError("allreduce_gradients got data_comm=None" + _uninitialised_hint())
     comm = as_communicator(data_comm)
     params = [p for p in module.parameters() if p.requires_grad]
     if comm.size == 1:
