@@ -124,7 +124,8 @@ def parse(argv=None):
                    help="cuda: one GPU per rank, NCCL for every method (benchmarks/gpu.py runs it this way)")
     p.add_argument("--quick", action="store_true", help="N 64, width 16, batch 16, P 1 and 2, 2 repetitions")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--no-peak", action="store_true", help=argparse.SUPPRESS)  # (launches after the first)
+    p.add_argument("--no-peak", action="store_true", help=argparse.SUPPRESS)  # (the timed launches)
+    p.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)  # (a launch of its own, untimed)
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.widths, a.batches, a.repeat, a.levels = "64", "16", "16", 2, 3
@@ -166,11 +167,12 @@ def worker(a):
         def __init__(self, layers, h):
             super().__init__()
             self.layers, self.h = nn.ModuleList(layers), h
+            # (the parameters themselves, looked up once: f[0].weight per step costs about 8% at N 1024)
+            self.wb = [(f[0].weight, f[0].bias) for f in self.layers]
 
         def forward(self, u):
-            for f in self.layers:
-                lin = f[0]
-                u = u + self.h * torch.tanh(F.linear(u, lin.weight, lin.bias))
+            for W, b in self.wb:
+                u = u + self.h * torch.tanh(F.linear(u, W, b))
             return u
 
     class Saved:
@@ -428,13 +430,19 @@ def worker(a):
                     ref_step()
 
         # peak memory per rank, measured: each method's first two steps after construction (nothing held but
-        # its parameters), the largest bytes of tensors alive at once on top of the parameters
-        # (the same in every launch: measured in the first only, the profiler being slow on large steps)
+        # its parameters), the largest bytes of tensors alive at once on top of the parameters; in a launch
+        # of its own, which times nothing: after torch.profiler has run, every later op of the process is
+        # slower (about 14% on the plain loop here), which favoured the method with the fewest ops
         peak = None
         if not a.no_peak:
             peak = [peak_bytes(fn) for fn in (mp_step_ordered, gp_step, fb_step, lp_step)]
             peak = None if None in peak else [allmax(pbytes(mods) + b) for mods, b in zip(
                 ([mp], [gp_blk], [fb_blk], list(lp.layers) + list(lp._halo.values())), peak)]
+        if a.peak_only:
+            if rank == 0:
+                print("RESULT " + json.dumps({"N": N, "w": w, "B": B, "P": P, "peak": peak}), flush=True)
+            dist.barrier()
+            continue
 
         # (6) on P > 1 the reference in turn
         extra = [ref_alone_step] if P > 1 else []
@@ -753,12 +761,16 @@ def main(argv=None):
         if max(ranks) > n_gpu:
             raise SystemExit(f"--device cuda needs one GPU per rank: {n_gpu} GPU(s) here, --ranks {a.ranks}")
     t_start = time.perf_counter()
+    peaks = {P: launch(a, P, argv + ["--peak-only"]) for P in ranks}  # (untimed launches: see worker)
     runs = {P: [] for P in ranks}
     for k in range(a.rounds):
         for P in ranks:
-            runs[P].append(launch(a, P, argv + (["--no-peak"] if k else [])))
+            runs[P].append(launch(a, P, argv + ["--no-peak"]))
     res = {P: with_probes({c: merge([run[c] for run in runs[P]]) for c in a.configs}, runs[P], a.configs)
            for P in ranks}
+    for P in ranks:
+        for c in a.configs:
+            res[P][c]["peak"] = peaks[P][c]["peak"]
     engine = "NCCL, one GPU per rank" if a.device == "cuda" else "gloo"
     print(f"deep residual net u <- u + h tanh(Linear(u)), h = 1/N, loss sum(u_N^2), float32, 1 thread per rank, "
           f"torch.distributed {engine} for every method; {a.microbatches} micro-batches for GPipe/1F1B; LayerParallel "
