@@ -1850,6 +1850,30 @@ def test_autocast_with_the_block_after_an_autocast_layer(batched):
         assert rel(p.grad, q.grad) < 5e-2 and rel(p.grad, f.grad) < 5e-2
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_wider_parameter_a_layer_casts_itself_leaves_the_adjoint_in_the_states_dtype(batched):
+    # the first version of the autocast widening took the first parameter's dtype (here float64) without
+    # autocast: the float32 Linear of the adjoint then raised "mat1 and mat2 must have the same dtype"
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))  # (registered first)
+            self.lin = nn.Linear(6, 6).float()
+
+        def forward(self, u):
+            return torch.tanh(self.lin(u)) * self.scale.to(u.dtype)
+
+    torch.manual_seed(0)
+    layers = [Scaled() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, batched=batched, fwd_iters=30, bwd_iters=30)
+    net = ODENet(copy.deepcopy(layers), T=1.0)
+    x = torch.randn(5, 6, dtype=torch.float32)
+    lp(x).square().sum().backward()
+    net(x).square().sum().backward()
+    for p, q in zip(lp.parameters(), net.parameters()):
+        assert p.grad.dtype == q.dtype and rel(p.grad, q.grad) < 1e-4
+
+
 def test_a_training_steps_peak_memory_is_what_the_backward_must_hold(monkeypatch):
     """The most bytes alive at once in a training step stay within what its backward pass must hold:
     the forward trajectory, the derivatives and the adjoint's fine level (N + 1 states each), one copy

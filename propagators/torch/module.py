@@ -295,13 +295,23 @@ def _backward_checks(ctx) -> None:
     ctx.saved[0].kernel.check_parameter_data()  # ... or given new data (p.data = ..., .to())
 
 
-def _adjoint_dtype(params, state_dtype):
-    """The dtype of the adjoint solve: the held parameters' floating dtype where it is wider than the states'
-    (a trajectory stored in torch.autocast's dtype), else the states' own."""
-    wide = next((p.dtype for p in params if p.is_floating_point()), None)
-    if wide is None or not state_dtype.is_floating_point or torch.finfo(wide).bits <= torch.finfo(state_dtype).bits:
+def _autocast_dtype(x):
+    """torch.autocast's dtype on the device of ``x`` when it is enabled there, else None."""
+    dev = x.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def _adjoint_dtype(params, state_dtype, autocast):
+    """The dtype of the adjoint solve: for a trajectory stored in the dtype of the torch.autocast the forward
+    pass ran under (``autocast``), the widest floating dtype of the held parameters where that is wider;
+    otherwise the states' own (a layer may hold a wider parameter and cast it itself)."""
+    if autocast is None or state_dtype != autocast:
         return state_dtype
-    return wide
+    wide = max((p.dtype for p in params if p.is_floating_point()), key=lambda d: torch.finfo(d).bits,
+               default=state_dtype)
+    return wide if torch.finfo(wide).bits > torch.finfo(state_dtype).bits else state_dtype
 
 
 def _checked_layer(j: int, m):
@@ -1202,6 +1212,7 @@ class LayerParallel(nn.Module):
                     if repeating:
                         self._check_repeatable(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
+            prop.autocast = _autocast_dtype(x)  # (the adjoint widens a trajectory stored in this dtype)
             # dense layers are stepped by the traced linear map and activations alone: no code of theirs
             # runs in the solve, so there is nothing to check for side effects
             pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
@@ -1419,7 +1430,7 @@ class LayerParallel(nn.Module):
         # under torch.autocast a block whose input is in the autocast dtype (after an autocast layer) stores
         # its trajectory in that dtype; the adjoint runs in the parameters' own (wider) dtype, and the
         # input's gradient is returned in the input's
-        given, work = gy.dtype, _adjoint_dtype(prop.kernel.params, U.dtype)
+        given, work = gy.dtype, _adjoint_dtype(prop.kernel.params, U.dtype, getattr(prop, "autocast", None))
         if work != U.dtype:
             U, gy = U.to(work), gy.to(work)
 
