@@ -16,25 +16,29 @@ from torch import nn
 
 from propagators.torch import LayerParallel
 
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
-rank = int(os.environ["RANK"])
-torch.manual_seed(0)
-lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2,
-                   comm=dist.group.WORLD)
-opt = torch.optim.SGD(lp.parameters(), lr=1e-3)
-x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
 
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, max_levels=2,
+                       comm=dist.group.WORLD)
+    opt = torch.optim.SGD(lp.parameters(), lr=1e-3)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
 
-def step():
-    opt.zero_grad()
-    lp(x).square().sum().backward()
-    opt.step()
+    def step():
+        opt.zero_grad()
+        lp(x).square().sum().backward()
+        opt.step()
 
-
-start = time.monotonic()
-for _ in range(50):  # (a count, not a clock: both processes make the same calls) about 4 s
+    start = time.monotonic()
+    for _ in range(50):  # (a count, not a clock: both processes make the same calls) about 4 s
+        step()
+        time.sleep(0.08)
+    time.sleep(3.0)
     step()
-    time.sleep(0.08)
-time.sleep(3.0)
-step()
-print(f"rank {rank} ok after 51 steps in {time.monotonic() - start:.1f} s", flush=True)
+    print(f"rank {rank} ok after 51 steps in {time.monotonic() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
