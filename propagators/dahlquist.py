@@ -41,11 +41,11 @@ class Dahlquist(Propagator):
         return 1.0 / (1.0 - z) if self.scheme == "be" else 1.0 + z
 
     def step(self, u, t0, t1):
-        self._check_shape(tuple(u.shape) if hasattr(u, "shape") else np.shape(u))
+        self._check_shape(tuple(np.shape(u)))
         return _scale(self.factor(t1 - t0), u)  # (an array xi: one factor per entry)
 
     def step_batch(self, U, t0, t1):
-        shape = tuple(U.shape) if hasattr(U, "shape") else np.shape(U)
+        shape = tuple(np.shape(U))
         self._check_shape(shape[1:])
         dt = np.asarray(t1) - np.asarray(t0)
         # row k's steps dt[k] times every entry's xi (an array xi broadcasts against each state)
@@ -55,8 +55,9 @@ class Dahlquist(Propagator):
         """An array ``xi`` must broadcast to the state's shape without changing it."""
         xi_shape = np.shape(self.xi)
         if xi_shape and _broadcast(xi_shape, state_shape) != state_shape:
-            raise ValueError(f"Dahlquist's `xi` of shape {xi_shape} gives one factor per entry of a state; it must "
-                             f"broadcast to the state's shape {state_shape} (pass a state of that shape, or a scalar xi)")
+            raise ValueError(f"Dahlquist's `xi` of shape {xi_shape} gives one factor per entry of a state; it "
+                             f"must broadcast to the state's shape {state_shape} (pass a state of that shape, or a "
+                             "scalar xi)")
 
 
 def _broadcast(a: tuple, b: tuple):

@@ -79,7 +79,8 @@ def parse(argv=None):
     p.add_argument("--levels", type=_at_least(1), default=3, help="most time levels")
     p.add_argument("--fwd-iters", type=_at_least(1), default=2)
     p.add_argument("--bwd-iters", type=_at_least(1), default=1)
-    p.add_argument("--seed", type=_seed, default=0, help=f"seed of the weights, the split and the batches (0 to {_MAX_SEED})")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help=f"seed of the weights, the split and the batches (0 to {_MAX_SEED})")
     p.add_argument("--ranks", type=_at_least(1), default=1, help="relaunch under the launcher with this many ranks")
     p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
                    help="engine of --ranks: mpiexec (mpi4py) or torchrun (torch.distributed, gloo)")

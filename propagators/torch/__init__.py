@@ -17,8 +17,8 @@ an ODE, and its layers are time steps. One concept per module:
 * :mod:`~propagators.torch.coarsening` -- :class:`SpatialCoarsening`: coarse levels on coarser feature maps;
 * :mod:`~propagators.torch.multistage` -- :class:`MultiStage`: stages separated by shape-changing layers;
 * :mod:`~propagators.torch.transformer` -- transformer blocks as ODE steps, :func:`make_vit`;
-* :mod:`~propagators.torch.switch` -- :class:`SerialSwitch` (its rule: :class:`SwitchRule`): gradient error against minibatch noise,
-  switching to serial or adapting the cycles;
+* :mod:`~propagators.torch.switch` -- :class:`SerialSwitch` (its rule: :class:`SwitchRule`): gradient error
+  against minibatch noise, switching to serial or adapting the cycles;
 * :mod:`~propagators.torch.gru` -- :class:`ParallelGRU`: a GRU parallel over the sequence.
 * :mod:`~propagators.torch.lstm` -- :class:`ParallelLSTM`: an LSTM parallel over the sequence (both on the
   machinery of :mod:`~propagators.torch.rnn`).

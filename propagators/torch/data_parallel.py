@@ -40,8 +40,9 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     ``data_comm.alarm(exc)``), this raises :class:`mgrit.RemoteRankError`
     instead of waiting forever.
     """
-    if data_comm is None and _uninitialised_hint():  # (None on its own: one data replica, nothing to average)
-        raise RuntimeError("allreduce_gradients got data_comm=None" + _uninitialised_hint())
+    hint = _uninitialised_hint() if data_comm is None else ""  # (None alone: one data replica, nothing to average)
+    if hint:
+        raise RuntimeError("allreduce_gradients got data_comm=None" + hint)
     comm = as_communicator(data_comm)
     params = [p for p in module.parameters() if p.requires_grad]
     if comm.size == 1:

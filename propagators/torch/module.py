@@ -33,8 +33,8 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error,
-                     _random_moved, _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_moved,
+                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
                      rounding_tolerance, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
@@ -295,7 +295,7 @@ def _backward_checks(ctx) -> None:
     ctx.saved[0].kernel.check_parameter_data()  # ... or given new data (p.data = ..., .to())
 
 
-def _autocast_dtype(x):
+def _autocast_on(x):
     """torch.autocast's dtype on the device of ``x`` when it is enabled there, else None."""
     dev = x.device.type
     if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
@@ -688,7 +688,8 @@ class LayerParallel(nn.Module):
             self.n_layers = N
             self._T = _check_T(T)
             self._h = self._T / N
-            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse, relax=frozen_per_level(relax), cycle=cycle)
+            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
+                                relax=frozen_per_level(relax), cycle=cycle)
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
             self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
@@ -1212,7 +1213,7 @@ class LayerParallel(nn.Module):
                     if repeating:
                         self._check_repeatable(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
-            prop.autocast = _autocast_dtype(x)  # (the adjoint widens a trajectory stored in this dtype)
+            prop.autocast = _autocast_on(x)  # (the adjoint widens a trajectory stored in this dtype)
             # dense layers are stepped by the traced linear map and activations alone: no code of theirs
             # runs in the solve, so there is nothing to check for side effects
             pure = self.spatial is None and all(c.mode == "dense" for c in kp.k.classes)
@@ -1297,7 +1298,8 @@ class LayerParallel(nn.Module):
                 name = copy[1]
                 owner = next((o for n, o, _ in kp.k.slots[j][1] if n == name), None)
             hint = (f" ({type(owner).__name__} tracks running statistics in training mode: construct it with "
-                    "track_running_stats=False; BatchNorm is handled, other running statistics are not)" if getattr(owner, "track_running_stats", False) else "")
+                    "track_running_stats=False; BatchNorm is handled, other running statistics are not)"
+                    if getattr(owner, "track_running_stats", False) else "")
             raise LayerError(
                 f"layer {j} changed its buffer `{name}` during the forward pass{hint}. MGRIT evaluates every "
                 "layer many times per pass; put such layers in eval mode or make them pure functions of "

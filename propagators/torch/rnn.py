@@ -31,7 +31,7 @@ import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_per_level
 
-from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _chunks, _differing_inputs,
+from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
                      _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active, _input_sums,
                      _iterations, _nan_like, _no_transforms, _tolerance, _uids, _warn_solve)
 from .plan import DistributionPlan
@@ -328,7 +328,8 @@ class _ParallelRNN(nn.Module):
             self.dropout = float(dropout)
             self.bidirectional = bool(bidirectional)  # (as torch: any truth value)
             self.num_directions = 2 if self.bidirectional else 1
-            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse, relax=frozen_per_level(relax))
+            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
+                                relax=frozen_per_level(relax))
             self.cycle, self.coarse = cycle, coarse
             self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
             self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
@@ -509,12 +510,10 @@ class _ParallelRNN(nn.Module):
         """The dtype a pass computes in under ``torch.autocast`` on the input's device (None: the
         parameters' own): the autocast dtype, as torch's recurrent modules on CUDA (float64 parameters
         are not cast, as autocast leaves float64 alone)."""
-        dev = input.device.type if isinstance(input, torch.Tensor) else "cpu"
         p = self.weight_ih_l0 if isinstance(getattr(self, "weight_ih_l0", None), torch.Tensor) else None
-        if p is None or p.dtype == torch.float64 or dev not in ("cpu", "cuda") \
-                or not torch.is_autocast_enabled(dev):
+        if p is None or p.dtype == torch.float64:
             return None
-        amp = torch.get_autocast_dtype(dev)
+        amp = _autocast_on(input if isinstance(input, torch.Tensor) else torch.empty(0))
         return None if amp == p.dtype else amp
 
     def _check(self, input, hx, amp=None):
