@@ -194,7 +194,9 @@ def check_levels(cf, max_levels, min_coarse, relax, c_weight) -> None:
     """
     check_integer(max_levels, "max_levels", 1)
     check_integer(min_coarse, "min_coarse", 1)
+    # every entry of a sequence is checked, also those beyond the levels a grid makes (a typo is one there too)
     max_levels = _levels_to_check(max_levels, cf, relax, c_weight)
+    max_levels = max([max_levels] + [len(e) for e in map(per_level_entries, (cf, relax, c_weight)) if e is not None])
     for c in per_level(cf, max_levels, "cf"):
         if not (is_integer(c) and c >= 2):
             note = " (a bool; pass an integer)" if isinstance(c, (bool, np.bool_)) else ""

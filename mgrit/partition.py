@@ -100,6 +100,8 @@ def fine_ranges(n_points: int, size: int, partition: Sequence[int] | None = None
     >>> fine_ranges(10, 3, partition=[0, 0, 4])
     [(0, -1), (0, 3), (4, 9)]
     """
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"`size` (the number of ranks) must be an integer >= 1, got {size!r}")
     if partition is None:
         return [block_range(n_points, size, r) for r in range(size)]
     starts = [_start(s, partition) for s in partition]

@@ -38,7 +38,15 @@ def _guess_like_u0(g, u0, name: str):
     """A guess (array, tensor or scalar) as an array of ``u0``'s library and device; a complex guess for a
     real ``u0`` and a tracked tensor are refused (numpy would drop the imaginary part with a warning)."""
     _check_no_grad(g, "initial_guess")
-    g = g if B.is_torch(g) else np.asarray(g)
+    given = g
+    try:
+        g = g if B.is_torch(g) else np.asarray(g)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise TypeError(f"{name} must be a number, a state or a trajectory of states; numpy cannot read "
+                        f"{B.type_name(g)} as an array ({exc})") from None
+    if not B.is_torch(g) and (g.dtype.kind not in "biufcO" or g.dtype.kind == "O" and any(
+            x is None or isinstance(x, (str, bytes)) for x in g.flat)):
+        raise TypeError(f"{name} must hold numbers, got {given!r:.60}")
     if not B.is_torch(g) and g.dtype.kind == "O":  # Python numbers (Fractions, Decimals): as floats
         try:
             g = g.astype(np.float64)

@@ -34,6 +34,13 @@ class Dahlquist(Propagator):
     def __post_init__(self):
         if self.scheme not in ("be", "fe"):
             raise ValueError(f"`scheme` must be 'be' (backward Euler) or 'fe' (forward Euler), got {self.scheme!r}")
+        try:
+            xi = None if isinstance(self.xi, (str, bytes)) else np.asarray(self.xi)
+        except (TypeError, ValueError, RuntimeError):
+            xi = None
+        if xi is None or xi.dtype.kind not in "iufc" or not np.all(np.isfinite(xi)):
+            raise ValueError(f"`xi` must be a finite real or complex number (or an array of them, one per entry of "
+                             f"the state), got {self.xi!r}")
 
     def factor(self, dt):
         """Amplification factor of one step of size ``dt`` (scalar or array)."""

@@ -17,7 +17,7 @@ from scipy.linalg import lapack
 
 from mgrit import Propagator
 
-from ._checks import FixedParameters, check_states
+from ._checks import FixedParameters, check_number, check_states
 
 __all__ = ["AdvectionDiffusion1D", "VanDerPol"]
 
@@ -70,8 +70,7 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
         low = 3 if boundary == "periodic" else 5  # (dirichlet: LAPACK's tridiagonal solver needs 3 interior points)
         if isinstance(nx, bool) or not isinstance(nx, (int, np.integer)) or nx < low:
             raise ValueError(f"`nx` must be an integer >= {low} for boundary={boundary!r}, got {nx!r}")
-        if not (np.isfinite(c) and np.isfinite(nu) and nu >= 0):
-            raise ValueError(f"`c` must be finite and `nu` finite and >= 0, got c={c!r}, nu={nu!r}")
+        c, nu = check_number(c, "c"), check_number(nu, "nu", minimum=0.0)
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
             raise ValueError(f"`cache_size` must be an integer >= 1, got {cache_size!r}")
         self.nx, self.c, self.nu = int(nx), float(c), float(nu)

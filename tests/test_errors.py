@@ -122,6 +122,27 @@ def test_non_finite_initial_guess(guess):
         solve(initial_guess=guess)
 
 
+@pytest.mark.parametrize("guess", ["abc", [None], [None, 1.0], b"x", lambda s: "x", lambda s: None])
+def test_initial_guess_of_no_numbers_names_the_argument(guess):
+    """A string gave numpy's 'could not convert string to float', and None became NaN and was reported
+    as "contains NaN or Inf"."""
+    with pytest.raises(TypeError, match=r"`initial_guess(\(t\))?` must hold numbers"):
+        solve(initial_guess=guess)
+
+
+def test_a_ragged_initial_guess_names_the_argument():
+    with pytest.raises(TypeError, match="`initial_guess` must be a number, a state or a trajectory"):
+        solve(initial_guess=[[1.0, 2.0], [1.0]])
+
+
+@pytest.mark.parametrize("kwargs", [dict(relax=["F", "F", "F", "X"]), dict(cf=[2, 2, 2, 1]),
+                                    dict(c_weight=[1.0, 1.0, 1.0, 3.0])])
+def test_every_entry_of_a_per_level_list_is_checked(kwargs):
+    """An entry beyond the levels a grid makes (here 2) was never looked at: a typo there passed."""
+    with pytest.raises(ValueError, match="`" + next(iter(kwargs)) + "`"):
+        solve(max_levels=2, **kwargs)
+
+
 @pytest.mark.parametrize("guess", [np.ones(3), np.ones((17, 3)), np.ones((16, 2)), lambda s: np.ones(3)])
 def test_wrongly_shaped_initial_guess(guess):
     with pytest.raises(ValueError, match="`initial_guess"):

@@ -130,3 +130,13 @@ def test_partition_entries_must_be_integers(bad):
     assert fine_ranges(9, 3, torch.tensor([0, 3, 6])) == want
     with pytest.raises(ValueError, match="integer start indices"):
         fine_ranges(9, 3, torch.tensor([0.0, 2.5, 6.0]))
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True, "2"])
+def test_a_number_of_ranks_below_one_or_not_an_integer_is_refused(size):
+    """``level_ranges(h, 0)`` returned empty lists, so ``mgrit.plots.hierarchy(h, size=0)`` drew an empty plot."""
+    h = mgrit.build_hierarchy(np.linspace(0, 1, 9), cf=2)
+    with pytest.raises(ValueError, match="`size` \\(the number of ranks\\) must be an integer >= 1"):
+        level_ranges(h, size)
+    with pytest.raises(ValueError, match="`size`"):
+        fine_ranges(9, size)

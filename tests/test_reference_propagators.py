@@ -80,6 +80,24 @@ def test_heat_refuses_bad_parameters(kwargs, match):
         Heat1D(17, **kwargs)
 
 
+@pytest.mark.parametrize("xi", ["a", None, np.nan, np.inf, True, [1.0, "x"], object(), np.array([1.0, np.nan])])
+def test_dahlquist_refuses_bad_xi(xi):
+    # it was built, and a solve then raised numpy's ufunc error, or a DivergenceError blaming the levels
+    with pytest.raises(ValueError, match="`xi` must be a finite real or complex number"):
+        Dahlquist(xi)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(c=None), "`c` must be a finite number"),
+                                           (dict(c="x"), "`c` must be a finite number"),
+                                           (dict(c=np.nan), "`c` must be a finite number"),
+                                           (dict(nu=-0.5), "`nu` must be a finite number >= 0"),
+                                           (dict(nu="0.1"), "`nu` must be a finite number")])
+def test_advection_diffusion_refuses_bad_coefficients(kwargs, match):
+    # None and strings raised numpy's "ufunc 'isfinite' not supported"
+    with pytest.raises(ValueError, match=match):
+        AdvectionDiffusion1D(8, **kwargs)
+
+
 @pytest.mark.parametrize("p, size", [
     (AdvectionDiffusion1D(16), 16), (AdvectionDiffusion1D(16, boundary="dirichlet"), 14),
     (Lorenz(), 3), (Brusselator(), 2), (VanDerPol(), 2),
