@@ -93,8 +93,7 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
     matched by position. The MGRIT blocks' settings (n_layers, T, scheme, hierarchy) must agree too, and the
     values of the parameters ``values`` (not the buffers: running statistics differ until averaged):
     replicas built after seeding the ranks differently (or with another T) averaged the gradients of
-    different networks, silently. (The cycles and tolerances may differ: SerialSwitch adapts them per data
-    rank.)"""
+    different networks, silently. So must the blocks' cycles and tolerances (and a Switchable's mode).)"""
     layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     blocks = [(name, m._replica_settings()) for name, m in module.named_modules() if hasattr(m, "_replica_settings")]
     sums = _value_sums(values)
@@ -110,8 +109,9 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
                          "pass it on every data rank (the shards are weighted by it) or on none")
     if got[6] != -got[7]:
         raise ValueError("allreduce_gradients: the data ranks' MGRIT blocks have different settings (n_layers, T, "
-                         "scheme, the MGRIT hierarchy; this rank: "
-                         f"{blocks[0] if blocks else 'none'}): build and configure them alike on every data rank")
+                         "scheme, the MGRIT hierarchy, fwd_iters / bwd_iters / tolerances, a Switchable's mode; "
+                         f"this rank: {blocks[0] if blocks else 'none'}): build and configure them alike on every "
+                         "data rank (a SerialSwitch changes them alike when given `data_comm`)")
     if got[8] != -got[9] or got[10] != -got[11]:  # (every rank decides from the same reduced numbers)
         raise ValueError("allreduce_gradients: the data ranks hold different parameter values (the checksums of "
                          "their bits differ): seed every "

@@ -1060,9 +1060,10 @@ class LayerParallel(nn.Module):
 
     def _replica_settings(self) -> tuple:
         """What the data replicas of this block must share (compared by allreduce_gradients): the network
-        whose gradients it averages. Not the cycles or tolerances: SerialSwitch adapts those on each data
-        rank from its own shard (docs/transformer.md)."""
-        return self._network() + (self.spatial is None,)
+        whose gradients it averages and its solves' cycles and tolerances (SerialSwitch, given the data
+        communicator, changes them alike on every replica)."""
+        return self._network() + (self.spatial is None, self.fwd_iters, self.bwd_iters, self.fwd_tol,
+                                  self.bwd_tol, self.tol_type)
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares

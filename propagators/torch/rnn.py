@@ -364,8 +364,10 @@ class _ParallelRNN(nn.Module):
 
     def _replica_settings(self) -> tuple:
         """What the data replicas of this module must share (compared by allreduce_gradients): the network
-        (not the cycles or tolerances, which may adapt per data rank)."""
-        return (repr(self.options), self.cycle, self.coarse, self.dropout, self.return_sequence)
+        and its solves' cycles and tolerances (replicas that solve differently average gradients of different
+        approximations)."""
+        return (repr(self.options), self.cycle, self.coarse, self.dropout, self.return_sequence,
+                self.fwd_iters, self.bwd_iters, self.fwd_tol, self.bwd_tol, self.tol_type)
 
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks

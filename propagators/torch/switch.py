@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mgrit.comm import as_communicator
+
 from .module import LayerParallel
 from .rnn import _ParallelRNN
 
@@ -115,6 +117,10 @@ class Switchable(nn.Module):
         if self._mode == "serial" and self.ranks == 1:
             return self.lp.serial(x)
         return self.lp(x)
+
+    def _replica_settings(self) -> tuple:
+        """What the data replicas must share (compared by allreduce_gradients): the mode."""
+        return (self._mode,)
 
     def extra_repr(self) -> str:
         return f"mode={self._mode!r}"
@@ -254,6 +260,13 @@ class SerialSwitch:
         With ``action="adapt"``: the fewest forward and adjoint cycles.
     hold : int
         With ``action="adapt"``: measurements after a raise during which no cycle is dropped.
+    data_comm : optional
+        With data parallelism (a layer x data grid, :func:`allreduce_gradients`): the data
+        communicator. Each data rank measures on its own shard and the measurement combines them
+        (the exact gradient and the layer-parallel one of the whole batch, the noise over all
+        groups of all shards), so every replica takes the same decision and keeps the same cycles.
+        :meth:`update` is then collective over it. Default: the ``data_comm`` the Switchable blocks'
+        LayerParallel modules were given; pass it when they were given none.
 
     Attributes
     ----------
@@ -267,7 +280,7 @@ class SerialSwitch:
     def __init__(self, model: nn.Module, loss_fn, *, every: int = 10, criterion: str = "noise",
                  ratio: float = 1.0, threshold: float | None = None, window: int = 3, patience: int = 1,
                  groups: int = 4, action: str = "serial", lower: float = 0.25, min_iters: int = 1,
-                 hold: int = 5):
+                 hold: int = 5, data_comm=None):
         self.switchables = [m for m in model.modules() if isinstance(m, Switchable)]
         if not self.switchables:
             raise ValueError("the model contains no Switchable: wrap its LayerParallel module, "
@@ -310,6 +323,13 @@ class SerialSwitch:
         if len(comms) > 1:
             raise ValueError("the Switchable blocks of one model must share one layer communicator")
         self._comm = next(iter(comms.values()))
+        if data_comm is None:
+            given = {id(s.lp._data_comm): s.lp._data_comm for s in self.switchables if s.lp._data_comm is not None}
+            if len(given) > 1:
+                raise ValueError("the Switchable blocks of one model were given different data communicators: "
+                                 "pass the model's one as SerialSwitch(..., data_comm=)")
+            data_comm = next(iter(given.values()), None)
+        self._data = None if data_comm is None else as_communicator(data_comm)
         self._distributed = {id(p) for s in self.switchables for p in s.lp.parameters()}
 
     @property
@@ -340,7 +360,16 @@ class SerialSwitch:
 
     def measure(self, x, target) -> dict:
         """Gradient error and noise on this batch (the gradients in ``.grad`` are those of
-        the layer-parallel pass on ``(x, target)``); ``.grad`` is left unchanged."""
+        the layer-parallel pass on ``(x, target)``); ``.grad`` is left unchanged. With a data
+        communicator: of the whole batch, all data ranks' shards (collective over it)."""
+        try:
+            return self._measure(x, target)
+        except BaseException as exc:  # the other data ranks wait in the reductions: tell them
+            if self._data is not None and self._data.size > 1:
+                self._data.alarm(exc)
+            raise
+
+    def _measure(self, x, target) -> dict:
         n = len(x)
         k = min(self.groups, n)
         if k < 2:
@@ -385,11 +414,17 @@ class SerialSwitch:
                 torch.cuda.set_rng_state_all(cuda_rng)
         g = full if batch_stats else [sum(m * part[q] for m, part in zip(sizes, parts)) / n
                                       for q in range(len(params))]
-        norm = self._norm(params, g)
-        err = self._norm(params, [a - b for a, b in zip(g_lp, g)])
+        g_all, lp_all, n_all, k_all = g, g_lp, n, k
+        if self._data is not None and self._data.size > 1:  # the whole batch: all data ranks' shards
+            g_all, lp_all, n_all = self._combine(params, g, g_lp, n)
+        norm = self._norm(params, g_all)
+        err = self._norm(params, [a - b for a, b in zip(lp_all, g_all)])
         # per-sample variance from the group means, then the variance of the batch mean
-        spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g)]) ** 2 for m, part in zip(sizes, parts))
-        noise = math.sqrt(spread / (k - 1) / n)
+        spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g_all)]) ** 2
+                     for m, part in zip(sizes, parts))
+        if self._data is not None and self._data.size > 1:
+            spread, k_all = self._data.allreduce(spread), round(self._data.allreduce(float(k)))
+        noise = math.sqrt(spread / (k_all - 1) / n_all)
         for p, v, none in zip(params, g_lp, missing):
             p.grad = None if none else v
         scale = norm if norm > 0 else 1.0
@@ -397,6 +432,23 @@ class SerialSwitch:
         s = noise / scale
         return dict(step=self.steps, error=err / scale, noise=s, signal=math.sqrt(max(0.0, 1.0 - s * s)),
                     grad_norm=norm, mode=self.mode, fwd_iters=first.fwd_iters, bwd_iters=first.bwd_iters)
+
+    def _combine(self, params, g, g_lp, n) -> tuple:
+        """The exact and the layer-parallel gradient of the whole batch (the shards' gradients weighted
+        by their sizes) and its size: one reduction over the data ranks, the same bits on each."""
+        flat = torch.cat([n * torch.cat([v.detach().double().reshape(-1).cpu() for v in vs]) for vs in (g, g_lp)]
+                         + [torch.tensor([float(n)], dtype=torch.float64)])
+        total = self._data.allreduce_array(flat)
+        n_all = float(total[-1])
+        half = (len(total) - 1) // 2
+        out = []
+        for part in (total[:half], total[half:-1]):
+            vs, off = [], 0
+            for p in params:
+                vs.append((part[off: off + p.numel()] / n_all).view_as(p).to(p.device))  # (float64)
+                off += p.numel()
+            out.append(vs)
+        return out[0], out[1], n_all
 
     # -- control -------------------------------------------------------------
     def update(self, x, target) -> dict | None:

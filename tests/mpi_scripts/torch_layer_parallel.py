@@ -142,6 +142,57 @@ def grid_2x2():
         for p, q in zip(lp.layers[j].parameters(), ref[1].layers[j].parameters()):
             check(f"uneven shards: gradient of layer {j}", p.grad, q.grad, 1e-10)
     grid_batch_norm_buffers(layer_comm, data_comm)
+    grid_serial_switch(layer_comm, data_comm)
+
+
+def grid_serial_switch(layer_comm, data_comm):
+    """SerialSwitch over a layer x data grid measures the whole batch (all data shards): its record equals
+    one process's on the whole batch (same groups), bit for bit the same on every data replica, so the
+    replicas take the same decisions (each measured its own shard, and could switch alone, before)."""
+    from propagators.torch import SerialSwitch, Switchable
+
+    torch.manual_seed(8)
+    layers = make(8, 4, seed=8)
+    opening, closing = nn.Linear(3, 4), nn.Linear(4, 3)
+    settings = dict(T=2.0, cf=2, max_levels=2, fwd_iters=1, bwd_iters=1)
+
+    def build(**comms):
+        return nn.Sequential(copy.deepcopy(opening), Switchable(LayerParallel(copy.deepcopy(layers), **settings,
+                                                                              **comms)), copy.deepcopy(closing))
+
+    model, ref = build(comm=layer_comm, data_comm=data_comm), build()
+    torch.manual_seed(9)
+    X, Y = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    d = data_comm.Get_rank()
+    loss = nn.functional.cross_entropy
+    loss(model(X[4 * d: 4 * d + 4]), Y[4 * d: 4 * d + 4]).backward()
+    allreduce_gradients(model, data_comm)
+    rec = SerialSwitch(model, loss, groups=2).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])
+    loss(ref(X), Y).backward()
+    want = SerialSwitch(ref, loss, groups=4).measure(X, Y)
+    for key in ("error", "noise", "grad_norm"):
+        if not abs(rec[key] - want[key]) <= 1e-10 * abs(want[key]):
+            fail(f"grid SerialSwitch {key} {rec[key]!r} != one process on the whole batch {want[key]!r}")
+    if not want["error"] > 1e-3:
+        fail(f"grid SerialSwitch: one cycle gave error {want['error']:.2e}; the check needs an inexact gradient")
+    others = data_comm.allgather(tuple(rec[k] for k in ("error", "noise", "grad_norm")))
+    if others[0] != others[1]:
+        fail(f"grid SerialSwitch: the data replicas measured different records {others}")
+    # a data rank that fails in the measurement (a one-sample shard cannot be split into groups) tells the
+    # others, which wait in the reduction of the shards: they raise too instead of hanging (leaves the
+    # data communicator unusable: the last check on it)
+    switch = SerialSwitch(model, loss, groups=2)
+    rows = slice(0, 1) if d == 1 else slice(0, 4)
+    try:
+        switch.measure(X[rows], Y[rows])
+    except ValueError as exc:
+        if d != 1 or "groups" not in str(exc):
+            fail(f"grid SerialSwitch: data rank {d} raised {exc!r}")
+    except mgrit.RemoteRankError:
+        if d != 0:
+            fail("grid SerialSwitch: the failing data rank got a RemoteRankError")
+    else:
+        fail(f"grid SerialSwitch: data rank {d} measured although data rank 1 failed")
 
 
 def grid_batch_norm_buffers(layer_comm, data_comm):

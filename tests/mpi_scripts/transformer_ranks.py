@@ -181,25 +181,35 @@ def measure_keeps_the_warm_start():
     check("the training pass after a measurement (warm start)", outs[1], outs[0])
 
 
-def replicas_may_adapt_their_cycles():
-    """Data replicas (each rank a whole block, the world as data communicator) whose SerialSwitch tightened
-    the cycles on one rank only: allreduce_gradients compares the network, not the cycles (it raised
-    "different settings" when it compared fwd_iters too)."""
+def replicas_with_different_cycles_raise():
+    """Data replicas (each rank a whole block, the world as data communicator) whose cycles or mode differ
+    average the gradients of different approximations: allreduce_gradients raises on every rank alike
+    (SerialSwitch changes them alike when given the data communicator). Alike, it averages."""
     from mpi4py import MPI
 
     from propagators.torch import LayerParallel, Switchable, allreduce_gradients
 
-    torch.manual_seed(3)
-    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, comm=MPI.COMM_SELF,
-                       fwd_iters=4 if rank == 0 else 1)
-    model = nn.Sequential(nn.Linear(3, 4), Switchable(lp)).double()
-    model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
-    allreduce_gradients(model, world)
+    for case, iters, mode in (("cycles", 4 if rank == 0 else 1, "parallel"),
+                              ("mode", 2, "serial" if rank == 0 else "parallel"), ("alike", 2, "serial")):
+        torch.manual_seed(3)
+        lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2,
+                           comm=MPI.COMM_SELF, fwd_iters=iters)
+        model = nn.Sequential(nn.Linear(3, 4), Switchable(lp)).double()
+        model[1].mode = mode
+        model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+        try:
+            allreduce_gradients(model, world)
+        except ValueError as exc:
+            if case == "alike" or "fwd_iters" not in str(exc):
+                fail(f"allreduce_gradients, replicas with {case}: {exc}")
+        else:
+            if case != "alike":
+                fail(f"allreduce_gradients accepted data replicas with different {case}")
 
 
 blocks_equal_serial()
 vit_equals_serial()
-replicas_may_adapt_their_cycles()
+replicas_with_different_cycles_raise()
 serial_mode_and_measure()
 measure_keeps_the_warm_start()
 world.Barrier()
