@@ -1942,6 +1942,12 @@ def test_clip_grad_norm_of_a_model_around_a_block_is_torchs(p):
     head.weight.grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="error_if_nonfinite"):
         clip_grad_norm_(model, 0.1, error_if_nonfinite=True)
+    # torch's calling convention (the parameters) is a clear error: the blocks are needed
+    for params in (model.parameters(), list(model.parameters())):
+        with pytest.raises(TypeError, match=r"takes the model .*not its parameters.*clip_grad_norm_\(model"):
+            clip_grad_norm_(params, 1.0)
+    with pytest.raises(TypeError, match=r"grad_norm\(model"):
+        grad_norm(model.parameters())
 
 
 @pytest.mark.parametrize("where", ["head", "first layer", "late layer", "tail"])

@@ -133,6 +133,8 @@ def test_bad_arguments_are_clear_errors():
         make_vit(2, 8, 2, patch=0)
     with pytest.raises(ValueError, match=r"1 channel\(s\) x 8 x 8 = 64 values.*side=28"):
         make_vit(2, 8, 2, seed=0)(torch.randn(3, 784))
+    with pytest.raises(TypeError, match=r"floating-point image tensor, got dtype torch.uint8.*x.float\(\)"):
+        make_vit(2, 8, 2, seed=0)(torch.zeros(3, 64, dtype=torch.uint8))
     with pytest.raises(TypeError, match="Switchable wraps"):
         Switchable(nn.Linear(2, 2))
 

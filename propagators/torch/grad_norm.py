@@ -44,6 +44,13 @@ def _part(grads, p: float) -> float:
     return sum(float(torch.linalg.vector_norm(g.detach().double(), p) ** p) for g in grads)
 
 
+def _check_model(model, name: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} takes the model (the nn.Module that holds the LayerParallel blocks), not its "
+                        f"parameters: got {type(model).__name__}; call {name}(model, ...) (it needs the blocks "
+                        "to know which parameters are split over the ranks)")
+
+
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
     """The ``norm_type``-norm of the gradients of all parameters of ``model`` (those with a gradient),
     as the serial network would give it: the same value on every rank.
@@ -53,6 +60,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
     depend on the number of ranks); all other parameters count once. Collective over the
     communicator of every block: call it on every rank.
     """
+    _check_model(model, "grad_norm")
     p = _norm_type(norm_type)
     blocks = [m for m in model.modules() if isinstance(m, LayerParallel)]
     split = {id(q) for b in blocks for q in b.parameters()}
@@ -85,6 +93,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     On one process it equals torch's function (up to rounding). Collective: call it on every rank,
     after the gradients are complete (after :func:`allreduce_gradients` on a layer x data grid).
     """
+    _check_model(model, "clip_grad_norm_")
     max_norm = float(max_norm)
     if not max_norm >= 0:
         raise ValueError(f"`max_norm` must be a number >= 0, got {max_norm!r}")

@@ -186,6 +186,10 @@ class PatchEmbedding(nn.Module):
         self.pos = nn.Parameter(0.02 * torch.randn(1, n_tok, dim))
 
     def forward(self, x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"the patch embedding expects a floating-point image tensor, got {got}; convert it, "
+                            "e.g. x.float() (pixels scaled to [0, 1]: x.float() / 255)")
         B, s, p, c = x.shape[0], self.side, self.patch, self.channels
         if x.shape[1:].numel() != c * s * s:
             raise ValueError(f"the patch embedding expects images of {c} channel(s) x {s} x {s} = {c * s * s} values "
