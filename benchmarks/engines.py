@@ -26,6 +26,11 @@ What it measures
 * ``... recv posted first``: the same with the engine's own non-blocking calls
   (``Irecv`` / ``dist.irecv`` before ``Isend`` / ``dist.isend``): when the
   receive is already posted when the peer sends, gloo moves the data at once.
+* ``exchange after compute``: both ranks compute for 1 ms, then post a send and
+  a receive of a small state with the engine's own calls and wait for both: the
+  time beyond the 1 ms. This is how the solver's boundary exchanges meet (a
+  rank sends its last state when its sweep ends), with no library code in
+  between: what it costs is the engine's.
 
 Each engine runs in its own launch (``mpiexec -n 2`` or 2 processes with
 torchrun's environment); the launches are interleaved (MPI, gloo, MPI, gloo ...)
@@ -180,9 +185,23 @@ def worker(args) -> None:
             waits.append(time.perf_counter() - t1)
         done(q)
     first = slowest(float(np.median(waits)))
+    # an exchange posted after the computation (the raw engine): both ranks compute for 1 ms, then post
+    # their send and receive and wait for both; the time beyond the 1 ms is the exchange
+    exchanges = []
+    for k in range(args.pings // 3 + 5):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            A @ A
+        t1 = time.perf_counter()
+        q, r = post_send(out), post_recv(into)
+        done(r)
+        done(q)
+        if k >= 5:
+            exchanges.append(time.perf_counter() - t1)
+    after = slowest(float(np.median(exchanges)))
     if rank == 0:
         print(json.dumps({"step": steps, "small": lat[SMALL], "large": lat[LARGE], "loaded": loaded,
-                          "rest": rest, "first": first}), flush=True)
+                          "rest": rest, "first": first, "after": after}), flush=True)
     if args.worker == "gloo":
         import torch.distributed as dist
 
@@ -237,14 +256,14 @@ def main(argv=None) -> int:
           f"2 forward / 1 backward cycles, float32; medians of {args.rounds} x {args.repeat} steps "
           f"and {args.rounds} x {args.pings} round trips")
     print(f"{'engine':<28}{'fwd+bwd step':>14}{'latency 64 B':>15}{'latency 1 MiB':>15}{'wait under load':>18}"
-          f"{'wait at rest':>15}{'... recv posted first':>24}")
+          f"{'wait at rest':>15}{'... recv posted first':>24}{'exchange after compute':>25}")
     names = {"mpi": "mpi4py (MPICH)", "gloo": "torch.distributed (gloo)"}
     for e in engines:
         step = statistics.median(t for r in runs[e] for t in r["step"])
-        small, large, loaded, rest, first = (statistics.median(r[k] for r in runs[e])
-                                             for k in ("small", "large", "loaded", "rest", "first"))
+        small, large, loaded, rest, first, after = (statistics.median(r[k] for r in runs[e])
+                                                    for k in ("small", "large", "loaded", "rest", "first", "after"))
         print(f"{names[e]:<28}{step * 1e3:>11.1f} ms{small * 1e6:>12.1f} us{large * 1e6:>12.1f} us"
-              f"{loaded * 1e6:>15.1f} us{rest * 1e6:>12.1f} us{first * 1e6:>21.1f} us")
+              f"{loaded * 1e6:>15.1f} us{rest * 1e6:>12.1f} us{first * 1e6:>21.1f} us{after * 1e6:>22.1f} us")
     return 0
 
 
