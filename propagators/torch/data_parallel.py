@@ -97,7 +97,10 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
     layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     blocks = [(name, m._replica_settings()) for name, m in module.named_modules() if hasattr(m, "_replica_settings")]
     sums = _value_sums(values)
-    mine = [float(len(params)), float(layout), float(weighted), float(zlib.crc32(repr(blocks).encode()))] + sums
+    # each of the first blocks' settings apart too (padded to a fixed count), so that the error names one
+    each = [float(zlib.crc32(repr(b).encode())) for b in blocks[:_NAMED_BLOCKS]]
+    each += [-1.0] * (_NAMED_BLOCKS - len(each))
+    mine = [float(len(params)), float(layout), float(weighted), float(zlib.crc32(repr(blocks).encode()))] + sums + each
     got = comm.exact_many([[v] for m in mine for v in (m, -m)], "max")
     if got[0] != -got[1] or got[2] != -got[3]:
         raise ValueError(
@@ -108,10 +111,15 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
         raise ValueError("allreduce_gradients: `shard_size` was given on some data ranks and not on others: "
                          "pass it on every data rank (the shards are weighted by it) or on none")
     if got[6] != -got[7]:
+        off = 8 + 2 * len(sums)
+        differ = [i for i in range(_NAMED_BLOCKS) if got[off + 2 * i] != -got[off + 2 * i + 1]]
+        which = (f"block `{blocks[differ[0]][0]}` ({type(module.get_submodule(blocks[differ[0]][0])).__name__}), "
+                 f"on this rank {blocks[differ[0]][1]}" if differ and differ[0] < len(blocks) else
+                 f"{len(blocks)} blocks on this rank")
         raise ValueError("allreduce_gradients: the data ranks' MGRIT blocks have different settings (n_layers, T, "
                          "scheme, the MGRIT hierarchy, fwd_iters / bwd_iters / tolerances, a Switchable's mode; "
-                         f"this rank: {blocks[0] if blocks else 'none'}): build and configure them alike on every "
-                         "data rank (a SerialSwitch changes them alike when given `data_comm`)")
+                         f"the first that differs: {which}): build and configure them alike on every data rank "
+                         "(a SerialSwitch changes them alike when given `data_comm`)")
     if got[8] != -got[9] or got[10] != -got[11]:  # (every rank decides from the same reduced numbers)
         raise ValueError("allreduce_gradients: the data ranks hold different parameter values (the checksums of "
                          "their bits differ): seed every "
@@ -119,6 +127,8 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
                          "the same optimizer on every data rank")
 
 
+#: the blocks whose settings are compared one by one (the error names the first that differs)
+_NAMED_BLOCKS = 16
 #: tensors below this many entries are checksummed together (one copy of them all); larger ones one by one
 _SMALL = 1 << 16
 #: the checksums are reduced modulo this (exact in float64, as the communicators' reductions carry them)

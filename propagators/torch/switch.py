@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mgrit.comm import as_communicator
+from mgrit.comm import Call, args_signature, as_communicator
 
 from .module import LayerParallel
 from .rnn import _ParallelRNN
@@ -252,7 +253,8 @@ class SerialSwitch:
     patience : int
         Consecutive decisions above the limit needed to act.
     groups : int
-        Groups the batch is split into for the noise estimate (``>= 2``).
+        Groups the batch is split into for the noise estimate (``>= 2``); with ``data_comm``, groups
+        of the whole batch: each of the ``D`` data ranks splits its shard into ``ceil(groups / D)``.
     action : {"serial", "tighten", "adapt"}
     lower : float
         With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise.
@@ -265,8 +267,12 @@ class SerialSwitch:
         communicator. Each data rank measures on its own shard and the measurement combines them
         (the exact gradient and the layer-parallel one of the whole batch, the noise over all
         groups of all shards), so every replica takes the same decision and keeps the same cycles.
-        :meth:`update` is then collective over it. Default: the ``data_comm`` the Switchable blocks'
-        LayerParallel modules were given; pass it when they were given none.
+        :meth:`update` is then collective over it: its handshake compares the data ranks' parameter
+        layouts and layer ranks (a ValueError on every rank, nothing sent, when they differ: replicas
+        that froze different parameters, or the world or layer communicator given as ``data_comm``),
+        and a failure inside makes the other data ranks raise :class:`mgrit.RemoteRankError`.
+        Default: the ``data_comm`` the Switchable blocks' LayerParallel modules were given; pass it
+        when they were given none.
 
     Attributes
     ----------
@@ -362,18 +368,47 @@ class SerialSwitch:
         """Gradient error and noise on this batch (the gradients in ``.grad`` are those of
         the layer-parallel pass on ``(x, target)``); ``.grad`` is left unchanged. With a data
         communicator: of the whole batch, all data ranks' shards (collective over it)."""
+        data = self._data if self._data is not None and self._data.size > 1 else None
+        if data is None:
+            n = len(x)
+            if min(self.groups, n) < 2:
+                raise ValueError("the noise estimate splits the batch into groups: use batches of >= 2 samples")
+            return self._measure(x, target, min(self.groups, n))
+        # one session on the data ranks: its handshake compares what must agree (a rank that failed its
+        # local checks makes the others raise there, nothing sent yet) and all-gathers the shards' sizes;
+        # a failure inside tells the other data ranks, which raise RemoteRankError
+        failure = sig = None
+        n = k = 0
         try:
-            return self._measure(x, target)
-        except BaseException as exc:  # the other data ranks wait in the reductions: tell them
-            if self._data is not None and self._data.size > 1:
-                self._data.alarm(exc)
-            raise
+            n = len(x)
+            if n < 1:
+                raise ValueError("SerialSwitch.measure got an empty shard: give every data rank at least one sample")
+            k = min(-(-self.groups // data.size), n)
+            params = self._params()
+            layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+            sig = Call("SerialSwitch.measure", args_signature(len(params), layout, self._comm.rank, self._comm.size),
+                       "model parameters (number, shapes and dtypes of those that require grad) or layer ranks: "
+                       "every data rank must hold the same model, and `data_comm` must be the data communicator "
+                       "of the layer x data grid (its ranks hold the same layers), not the world or the layer one")
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            data.open(failure=failure)
+            raise failure
+        session = data.session(sig, share=(n, k))
+        with session:
+            total = sum(q for _, q in session.shared)
+            n_all = sum(m for m, _ in session.shared)
+            rec = self._measure(x, target, k, (n_all, total)) if total >= 2 else None
+        if rec is None:
+            raise ValueError(f"the noise estimate needs at least 2 groups over the data ranks' shards, got {total} "
+                             f"(shards of {[m for m, _ in session.shared]} samples): use batches of >= 2 samples")
+        return rec
 
-    def _measure(self, x, target) -> dict:
+    def _measure(self, x, target, k, totals=None) -> dict:
+        """The measurement on ``k`` groups of this batch; ``totals``: the number of samples and of groups
+        of all data ranks (their shards are combined: collective over the data communicator)."""
         n = len(x)
-        k = min(self.groups, n)
-        if k < 2:
-            raise ValueError("the noise estimate splits the batch into groups: use batches of >= 2 samples")
         params = self._params()
         g_lp = self._grads(params)
         missing = [p.grad is None for p in params]
@@ -414,16 +449,16 @@ class SerialSwitch:
                 torch.cuda.set_rng_state_all(cuda_rng)
         g = full if batch_stats else [sum(m * part[q] for m, part in zip(sizes, parts)) / n
                                       for q in range(len(params))]
-        g_all, lp_all, n_all, k_all = g, g_lp, n, k
-        if self._data is not None and self._data.size > 1:  # the whole batch: all data ranks' shards
-            g_all, lp_all, n_all = self._combine(params, g, g_lp, n)
+        g_all, lp_all, (n_all, k_all) = g, g_lp, (n, k) if totals is None else totals
+        if totals is not None:  # the whole batch: all data ranks' shards
+            g_all, lp_all = self._combine(params, g, g_lp, n, n_all)
         norm = self._norm(params, g_all)
         err = self._norm(params, [a - b for a, b in zip(lp_all, g_all)])
         # per-sample variance from the group means, then the variance of the batch mean
         spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g_all)]) ** 2
                      for m, part in zip(sizes, parts))
-        if self._data is not None and self._data.size > 1:
-            spread, k_all = self._data.allreduce(spread), round(self._data.allreduce(float(k)))
+        if totals is not None:
+            spread = self._data.allreduce(spread)
         noise = math.sqrt(spread / (k_all - 1) / n_all)
         for p, v, none in zip(params, g_lp, missing):
             p.grad = None if none else v
@@ -433,22 +468,24 @@ class SerialSwitch:
         return dict(step=self.steps, error=err / scale, noise=s, signal=math.sqrt(max(0.0, 1.0 - s * s)),
                     grad_norm=norm, mode=self.mode, fwd_iters=first.fwd_iters, bwd_iters=first.bwd_iters)
 
-    def _combine(self, params, g, g_lp, n) -> tuple:
-        """The exact and the layer-parallel gradient of the whole batch (the shards' gradients weighted
-        by their sizes) and its size: one reduction over the data ranks, the same bits on each."""
-        flat = torch.cat([n * torch.cat([v.detach().double().reshape(-1).cpu() for v in vs]) for vs in (g, g_lp)]
-                         + [torch.tensor([float(n)], dtype=torch.float64)])
+    def _combine(self, params, g, g_lp, n, n_all) -> tuple:
+        """The exact and the layer-parallel gradient of the whole batch of ``n_all`` samples (the shards'
+        gradients weighted by their sizes ``n``), in float64: one reduction over the data ranks, the
+        same bits on each."""
+        devices = {v.device for v in g}
+        dev = devices.pop() if len(devices) == 1 else torch.device("cpu")  # (a reducing engine keeps it there)
+        flat = torch.cat([n * torch.cat([v.detach().to(dev, torch.float64).reshape(-1) for v in vs])
+                          for vs in (g, g_lp)])
         total = self._data.allreduce_array(flat)
-        n_all = float(total[-1])
-        half = (len(total) - 1) // 2
+        half = len(total) // 2
         out = []
-        for part in (total[:half], total[half:-1]):
+        for part in (total[:half], total[half:]):
             vs, off = [], 0
             for p in params:
                 vs.append((part[off: off + p.numel()] / n_all).view_as(p).to(p.device))  # (float64)
                 off += p.numel()
             out.append(vs)
-        return out[0], out[1], n_all
+        return out[0], out[1]
 
     # -- control -------------------------------------------------------------
     def update(self, x, target) -> dict | None:

@@ -5,7 +5,8 @@ checks of ``tests/mpi_scripts/torch_layer_parallel.py``: forward output, input a
 parameter gradients equal serial autograd on P ranks (also after optimizer steps);
 with ``grid`` (P = 4): a 2 x 2 layer x data grid of process groups
 (:func:`mgrit.torch_dist.split_group`) reproduces the full-batch gradients through
-``allreduce_gradients(model, data_group)``, also with uneven shards. The comparisons
+``allreduce_gradients(model, data_group)``, also with uneven shards, and ``SerialSwitch``
+measures the whole batch. The comparisons
 are bitwise (``torch.equal``) against the serial LayerParallel solve with the same
 tolerances: the solve is independent of the number of ranks. Prints ``rank r OK``.
 """
@@ -124,6 +125,42 @@ def grid_2x2():
     for j in lp.owned_layers:
         for p, q in zip(lp.layers[j].parameters(), ref[1].layers[j].parameters()):
             check(f"uneven shards: gradient of layer {j}", p.grad, q.grad, 1e-10)
+    grid_serial_switch(layer_group, data_group, d)
+
+
+def grid_serial_switch(layer_group, data_group, d):
+    """SerialSwitch over the gloo grid: its record equals one process's on the whole batch, and a parameter
+    frozen on one data rank is a ValueError on every rank in the measurement's handshake (as over MPI:
+    tests/mpi_scripts/torch_layer_parallel.py)."""
+    from propagators.torch import LayerParallel, SerialSwitch, Switchable
+
+    layers = make(8, 4, seed=8)
+    opening, closing = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def build(**comms):
+        lp = LayerParallel(copy.deepcopy(layers), T=2.0, cf=2, max_levels=2, fwd_iters=1, bwd_iters=1, **comms)
+        return nn.Sequential(copy.deepcopy(opening), Switchable(lp), copy.deepcopy(closing))
+
+    model, ref = build(comm=layer_group, data_comm=data_group), build()
+    torch.manual_seed(9)
+    X, Y = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    loss = nn.functional.cross_entropy
+    rows = slice(4 * d, 4 * d + 4)
+    loss(model(X[rows]), Y[rows]).backward()
+    rec = SerialSwitch(model, loss, groups=4).measure(X[rows], Y[rows])
+    loss(ref(X), Y).backward()
+    want = SerialSwitch(ref, loss, groups=4).measure(X, Y)
+    for key in ("error", "noise", "grad_norm"):
+        if not abs(rec[key] - want[key]) <= 1e-10 * abs(want[key]):
+            fail(f"grid SerialSwitch {key} {rec[key]!r} != one process on the whole batch {want[key]!r}")
+    model[0].bias.requires_grad_(d == 0)
+    try:
+        SerialSwitch(model, loss, groups=4).measure(X[rows], Y[rows])
+    except ValueError as exc:
+        if "SerialSwitch.measure differ" not in str(exc):
+            fail(f"grid SerialSwitch, a parameter frozen on one data rank: unclear error {exc}")
+    else:
+        fail("grid SerialSwitch measured with a parameter frozen on one data rank")
 
 
 def main():

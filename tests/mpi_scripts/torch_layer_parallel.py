@@ -9,6 +9,7 @@ tanh layers give the same bits as the same LayerParallel on one process; with
 Prints "rank r OK" on success and exits 1 with a message otherwise.
 """
 import copy
+import math
 import sys
 
 import torch
@@ -167,7 +168,7 @@ def grid_serial_switch(layer_comm, data_comm):
     loss = nn.functional.cross_entropy
     loss(model(X[4 * d: 4 * d + 4]), Y[4 * d: 4 * d + 4]).backward()
     allreduce_gradients(model, data_comm)
-    rec = SerialSwitch(model, loss, groups=2).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])
+    rec = SerialSwitch(model, loss, groups=4).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])  # 2 per shard
     loss(ref(X), Y).backward()
     want = SerialSwitch(ref, loss, groups=4).measure(X, Y)
     for key in ("error", "noise", "grad_norm"):
@@ -178,19 +179,43 @@ def grid_serial_switch(layer_comm, data_comm):
     others = data_comm.allgather(tuple(rec[k] for k in ("error", "noise", "grad_norm")))
     if others[0] != others[1]:
         fail(f"grid SerialSwitch: the data replicas measured different records {others}")
-    # a data rank that fails in the measurement (a one-sample shard cannot be split into groups) tells the
-    # others, which wait in the reduction of the shards: they raise too instead of hanging (leaves the
-    # data communicator unusable: the last check on it)
-    switch = SerialSwitch(model, loss, groups=2)
+    # a one-sample shard is one group of the whole batch (3 groups in all)
     rows = slice(0, 1) if d == 1 else slice(0, 4)
+    rec = SerialSwitch(model, loss, groups=4).measure(X[rows], Y[rows])
+    others = data_comm.allgather(tuple(rec[k] for k in ("error", "noise", "grad_norm")))
+    if others[0] != others[1] or not all(map(math.isfinite, others[0])):
+        fail(f"grid SerialSwitch, shards of 4 and 1 samples: records {others}")
+    # what must agree is compared in the measurement's handshake: every rank raises alike, nothing is sent,
+    # and the communicator stays usable (a parameter frozen on one data rank; the world as data communicator)
+    for case in ("frozen", "world"):
+        frozen = case == "frozen" and d == 1
+        model[0].bias.requires_grad_(not frozen)
+        comm = world if case == "world" else data_comm
+        try:
+            SerialSwitch(model, loss, groups=4, data_comm=comm).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])
+        except ValueError as exc:
+            if "SerialSwitch.measure differ" not in str(exc) or "data communicator" not in str(exc):
+                fail(f"grid SerialSwitch, {case}: unclear error {exc}")
+        else:
+            fail(f"grid SerialSwitch measured with {case} (the data ranks' layouts differ)")
+        model[0].bias.requires_grad_(True)
+    model.zero_grad()
+    loss(model(X[4 * d: 4 * d + 4]), Y[4 * d: 4 * d + 4]).backward()
+    allreduce_gradients(model, data_comm)  # (usable after the refused measurements)
+    # a data rank whose loss fails in the measurement: the other data rank raises instead of hanging
+    def bad_loss(out, target):
+        if d == 1:
+            raise RuntimeError("this data rank's loss failed")
+        return loss(out, target)
+
     try:
-        switch.measure(X[rows], Y[rows])
-    except ValueError as exc:
-        if d != 1 or "groups" not in str(exc):
-            fail(f"grid SerialSwitch: data rank {d} raised {exc!r}")
-    except mgrit.RemoteRankError:
+        SerialSwitch(model, bad_loss, groups=4).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])
+    except mgrit.RemoteRankError:  # (a RuntimeError too)
         if d != 0:
             fail("grid SerialSwitch: the failing data rank got a RemoteRankError")
+    except RuntimeError as exc:
+        if d != 1 or "loss failed" not in str(exc):
+            fail(f"grid SerialSwitch: data rank {d} raised {exc!r}")
     else:
         fail(f"grid SerialSwitch: data rank {d} measured although data rank 1 failed")
 
