@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from launch import assert_all_ok, launch, needs_mpiexec
 
@@ -133,8 +134,15 @@ def test_bad_arguments_are_clear_errors():
         make_vit(2, 8, 2, patch=0)
     with pytest.raises(ValueError, match=r"1 channel\(s\) x 8 x 8 = 64 values.*side=28"):
         make_vit(2, 8, 2, seed=0)(torch.randn(3, 784))
-    with pytest.raises(TypeError, match=r"floating-point image tensor, got dtype torch.uint8.*x.float\(\)"):
-        make_vit(2, 8, 2, seed=0)(torch.zeros(3, 64, dtype=torch.uint8))
+    vit = make_vit(2, 8, 2, seed=0)
+    dt = next(vit.parameters()).dtype
+    other = torch.float32 if dt == torch.float64 else torch.float64
+    with pytest.raises(TypeError, match=rf"image tensor of the model's dtype \({dt}\), got dtype torch.uint8"):
+        vit(torch.zeros(3, 64, dtype=torch.uint8))
+    with pytest.raises(TypeError, match=rf"got dtype {other}; convert it, e.g. x.to\({dt}\)"):
+        vit(torch.zeros(3, 64, dtype=other))
+    with pytest.raises(TypeError, match=r"got ndarray; convert it, e.g. torch.as_tensor\(x\).float\(\)"):
+        vit(np.zeros((3, 64), dtype=np.float32))
     with pytest.raises(TypeError, match="Switchable wraps"):
         Switchable(nn.Linear(2, 2))
 

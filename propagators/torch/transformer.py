@@ -186,10 +186,14 @@ class PatchEmbedding(nn.Module):
         self.pos = nn.Parameter(0.02 * torch.randn(1, n_tok, dim))
 
     def forward(self, x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"the patch embedding expects a floating-point image tensor, got {got}; convert it, "
-                            "e.g. x.float() (pixels scaled to [0, 1]: x.float() / 255)")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"the patch embedding expects a floating-point image tensor, got {type(x).__name__}; "
+                            "convert it, e.g. torch.as_tensor(x).float()")
+        w = self.proj.weight
+        if not x.is_floating_point() or x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"the patch embedding expects a floating-point image tensor of the model's dtype "
+                            f"({w.dtype}), got dtype {x.dtype}; convert it, e.g. x.to({w.dtype}) (8-bit pixels "
+                            f"scaled to [0, 1]: x.to({w.dtype}) / 255), or the model, e.g. model.to(x.dtype)")
         B, s, p, c = x.shape[0], self.side, self.patch, self.channels
         if x.shape[1:].numel() != c * s * s:
             raise ValueError(f"the patch embedding expects images of {c} channel(s) x {s} x {s} = {c * s * s} values "
