@@ -50,6 +50,19 @@ def launch(n: int, script: str, *args: str, timeout: float = 120):
     return max(abs(p.returncode) for p in procs), log[0]
 
 
+def test_readme_torchrun_grid_script_runs(tmp_path):
+    """README's layer x data grid script (4 processes, gloo) runs as printed: three training steps whose
+    loss (of rank 0's shard) falls."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("# grid.py -- run:")
+    script = tmp_path / "grid.py"
+    script.write_text(text[start: text.index("```", start)])
+    rc, out = launch(4, str(script))
+    assert rc == 0, out[-3000:]
+    losses = [float(m.group(2)) for m in re.finditer(r"^(\d) ([0-9.]+)$", out, re.M)]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], out[-3000:]
+
+
 # --------------------------------------------------------------------------- serial == parallel
 @pytest.mark.parametrize("n, torch_states", [(1, True), (2, False), (3, True), (4, True)])
 def test_solve_over_gloo_equals_serial_bit_for_bit(n, torch_states):

@@ -143,8 +143,10 @@ class SpatialCoarsening:
                     f"spatial coarsening of level {level + 1} needs C-relaxation on level {level} (relax "
                     f"'FCF'), which has relax={hierarchy[level].relax!r}: F-relaxation never changes the "
                     "features of the C-points that the coarse maps cannot represent, so the solve would not "
-                    "converge. Pass relax='FCF' (or one entry per level, 'FCF' from that level on), or "
-                    "coarsen later levels only (SpatialCoarsening(coarsen_from=...), default: the coarsest)")
+                    f"converge. Pass relax='FCF' (or one entry per level, 'FCF' from level {level} on), or "
+                    f"coarsen later levels only (SpatialCoarsening(coarsen_from=k); by default only the coarsest, "
+                    f"here level {self.first(L)} of {L} levels: with more levels, max_levels or a smaller cf, "
+                    "the default relax=('F', 'FCF') has C-relaxation where it is needed)")
 
 
 # --------------------------------------------------------------------------- transfers
