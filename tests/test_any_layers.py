@@ -363,6 +363,16 @@ def test_checkpoint_round_trip_on_one_rank():
     assert rel(fresh(x), net(x).detach()) < 1e-12
     with pytest.raises(KeyError, match="lacks"):
         fresh.load_serial({k: v for k, v in state.items() if not k.startswith("layers.3.")})
+    # a checkpoint of another network: 16 layers into 8 loaded the first 8 silently, prefixed keys nothing
+    longer = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], cf=2).to_serial()
+    with pytest.raises(KeyError, match=r"has 16 entries the serial network \(8 layers\) lacks"):
+        fresh.load_serial(longer.state_dict())
+    keys = fresh.load_serial({"1." + k: v for k, v in state.items()}, strict=False)
+    assert sorted(keys.missing_keys) == sorted(state)
+    assert sorted(keys.unexpected_keys) == sorted("1." + k for k in state)
+    assert fresh.load_serial(state) == ([], [])
+    with pytest.raises(ValueError, match="`root` must be a rank of the layer communicator, 0 .. 0"):
+        fresh.to_serial(root=1)
 
 
 # --------------------------------------------------------------------------- found by a hostile pass

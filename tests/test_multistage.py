@@ -119,6 +119,12 @@ def test_state_dict_round_trip_through_the_serial_network():
         other.load_serial({k: v for k, v in sd.items() if k != "3.layers.5.0.bias"})
     with pytest.raises(KeyError, match="no piece"):
         other.load_serial({**sd, "7.weight": torch.zeros(1)})
+    # an extra layer of a stage (a checkpoint of a deeper stage) loaded silently before
+    extra = {**sd, "3.layers.99.0.weight": sd["3.layers.5.0.weight"]}
+    with pytest.raises(KeyError, match=r"entries the serial network \(\d+ layers\) lacks, e.g. \['layers.99"):
+        other.load_serial(extra)
+    keys = other.load_serial(extra, strict=False)
+    assert keys.missing_keys == [] and keys.unexpected_keys == ["3.layers.99.0.weight"]
 
 
 def test_optimizer_steps_keep_the_equality():

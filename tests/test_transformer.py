@@ -192,6 +192,13 @@ def test_vit_checkpoints_move_between_the_parallel_and_the_serial_build():
     assert all(torch.equal(p, q) for p, q in zip(par.parameters(), other.parameters()))
     with pytest.raises(KeyError, match="layer-parallel ViT's own state dict"):
         par.load_serial(par.state_dict())  # the parallel build's own keys: not a serial state dict
+    # a ViT of more blocks: its extra blocks loaded silently before
+    deeper = make_vit(5, 8, 2, patch=4, seed=99, parallel=False).state_dict()
+    with pytest.raises(KeyError, match=r"\(3 layers\) lacks, e.g. \['layers.3"):
+        par.load_serial(deeper)
+    keys = par.load_serial(deeper, strict=False)
+    assert keys.missing_keys == [] and keys.unexpected_keys and all(
+        k.startswith(("blocks.layers.3.", "blocks.layers.4.")) for k in keys.unexpected_keys)
 
 
 def test_repeat_init_starts_every_layer_from_the_same_weights():

@@ -570,6 +570,24 @@ def _rows(X, rows: np.ndarray):
     return take_rows(rows, X.device)(X)
 
 
+def check_root(root, size: int, none_ok: bool = False) -> None:
+    """Raise ValueError unless ``root`` is a rank of a communicator of ``size`` ranks (or None where
+    ``none_ok``): before a collective call, which would otherwise wait for a rank that does not exist."""
+    if root is None and none_ok:
+        return
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"`root` must be a rank of the layer communicator, 0 .. {size - 1}"
+                         + (" (or None: every rank)" if none_ok else "") + f", got {root!r}")
+
+
+def _layer_key_order(key: str) -> tuple:
+    """Sort key of a state-dict key: ``layers.<j>.`` keys by ``j``, then the rest by name."""
+    parts = key.split(".", 2)
+    if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+        return 0, int(parts[1]), key
+    return 1, 0, key
+
+
 class LayerParallel(nn.Module):
     """A stack of residual layers evaluated by MGRIT, forward and backward.
 
@@ -1540,7 +1558,8 @@ class LayerParallel(nn.Module):
         Collective over the layer communicator. Returns the network on rank
         ``root`` (every layer, as a deep copy) and None on the other ranks.
         """
-        with self._session("to_serial()"):
+        check_root(root, self._comm.size)
+        with self._session("to_serial()", root, agree="roots"):
             # one deep copy of all layers: parameters tied between layers (one rank only) stay tied
             mine = copy.deepcopy(dict(self.layers.items()))
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
@@ -1559,14 +1578,28 @@ class LayerParallel(nn.Module):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
 
         Every rank takes the entries of the layers it holds (owned and halo);
-        keys are ``layers.<global index>.<name>``.
+        keys are ``layers.<global index>.<name>``. With ``strict`` a key the
+        serial network lacks or has and the state dict lacks is a KeyError on
+        every rank (a checkpoint of another network: more layers, other
+        layers); otherwise, like ``load_state_dict``, returns the serial
+        network's ``missing_keys`` and ``unexpected_keys`` (the same on every rank).
         """
-        with self._session("load_serial()"):  # collective: a missing entry on one rank raises on every rank
+        with self._session("load_serial()"):  # collective: every rank raises alike
             own = self.state_dict()
-            missing = [k for k in own if k not in state_dict]
+            every = set(own)
+            if self._comm.size > 1:  # the serial network's keys: every rank's own
+                every = {k for part in self._comm.gather(sorted(own), root=None) for k in part}
+            missing = sorted(every - set(state_dict), key=_layer_key_order)
+            unexpected = sorted(set(state_dict) - every, key=_layer_key_order)
             if strict and missing:
-                raise KeyError(f"the state dict lacks {len(missing)} entries of this rank's layers, "
-                               f"e.g. {missing[:3]}")
+                raise KeyError(f"the state dict lacks {len(missing)} entries of the serial network's layers, "
+                               f"e.g. {missing[:3]} (pass strict=False to load the others)")
+            if strict and unexpected:
+                raise KeyError(f"the state dict has {len(unexpected)} entries the serial network ({self.n_layers} "
+                               f"layers) lacks, e.g. {unexpected[:3]}: a checkpoint of another network (more "
+                               "layers, other layers) or keys with a prefix (load_serial takes the block's own "
+                               "serial state dict, ODENet.state_dict() or to_serial().state_dict()); pass "
+                               "strict=False to load the entries that fit")
             self.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
             with torch.no_grad():
                 for j, m in self._halo.items():
@@ -1575,6 +1608,7 @@ class LayerParallel(nn.Module):
                     if sub:
                         m.load_state_dict(sub, strict=strict)
         self._warm = None
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # -- diagnostics ----------------------------------------------------------
     @property

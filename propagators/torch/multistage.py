@@ -26,7 +26,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator
 
-from .module import LayerParallel, _announced
+from .module import LayerParallel, _announced, check_root
 
 _OWN = ("comm", "data_comm")
 
@@ -277,6 +277,7 @@ class MultiStage(nn.Module):
         state-dict keys are this module's (``1.layers.17.0.weight``...), its
         training mode this module's.
         """
+        check_root(root, self._comm.size)
         if self._comm.size == 1:  # one deep copy of everything: parameters tied between pieces stay tied
             return copy.deepcopy(nn.Sequential(*(p._serial_view() if isinstance(p, LayerParallel) else p
                                                  for p in self))).train(self.training)
@@ -296,7 +297,8 @@ class MultiStage(nn.Module):
 
         Replicated pieces take their entries, each stage those of the layers it
         holds (:meth:`LayerParallel.load_serial`). Collective: a missing entry
-        on one rank raises on every rank.
+        on one rank raises on every rank. Returns, like ``load_state_dict``, the
+        ``missing_keys`` and ``unexpected_keys`` (with ``strict``, either raises).
         """
         if strict:
             known = {str(i) for i in range(len(self))}
@@ -304,14 +306,20 @@ class MultiStage(nn.Module):
             if extra:
                 raise KeyError(f"the state dict has {len(extra)} entries of no piece of this network "
                                f"({len(self)} pieces), e.g. {extra[:3]}")
+        missing, unexpected = [], []
+        known = {str(i) for i in range(len(self))}
+        unexpected += [k for k in state_dict if k.split(".", 1)[0] not in known]
         for i, p in enumerate(self):
             prefix = f"{i}."
             sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
             if isinstance(p, LayerParallel):
-                p.load_serial(sub, strict=strict)
+                keys = p.load_serial(sub, strict=strict)
             else:
                 with self._session("load_serial()"):
-                    p.load_state_dict(sub, strict=strict)
+                    keys = p.load_state_dict(sub, strict=strict)
+            missing += [prefix + k for k in keys.missing_keys]
+            unexpected += [prefix + k for k in keys.unexpected_keys]
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def gather_gradients(self, root: int | None = 0) -> dict | None:
         """Every parameter's ``.grad`` under the serial network's names, on rank ``root``.
@@ -323,13 +331,14 @@ class MultiStage(nn.Module):
         ``to_serial().named_parameters()`` order. Collective; None on the other
         ranks (``root=None``: on every rank).
         """
+        check_root(root, self._comm.size, none_ok=True)
         first = 0 if root is None else root
         mine: dict = {}
         for i, p in enumerate(self):
             if isinstance(p, LayerParallel) or self._comm.rank == first:
                 for n, q in p.named_parameters():
                     mine[f"{i}.{n}"] = None if q.grad is None else q.grad.detach().cpu().clone()
-        with self._session("gather_gradients()"):
+        with self._session("gather_gradients()", root, agree="roots"):
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
         if parts is None:
             return None

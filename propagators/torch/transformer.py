@@ -255,14 +255,13 @@ class ViT(nn.Module):
             return None
         return ViT(copy.deepcopy(self.open), blocks, copy.deepcopy(self.close)).train(self.training)
 
-    def load_serial(self, state_dict: dict, strict: bool = True) -> None:
+    def load_serial(self, state_dict: dict, strict: bool = True):
         """Load a serial ViT's state dict (``to_serial().state_dict()``, or a ``parallel=False``
         ViT's) on every rank: the embedding and head take their entries, the blocks the entries of
         the layers each rank holds (:meth:`LayerParallel.load_serial`; collective)."""
         lp = self.lp
         if lp is None:
-            self.load_state_dict(state_dict, strict=strict)
-            return
+            return self.load_state_dict(state_dict, strict=strict)
         prefix = "blocks."
         if any(k.startswith("blocks.lp.") for k in state_dict):
             raise KeyError("this is a layer-parallel ViT's own state dict (keys blocks.lp....): load it with "
@@ -270,14 +269,17 @@ class ViT(nn.Module):
                            "(vit.to_serial().state_dict() or make_vit(..., parallel=False).state_dict())")
         own = {k for k in self.state_dict() if not k.startswith(prefix)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
+        missing, extra = sorted(own - set(rest)), sorted(set(rest) - own)
         if strict:
-            missing, extra = sorted(own - set(rest)), sorted(set(rest) - own)
             if missing or extra:
                 raise KeyError(f"the state dict does not fit this ViT's embedding and head: missing {missing[:3]}, "
                                f"unexpected {extra[:3]} (a serial ViT's state dict is expected: vit.to_serial()"
                                ".state_dict() or make_vit(..., parallel=False).state_dict())")
         self.load_state_dict(rest, strict=False)
-        lp.load_serial({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}, strict=strict)
+        keys = lp.load_serial({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
+                              strict=strict)
+        return nn.modules.module._IncompatibleKeys(missing + [prefix + k for k in keys.missing_keys],
+                                                   extra + [prefix + k for k in keys.unexpected_keys])
 
     def forward(self, x):
         return self.close(self.blocks(self.open(x)))

@@ -168,6 +168,43 @@ def checkpoints():
     x = torch.randn(*shape)
     with torch.no_grad():
         check("load_serial reproduces the output", fresh(x), ref(x))
+    checkpoint_errors(fresh, state)
+
+
+def checkpoint_errors(lp, state):
+    """What a hostile review found: a checkpoint of another network (one more layer, a key no layer has)
+    loaded without an error, and to_serial with a root out of range or differing between the ranks
+    hung. Now every rank raises alike (the keys are compared with every rank's, the root in the
+    handshake), and strict=False returns the keys as load_state_dict does."""
+    n = lp.n_layers
+    extra = {**state, **{f"layers.{n}.{k.split('.', 2)[2]}": v for k, v in state.items()
+                         if k.startswith(f"layers.{n - 1}.")}}
+    last = f"layers.{n - 1}."  # a key of the last layer (owned by the last rank) that it lacks
+    odd = {**state, last + "bogus": torch.zeros(1)}
+    for name, sd in (("one more layer", extra), ("a key no layer has", odd)):
+        try:
+            lp.load_serial(sd)
+        except KeyError as exc:
+            if "lacks" not in str(exc) or f"({n} layers)" not in str(exc):
+                fail(f"load_serial of {name}: unclear error {exc}")
+        else:
+            fail(f"load_serial accepted a state dict with {name}")
+    keys = lp.load_serial(odd, strict=False)
+    if keys.unexpected_keys != [last + "bogus"] or keys.missing_keys:
+        fail(f"load_serial(strict=False) returned {keys}")
+    keys = lp.load_serial({"1." + k: v for k, v in state.items()}, strict=False)
+    if len(keys.missing_keys) != len(state) or len(keys.unexpected_keys) != len(state):
+        fail(f"load_serial(strict=False) of prefixed keys returned {len(keys.missing_keys)} missing, "
+             f"{len(keys.unexpected_keys)} unexpected, not {len(state)} each")
+    if size > 1:
+        for root in (-1, size, rank):  # out of range on every rank; a different root on each rank
+            try:
+                lp.to_serial(root=root)
+            except ValueError as exc:
+                if "root" not in str(exc):
+                    fail(f"to_serial(root={root}): unclear error {exc}")
+            else:
+                fail(f"to_serial(root={root}) on rank {rank} returned")
 
 
 def eval_exact():

@@ -22,7 +22,8 @@ CASE is the phase in which rank BAD_RANK fails:
   network was a silent mix of the ranks' lists);
 * ``tied``: the list ties the first and the last layer (every rank raises its own ValueError);
 * ``to_serial``: a layer that cannot be copied (it holds a lock) on that rank;
-* ``load_serial``: a state dict without the last layer's entries (only its owner lacks them).
+* ``load_serial``: a state dict without the last layer's entries (every rank compares the keys with all
+  ranks' and raises KeyError).
 * ``settings``: ``fwd_iters`` changed on that rank only; ``eval``: that rank alone in eval
   mode (its forward is the exact one-level solve); ``batch``: another batch size there;
   ``bwd_settings``: ``bwd_iters`` changed there between forward and backward. The solves
