@@ -130,11 +130,12 @@ class Result:
             fs = "-" if f is None else f"{f:.4f}"
             lines.append(f"{k:4d}  {rs:<12}  {fs}")
         lines.append("")
-        lines.append(f"{self.status.value}; {self.iterations} cycles")
+        lines.append(f"{self.status.value}; {self.iterations} cycle{'' if self.iterations == 1 else 's'}")
         calls = ", ".join(f"level {i}: {c}" for i, c in enumerate(self.counts))
         lines.append(f"propagator calls ({'rank %d' % self.rank if self.size > 1 else 'all'}): {calls}")
         if self.size > 1:
-            lines.append(f"rank {self.rank} of {self.size} holds points {self.index.start}..{self.index.stop - 1}")
+            held = f"points {self.index.start}..{self.index.stop - 1}" if len(self.index) else "no point"
+            lines.append(f"rank {self.rank} of {self.size} holds {held}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

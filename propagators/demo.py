@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,23 +70,27 @@ def _seed(text: str) -> int:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m propagators.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=_at_least(1), default=32, help="residual layers (time steps)")
-    p.add_argument("--width", type=_at_least(1), default=32, help="channels of the residual block")
-    p.add_argument("--T", type=_positive, default=2.0, help="final time of the ODE")
-    p.add_argument("--epochs", type=_at_least(1), default=15)
-    p.add_argument("--batch", type=_at_least(1), default=64)
-    p.add_argument("--lr", type=_positive, default=3e-3)
-    p.add_argument("--cf", type=_at_least(2), default=4, help="coarsening factor (>= 2)")
-    p.add_argument("--levels", type=_at_least(1), default=3, help="most time levels")
-    p.add_argument("--fwd-iters", type=_at_least(1), default=2)
-    p.add_argument("--bwd-iters", type=_at_least(1), default=1)
+    p.add_argument("--layers", type=_at_least(1), default=32, help="residual layers (time steps; default 32)")
+    p.add_argument("--width", type=_at_least(1), default=32, help="channels of the residual block (default 32)")
+    p.add_argument("--T", type=_positive, default=2.0, help="final time of the ODE (default 2.0)")
+    p.add_argument("--epochs", type=_at_least(1), default=None, help="training epochs (default 15; 2 with --quick)")
+    p.add_argument("--batch", type=_at_least(1), default=64, help="minibatch size (default 64)")
+    p.add_argument("--lr", type=_positive, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    p.add_argument("--cf", type=_at_least(2), default=4, help="coarsening factor (>= 2; default 4)")
+    p.add_argument("--levels", type=_at_least(1), default=3, help="most time levels (default 3)")
+    p.add_argument("--fwd-iters", type=_at_least(1), default=2, help="MGRIT cycles of the forward pass (default 2)")
+    p.add_argument("--bwd-iters", type=_at_least(1), default=1, help="MGRIT cycles of the adjoint (default 1)")
     p.add_argument("--seed", type=_seed, default=0,
-                   help=f"seed of the weights, the split and the batches (0 to {_MAX_SEED})")
-    p.add_argument("--ranks", type=_at_least(1), default=1, help="relaunch under the launcher with this many ranks")
+                   help=f"seed of the weights, the split and the batches (0 to {_MAX_SEED}; default 0)")
+    p.add_argument("--ranks", type=_at_least(1), default=1,
+                   help="relaunch under the launcher with this many ranks (default 1: this process)")
     p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
-                   help="engine of --ranks: mpiexec (mpi4py) or torchrun (torch.distributed, gloo)")
-    p.add_argument("--quick", action="store_true", help="2 epochs (smoke run)")
-    return p.parse_args(argv)
+                   help="engine of --ranks: mpiexec (mpi4py, the default) or torchrun (torch.distributed, gloo)")
+    p.add_argument("--quick", action="store_true", help="2 epochs unless --epochs says otherwise (smoke run)")
+    args = p.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 2 if args.quick else 15
+    return args
 
 
 def world():
@@ -159,10 +164,16 @@ def train(model, data, args, label, show, lp=None):
     return stats
 
 
+def _launcher(beside: Path, name: str, advice: str) -> str:
+    """The launcher beside this interpreter, else the one on PATH; SystemExit saying what to do without one."""
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise SystemExit(f"--ranks needs `{name}`, which is neither beside {sys.executable} nor on PATH: {advice}")
+    return found
+
+
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.quick:
-        args.epochs = 2
     if args.ranks > 1 and world()[2] == 1:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         argv = list(argv if argv is not None else sys.argv[1:])
@@ -170,13 +181,13 @@ def main(argv=None) -> int:
                 and not (i > 0 and argv[i - 1] in ("--ranks", "--launcher"))]
         if args.launcher == "torchrun":
             torchrun = Path(sys.executable).parent / "torchrun"
-            cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--standalone", "--nproc_per_node",
-                   str(args.ranks), "-m", "propagators.demo"] + rest
+            cmd = [_launcher(torchrun, "torchrun", "it comes with torch; or use --launcher mpiexec"),
+                   "--standalone", "--nproc_per_node", str(args.ranks), "-m", "propagators.demo"] + rest
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             return subprocess.call(cmd, env=env)
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
-               "-m", "mpi4py", "-m", "propagators.demo"] + rest
-        return subprocess.call(cmd)
+        cmd = [_launcher(mpiexec, "mpiexec", "install MPI, e.g. pip install mpich mpi4py, or use --launcher "
+                         "torchrun"), "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m", "propagators.demo"]
+        return subprocess.call(cmd + rest)
     comm, rank, size = world()
     torch.set_num_threads(1)
     show = rank == 0
@@ -188,7 +199,8 @@ def main(argv=None) -> int:
                                           else " (MPI)")
         print(f"digits: {len(X)} training / {len(Xt)} test images; {args.layers} residual layers of width "
               f"{args.width}, T = {args.T}; {size} layer-parallel rank(s){engine}")
-        print(f"MGRIT: cf {args.cf}, {len(lp.hierarchy)} levels, relax {lp.options['relax']}, "
+        levels = len(lp.hierarchy)
+        print(f"MGRIT: cf {args.cf}, {levels} level{'s' if levels > 1 else ''}, relax {lp.options['relax']}, "
               f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations per step")
     s_par = train(parallel, data, args, "layer-parallel", show, lp)
     s_ser = train(serial, data, args, "serial", show)

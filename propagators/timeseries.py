@@ -69,7 +69,8 @@ class TimeSeriesSet:
         Class indices into ``classes`` (int64) for classification sets, targets
         (float64) for regression sets (``@targetLabel true``), None without labels.
     classes : tuple of str
-        Class labels in the order of the header's ``@classLabel`` list.
+        Class labels in the order of their indices: ``load_ts``'s ``classes``, else the
+        header's ``@classLabel`` list, else the file's labels sorted.
     lengths : numpy.ndarray, shape (n_cases,)
         Length of every case before padding (its longest channel).
     name : str
@@ -131,8 +132,16 @@ def _parse_values(text: str, timestamps: bool, where: str) -> list:
     return out
 
 
+def _label_order(label: str) -> tuple:
+    """Sort key of class labels: numbers numerically ('2' before '10'), before any other label."""
+    try:
+        return 0, float(label), label
+    except ValueError:
+        return 1, 0.0, label
+
+
 def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int | None = None,
-            dtype=np.float64) -> TimeSeriesSet:
+            dtype=np.float64, classes=None) -> TimeSeriesSet:
     """Read a ``.ts`` file into a padded array (format and padding: module docstring).
 
     Parameters
@@ -148,6 +157,11 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         same length for the train and the test split); no series may be longer.
     dtype : numpy floating dtype
         Of ``X`` (float64 by default).
+    classes : sequence of str, optional
+        The class labels in the order of their indices, in place of the header's
+        ``@classLabel`` list. A file whose header lists no classes numbers the
+        labels it contains (sorted, numerically when all are numbers), which can
+        differ between a train and a test split: pass the same ``classes`` to both.
 
     Returns
     -------
@@ -167,6 +181,11 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     """
     if pad not in PADS:
         raise ValueError(f"`pad` must be one of {PADS}, got {pad!r}")
+    given = None
+    if classes is not None:
+        if isinstance(classes, str) or not all(isinstance(c, str) for c in classes):
+            raise TypeError(f"`classes` must be a sequence of label strings, got {classes!r}")
+        given = tuple(classes)
     if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
         raise ValueError(f"`length` must be a whole number of time points >= 1 (or None: the longest series), "
                          f"got {length!r}")
@@ -253,12 +272,18 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                 X[i, d, len(v):] = math.nan if pad == "nan" else fill
     y = None
     if labelled:
-        if not classes:
-            classes = tuple(sorted(set(labels)))
+        if given is not None:
+            classes = given
+        elif not classes:
+            classes = tuple(sorted(set(labels), key=_label_order))
+        if len(set(classes)) != len(classes):
+            raise ValueError(f"{path.name}: the classes {classes} list a label twice"
+                             + ("" if given is not None else " (in @classLabel)"))
         index = {c: k for k, c in enumerate(classes)}
         unknown = [lab for lab in labels if lab not in index]
         if unknown:
-            raise ValueError(f"{path.name}: label {unknown[0]!r} is not among the classes of @classLabel {classes}")
+            where = "`classes`" if given is not None else "@classLabel"
+            raise ValueError(f"{path.name}: label {unknown[0]!r} is not among the classes of {where} {classes}")
         y = np.array([index[lab] for lab in labels], dtype=np.int64)
     elif regression:
         try:

@@ -36,3 +36,22 @@ def test_bad_demo_arguments_are_usage_errors(args, match, capsys):
         parse(args)
     assert info.value.code == 2 and f"error: argument {match}" in capsys.readouterr().err
     assert parse([]).layers == 32 and parse(["--T", "1.5"]).T == 1.5
+    # --quick is 2 epochs unless --epochs says otherwise (it overrode an explicit --epochs 7 before)
+    assert (parse([]).epochs, parse(["--quick"]).epochs, parse(["--quick", "--epochs", "7"]).epochs) == (15, 2, 7)
+
+
+def test_a_missing_launcher_says_what_to_install(tmp_path, monkeypatch):
+    """`--ranks 2` without mpiexec (pip install mpi4py brings no MPI) was a FileNotFoundError traceback."""
+    from pathlib import Path
+
+    from propagators import demo
+
+    real = sys.executable
+    assert demo._launcher(Path(real), "python", "") == real
+    monkeypatch.setenv("PATH", str(tmp_path))  # no launcher on PATH, none beside this interpreter
+    monkeypatch.setattr(demo.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(demo, "world", lambda: (None, 0, 1))
+    with pytest.raises(SystemExit, match=r"--ranks needs `mpiexec`.*pip install mpich mpi4py"):
+        demo.main(["--ranks", "2"])
+    with pytest.raises(SystemExit, match=r"--ranks needs `torchrun`.*--launcher mpiexec"):
+        demo.main(["--ranks", "2", "--launcher", "torchrun"])

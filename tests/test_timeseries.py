@@ -139,6 +139,21 @@ def test_unlabelled_file_and_classes_from_the_data(tmp_path):
     ds = load_ts(write(tmp_path, "@classLabel true\n@data\n1,2:b\n3,4:a\n"))
     assert ds.classes == ("a", "b")
     np.testing.assert_array_equal(ds.y, [1, 0])
+    # numeric labels sort as numbers ('1', '10', '2' before); `classes` numbers two splits alike
+    ds = load_ts(write(tmp_path, "@classLabel true\n@data\n1:10\n2:2\n3:1\n"))
+    assert ds.classes == ("1", "2", "10")
+    np.testing.assert_array_equal(ds.y, [2, 1, 0])
+    test = write(tmp_path, "@classLabel true\n@data\n1:c\n2:a\n", "test.ts")
+    assert load_ts(test).classes == ("a", "c")  # numbered by this file's own labels
+    ds = load_ts(test, classes=["a", "b", "c"])
+    assert ds.classes == ("a", "b", "c")
+    np.testing.assert_array_equal(ds.y, [2, 0])
+    with pytest.raises(ValueError, match=r"label 'c' is not among the classes of `classes`"):
+        load_ts(test, classes=("a", "b"))
+    with pytest.raises(TypeError, match="sequence of label strings"):
+        load_ts(test, classes="abc")
+    with pytest.raises(ValueError, match=r"list a label twice \(in @classLabel\)"):
+        load_ts(write(tmp_path, "@classLabel true a b a\n@data\n1:a\n"))
 
 
 def test_missing_aeon_is_a_clear_error(monkeypatch):
