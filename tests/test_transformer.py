@@ -143,6 +143,10 @@ def test_bad_arguments_are_clear_errors():
         vit(torch.zeros(3, 64, dtype=other))
     with pytest.raises(TypeError, match=r"got ndarray; convert it, e.g. torch.as_tensor\(x\).float\(\)"):
         vit(np.zeros((3, 64), dtype=np.float32))
+    # a dynamically quantized ViT (its Linear's weight is a method) keeps running (the check read it)
+    quantized = torch.ao.quantization.quantize_dynamic(make_vit(2, 8, 2, seed=0, parallel=False).float().eval(),
+                                                       {nn.Linear}, dtype=torch.qint8)
+    assert quantized(torch.zeros(3, 64, dtype=torch.float32)).shape == (3, 10)
     with pytest.raises(TypeError, match="Switchable wraps"):
         Switchable(nn.Linear(2, 2))
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mgrit.comm import _uninitialised_hint, as_communicator
+from mgrit.comm import Call, _uninitialised_hint, as_communicator
 
 
 def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = None, buffers: bool = False) -> None:
@@ -47,9 +47,19 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     params = [p for p in module.parameters() if p.requires_grad]
     if comm.size == 1:
         return
+    # one session: its handshake makes a rank at another collective call (a SerialSwitch measuring on
+    # one data rank only) raise with the others instead of waiting, and a bad argument on one rank too
     if shard_size is not None and (isinstance(shard_size, bool) or not shard_size >= 0):
-        raise ValueError(f"`shard_size` must be a number of samples >= 0, got {shard_size!r}")
+        failure = ValueError(f"`shard_size` must be a number of samples >= 0, got {shard_size!r}")
+        comm.open(failure=failure)
+        raise failure
     floats = [b for b in module.buffers() if b.is_floating_point()] if buffers else []
+    with comm.session(Call("allreduce_gradients()", None, "")):
+        _average(comm, module, params, floats, shard_size)
+
+
+def _average(comm, module, params, floats, shard_size) -> None:
+    """allreduce_gradients' work, inside its session."""
     _check_alike(comm, params + floats, shard_size is not None, module, params)
     weight = 1.0 if shard_size is None else float(shard_size)
     meta = np.array([p.grad is not None for p in params] + [weight], dtype=np.float64)
@@ -113,9 +123,15 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
     if got[6] != -got[7]:
         off = 8 + 2 * len(sums)
         differ = [i for i in range(_NAMED_BLOCKS) if got[off + 2 * i] != -got[off + 2 * i + 1]]
-        which = (f"block `{blocks[differ[0]][0]}` ({type(module.get_submodule(blocks[differ[0]][0])).__name__}), "
-                 f"on this rank {blocks[differ[0]][1]}" if differ and differ[0] < len(blocks) else
-                 f"{len(blocks)} blocks on this rank")
+        which = f"{len(blocks)} blocks on this rank"
+        if differ:  # (every rank is here, alike: the same reduced numbers) the block's settings on every rank
+            i = differ[0]
+            every = comm.gather(dict(blocks[i][1]) if i < len(blocks) else {}, root=None)
+            fields = sorted({k for d in every for k in d if len({repr(e.get(k)) for e in every}) > 1})
+            if i < len(blocks):
+                which = (f"block `{blocks[i][0]}` ({type(module.get_submodule(blocks[i][0])).__name__}): "
+                         + "; ".join(f"{k} " + " / ".join(repr(d.get(k)) for d in every) for k in fields)
+                         + " on the data ranks in order")
         raise ValueError("allreduce_gradients: the data ranks' MGRIT blocks have different settings (n_layers, T, "
                          "scheme, the MGRIT hierarchy, fwd_iters / bwd_iters / tolerances, a Switchable's mode; "
                          f"the first that differs: {which}): build and configure them alike on every data rank "

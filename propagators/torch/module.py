@@ -1080,8 +1080,10 @@ class LayerParallel(nn.Module):
         """What the data replicas of this block must share (compared by allreduce_gradients): the network
         whose gradients it averages and its solves' cycles and tolerances (SerialSwitch, given the data
         communicator, changes them alike on every replica)."""
-        return self._network() + (self.spatial is None, self.fwd_iters, self.bwd_iters, self.fwd_tol,
-                                  self.bwd_tol, self.tol_type)
+        net = dict(zip(("n_layers", "T", "options", "scheme", "layer_index"), self._network()))
+        return tuple(net.items()) + (("spatial", self.spatial is not None), ("fwd_iters", self.fwd_iters),
+                                     ("bwd_iters", self.bwd_iters), ("fwd_tol", self.fwd_tol),
+                                     ("bwd_tol", self.bwd_tol), ("tol_type", self.tol_type))
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares

@@ -366,8 +366,9 @@ class _ParallelRNN(nn.Module):
         """What the data replicas of this module must share (compared by allreduce_gradients): the network
         and its solves' cycles and tolerances (replicas that solve differently average gradients of different
         approximations)."""
-        return (repr(self.options), self.cycle, self.coarse, self.dropout, self.return_sequence,
-                self.fwd_iters, self.bwd_iters, self.fwd_tol, self.bwd_tol, self.tol_type)
+        return tuple((name, getattr(self, name)) for name in (
+            "cycle", "coarse", "dropout", "return_sequence", "fwd_iters", "bwd_iters", "fwd_tol", "bwd_tol",
+            "tol_type")) + (("options", repr(self.options)),)
 
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks

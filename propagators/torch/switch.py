@@ -121,7 +121,7 @@ class Switchable(nn.Module):
 
     def _replica_settings(self) -> tuple:
         """What the data replicas must share (compared by allreduce_gradients): the mode."""
-        return (self._mode,)
+        return (("mode", self._mode),)
 
     def extra_repr(self) -> str:
         return f"mode={self._mode!r}"
@@ -272,7 +272,9 @@ class SerialSwitch:
         that froze different parameters, or the world or layer communicator given as ``data_comm``),
         and a failure inside makes the other data ranks raise :class:`mgrit.RemoteRankError`.
         Default: the ``data_comm`` the Switchable blocks' LayerParallel modules were given; pass it
-        when they were given none.
+        when they were given none. ``False``: measure this rank's batch alone, not collective (a
+        monitor built on one data rank only; replicas whose switches then change the cycles
+        differently are refused by :func:`allreduce_gradients`).
 
     Attributes
     ----------
@@ -329,7 +331,9 @@ class SerialSwitch:
         if len(comms) > 1:
             raise ValueError("the Switchable blocks of one model must share one layer communicator")
         self._comm = next(iter(comms.values()))
-        if data_comm is None:
+        if data_comm is False:
+            data_comm = None
+        elif data_comm is None:
             given = {id(s.lp._data_comm): s.lp._data_comm for s in self.switchables if s.lp._data_comm is not None}
             if len(given) > 1:
                 raise ValueError("the Switchable blocks of one model were given different data communicators: "
@@ -386,7 +390,8 @@ class SerialSwitch:
             k = min(-(-self.groups // data.size), n)
             params = self._params()
             layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
-            sig = Call("SerialSwitch.measure", args_signature(len(params), layout, self._comm.rank, self._comm.size),
+            sig = Call("SerialSwitch.measure (collective over the data ranks: build the switch on every data rank, "
+                       "or give it data_comm=False to measure one rank's batch alone)", args_signature(len(params), layout, self._comm.rank, self._comm.size),
                        "model parameters (number, shapes and dtypes of those that require grad) or layer ranks: "
                        "every data rank must hold the same model, and `data_comm` must be the data communicator "
                        "of the layer x data grid (its ranks hold the same layers), not the world or the layer one")

@@ -189,7 +189,7 @@ class PatchEmbedding(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the patch embedding expects a floating-point image tensor, got {type(x).__name__}; "
                             "convert it, e.g. torch.as_tensor(x).float()")
-        w = self.proj.weight
+        w = self.pos  # (the model's dtype: a quantized projection's weight is a method)
         if not x.is_floating_point() or x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"the patch embedding expects a floating-point image tensor of the model's dtype "
                             f"({w.dtype}), got dtype {x.dtype}; convert it, e.g. x.to({w.dtype}) (8-bit pixels "

@@ -200,12 +200,52 @@ def replicas_with_different_cycles_raise():
         try:
             allreduce_gradients(model, world)
         except ValueError as exc:
-            named = {"cycles": "block `1.lp` (LayerParallel)", "mode": "block `1` (Switchable)"}.get(case)
-            if case == "alike" or "fwd_iters" not in str(exc) or f"the first that differs: {named}" not in str(exc):
+            named = {"cycles": "block `1.lp` (LayerParallel): fwd_iters 4 / 1 on the data ranks in order",
+                     "mode": "block `1` (Switchable): mode 'serial' / 'parallel' on the data ranks"}.get(case)
+            if case == "alike" or f"the first that differs: {named}" not in str(exc):
                 fail(f"allreduce_gradients, replicas with {case}: {exc}")
         else:
             if case != "alike":
                 fail(f"allreduce_gradients accepted data replicas with different {case}")
+
+
+def switch_on_one_data_rank_and_bad_shard_size():
+    """A SerialSwitch built on one data rank only (as a monitor) waited for ever in its measurement while
+    the other data rank was in allreduce_gradients: now both raise, naming the two calls, and with
+    data_comm=False it measures that rank's batch alone. A bad shard_size on one rank: ValueError there,
+    RemoteRankError on the other (both waited before)."""
+    import mgrit
+    from mpi4py import MPI
+
+    from propagators.torch import LayerParallel, SerialSwitch, Switchable, allreduce_gradients
+
+    for local in (False, True):
+        torch.manual_seed(0)
+        lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], T=2.0, cf=2,
+                           comm=MPI.COMM_SELF, data_comm=world)
+        model = nn.Sequential(nn.Linear(3, 4), Switchable(lp), nn.Linear(4, 3))
+        x, y = torch.randn(8, 3), torch.randint(0, 3, (8,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            if rank == 0:
+                SerialSwitch(model, nn.functional.cross_entropy, **({"data_comm": False} if local else {})).update(x, y)
+            allreduce_gradients(model, world)
+        except ValueError as exc:
+            if local or "collective calls differ" not in str(exc) or "SerialSwitch.measure" not in str(exc):
+                fail(f"a switch on one data rank (data_comm={'False' if local else 'inferred'}): {exc}")
+        else:
+            if not local:
+                fail("a switch on one data rank measured while the other data rank was in allreduce_gradients")
+    try:
+        allreduce_gradients(model, world, shard_size=-1 if rank == 1 else 4)
+    except mgrit.RemoteRankError:
+        if rank != 0:
+            fail("the rank with the bad shard_size got a RemoteRankError")
+    except ValueError as exc:
+        if rank != 1 or "shard_size" not in str(exc):
+            fail(f"allreduce_gradients, bad shard_size on rank 1: rank {rank} raised {exc}")
+    else:
+        fail("allreduce_gradients accepted shard_size=-1")
 
 
 blocks_equal_serial()
@@ -213,5 +253,6 @@ vit_equals_serial()
 replicas_with_different_cycles_raise()
 serial_mode_and_measure()
 measure_keeps_the_warm_start()
+switch_on_one_data_rank_and_bad_shard_size()
 world.Barrier()
 print(f"rank {rank} OK", flush=True)
