@@ -59,7 +59,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from _cli import positive_int  # noqa: E402
+from _cli import end_worker, positive_int  # noqa: E402
 
 SMALL, LARGE = 16, 1 << 18
 
@@ -242,6 +242,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
         worker(args)
+        if args.worker == "gloo":
+            end_worker(0)
         return 0
     engines = ["mpi", "gloo"]
     try:

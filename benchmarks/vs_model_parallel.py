@@ -96,7 +96,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from _cli import nonnegative_int, positive_int, positive_ints  # noqa: E402
+from _cli import end_worker, nonnegative_int, positive_int, positive_ints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -748,7 +748,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse(argv)
     if a.worker:
-        return worker(a)
+        end_worker(worker(a))
     ranks = [int(r) for r in a.ranks.split(",")]
     if len(set(ranks)) != len(ranks) or min(ranks) < 1:
         raise SystemExit(f"--ranks takes distinct rank counts of at least 1, e.g. 1,2; got {a.ranks}")
