@@ -97,6 +97,12 @@ def _average(comm, module, params, floats, shard_size) -> None:
                 off += b.numel()
 
 
+def param_layout(params) -> int:
+    """A checksum of the parameters' number, shapes and dtypes, in order: what data replicas exchanging
+    them as flat buffers matched by position must share."""
+    return zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+
+
 def _check_alike(comm, params, weighted: bool, module, values) -> None:
     """Raise on every data rank alike (one reduction) unless all pass the same parameters (and buffers
     to average; number, shapes, dtypes) and all or none a ``shard_size``: they travel as flat buffers
@@ -104,7 +110,7 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
     values of the parameters ``values`` (not the buffers: running statistics differ until averaged):
     replicas built after seeding the ranks differently (or with another T) averaged the gradients of
     different networks, silently. So must the blocks' cycles and tolerances (and a Switchable's mode).)"""
-    layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    layout = param_layout(params)
     blocks = [(name, m._replica_settings()) for name, m in module.named_modules() if hasattr(m, "_replica_settings")]
     sums = _value_sums(values)
     # each of the first blocks' settings apart too (padded to a fixed count), so that the error names one

@@ -300,15 +300,11 @@ class MultiStage(nn.Module):
         on one rank raises on every rank. Returns, like ``load_state_dict``, the
         ``missing_keys`` and ``unexpected_keys`` (with ``strict``, either raises).
         """
-        if strict:
-            known = {str(i) for i in range(len(self))}
-            extra = [k for k in state_dict if k.split(".", 1)[0] not in known]
-            if extra:
-                raise KeyError(f"the state dict has {len(extra)} entries of no piece of this network "
-                               f"({len(self)} pieces), e.g. {extra[:3]}")
-        missing, unexpected = [], []
         known = {str(i) for i in range(len(self))}
-        unexpected += [k for k in state_dict if k.split(".", 1)[0] not in known]
+        missing, unexpected = [], [k for k in state_dict if k.split(".", 1)[0] not in known]
+        if strict and unexpected:
+            raise KeyError(f"the state dict has {len(unexpected)} entries of no piece of this network "
+                           f"({len(self)} pieces), e.g. {unexpected[:3]}")
         for i, p in enumerate(self):
             prefix = f"{i}."
             sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}

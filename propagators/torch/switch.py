@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator
 
+from .data_parallel import param_layout
 from .module import LayerParallel
 from .rnn import _ParallelRNN
 
@@ -389,9 +389,9 @@ class SerialSwitch:
                 raise ValueError("SerialSwitch.measure got an empty shard: give every data rank at least one sample")
             k = min(-(-self.groups // data.size), n)
             params = self._params()
-            layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
             sig = Call("SerialSwitch.measure (collective over the data ranks: build the switch on every data rank, "
-                       "or give it data_comm=False to measure one rank's batch alone)", args_signature(len(params), layout, self._comm.rank, self._comm.size),
+                       "or give it data_comm=False to measure one rank's batch alone)",
+                       args_signature(len(params), param_layout(params), self._comm.rank, self._comm.size),
                        "model parameters (number, shapes and dtypes of those that require grad) or layer ranks: "
                        "every data rank must hold the same model, and `data_comm` must be the data communicator "
                        "of the layer x data grid (its ranks hold the same layers), not the world or the layer one")
@@ -454,9 +454,9 @@ class SerialSwitch:
                 torch.cuda.set_rng_state_all(cuda_rng)
         g = full if batch_stats else [sum(m * part[q] for m, part in zip(sizes, parts)) / n
                                       for q in range(len(params))]
-        g_all, lp_all, (n_all, k_all) = g, g_lp, (n, k) if totals is None else totals
-        if totals is not None:  # the whole batch: all data ranks' shards
-            g_all, lp_all = self._combine(params, g, g_lp, n, n_all)
+        n_all, k_all = (n, k) if totals is None else totals
+        # the whole batch: all data ranks' shards
+        g_all, lp_all = (g, g_lp) if totals is None else self._combine(params, g, g_lp, n, n_all)
         norm = self._norm(params, g_all)
         err = self._norm(params, [a - b for a, b in zip(lp_all, g_all)])
         # per-sample variance from the group means, then the variance of the batch mean

@@ -189,11 +189,11 @@ class PatchEmbedding(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the patch embedding expects a floating-point image tensor, got {type(x).__name__}; "
                             "convert it, e.g. torch.as_tensor(x).float()")
-        w = self.pos  # (the model's dtype: a quantized projection's weight is a method)
-        if not x.is_floating_point() or x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+        dtype = self.pos.dtype  # the model's (a quantized projection's weight is a method)
+        if not x.is_floating_point() or x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"the patch embedding expects a floating-point image tensor of the model's dtype "
-                            f"({w.dtype}), got dtype {x.dtype}; convert it, e.g. x.to({w.dtype}) (8-bit pixels "
-                            f"scaled to [0, 1]: x.to({w.dtype}) / 255), or the model, e.g. model.to(x.dtype)")
+                            f"({dtype}), got dtype {x.dtype}; convert it, e.g. x.to({dtype}) (8-bit pixels "
+                            f"scaled to [0, 1]: x.to({dtype}) / 255), or the model, e.g. model.to(x.dtype)")
         B, s, p, c = x.shape[0], self.side, self.patch, self.channels
         if x.shape[1:].numel() != c * s * s:
             raise ValueError(f"the patch embedding expects images of {c} channel(s) x {s} x {s} = {c * s * s} values "

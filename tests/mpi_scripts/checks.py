@@ -18,6 +18,24 @@ def fail(msg):
     sys.exit(1)
 
 
+def one_rank_fails(what, run, failing: bool, error, text: str, remote_from: int | None = None) -> None:
+    """``run()`` (collective) raises ``error`` naming ``text`` on the ranks where ``failing``, and
+    RemoteRankError on the others, which would otherwise wait for ever (with ``remote_from``: naming
+    that rank and carrying ``text``); anything else fails."""
+    import mgrit
+
+    try:
+        run()
+    except mgrit.RemoteRankError as exc:  # (a RuntimeError too: caught first)
+        if failing or remote_from is not None and (exc.rank != remote_from or text not in str(exc)):
+            fail(f"{what}: unexpected RemoteRankError on rank {rank}: {exc}")
+    except error as exc:
+        if not failing or text not in str(exc):
+            fail(f"{what}: rank {rank} raised {exc!r}")
+    else:
+        fail(f"{what}: rank {rank} returned although a rank failed")
+
+
 def check(name, a, b, tol=REL):
     err = rel(a, b)
     if not err < tol:

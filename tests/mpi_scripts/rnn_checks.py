@@ -3,8 +3,7 @@ settings, an absolute comparison, the same random input on every rank, and the c
 on the last rank reaches every rank."""
 import torch
 
-import mgrit
-from checks import fail, rank, size
+from checks import fail, one_rank_fails, rank, size
 
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
 TOL = 1e-10
@@ -27,17 +26,7 @@ def check(name, a, b, tol=TOL):
 def raised_on_every_rank(call, error, text: str, what: str) -> None:
     """``call()`` fails on the last rank with ``error`` (mentioning ``text``) and on every other rank
     with RemoteRankError naming the last rank and carrying ``text``."""
-    bad = rank == size - 1
-    try:
-        call()
-    except mgrit.RemoteRankError as exc:
-        if bad or exc.rank != size - 1 or text not in str(exc):
-            fail(f"{what}: unexpected RemoteRankError: {exc}")
-    except error as exc:
-        if not bad or text not in str(exc):
-            fail(f"{what}: unexpected {type(exc).__name__}: {exc}")
-    else:
-        fail(f"{what}: no rank raised")
+    one_rank_fails(what, call, rank == size - 1, error, text, remote_from=size - 1)
 
 
 def value_error_everywhere(call, text: str, what: str) -> None:

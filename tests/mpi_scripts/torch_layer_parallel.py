@@ -150,6 +150,7 @@ def grid_serial_switch(layer_comm, data_comm):
     """SerialSwitch over a layer x data grid measures the whole batch (all data shards): its record equals
     one process's on the whole batch (same groups), bit for bit the same on every data replica, so the
     replicas take the same decisions (each measured its own shard, and could switch alone, before)."""
+    from checks import one_rank_fails
     from propagators.torch import SerialSwitch, Switchable
 
     torch.manual_seed(8)
@@ -208,16 +209,9 @@ def grid_serial_switch(layer_comm, data_comm):
             raise RuntimeError("this data rank's loss failed")
         return loss(out, target)
 
-    try:
-        SerialSwitch(model, bad_loss, groups=4).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4])
-    except mgrit.RemoteRankError:  # (a RuntimeError too)
-        if d != 0:
-            fail("grid SerialSwitch: the failing data rank got a RemoteRankError")
-    except RuntimeError as exc:
-        if d != 1 or "loss failed" not in str(exc):
-            fail(f"grid SerialSwitch: data rank {d} raised {exc!r}")
-    else:
-        fail(f"grid SerialSwitch: data rank {d} measured although data rank 1 failed")
+    one_rank_fails("grid SerialSwitch, a loss failing on data rank 1",
+                   lambda: SerialSwitch(model, bad_loss, groups=4).measure(X[4 * d: 4 * d + 4], Y[4 * d: 4 * d + 4]),
+                   d == 1, RuntimeError, "loss failed")
 
 
 def grid_batch_norm_buffers(layer_comm, data_comm):

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from checks import REL, check, fail, rank, world
+from checks import REL, check, fail, one_rank_fails, rank, world
 from propagators.torch import LayerParallel
 from propagators.torch.switch import SerialSwitch
 from propagators.torch.transformer import make_vit, transformer_layers
@@ -214,7 +214,6 @@ def switch_on_one_data_rank_and_bad_shard_size():
     the other data rank was in allreduce_gradients: now both raise, naming the two calls, and with
     data_comm=False it measures that rank's batch alone. A bad shard_size on one rank: ValueError there,
     RemoteRankError on the other (both waited before)."""
-    import mgrit
     from mpi4py import MPI
 
     from propagators.torch import LayerParallel, SerialSwitch, Switchable, allreduce_gradients
@@ -236,16 +235,9 @@ def switch_on_one_data_rank_and_bad_shard_size():
         else:
             if not local:
                 fail("a switch on one data rank measured while the other data rank was in allreduce_gradients")
-    try:
-        allreduce_gradients(model, world, shard_size=-1 if rank == 1 else 4)
-    except mgrit.RemoteRankError:
-        if rank != 0:
-            fail("the rank with the bad shard_size got a RemoteRankError")
-    except ValueError as exc:
-        if rank != 1 or "shard_size" not in str(exc):
-            fail(f"allreduce_gradients, bad shard_size on rank 1: rank {rank} raised {exc}")
-    else:
-        fail("allreduce_gradients accepted shard_size=-1")
+    one_rank_fails("allreduce_gradients, a bad shard_size on rank 1",
+                   lambda: allreduce_gradients(model, world, shard_size=-1 if rank == 1 else 4),
+                   rank == 1, ValueError, "shard_size")
 
 
 blocks_equal_serial()
