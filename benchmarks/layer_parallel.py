@@ -25,6 +25,7 @@ Run::
     .venv/bin/python benchmarks/layer_parallel.py --sweep 64 128 256 512 1024   # 1 -> 2 ranks only
     .venv/bin/python benchmarks/layer_parallel.py --layers 64 --batch-sweep 1 16 64 256   # one process
     .venv/bin/python benchmarks/layer_parallel.py --launches 5   # more mpiexec launches (default 3)
+    .venv/bin/python benchmarks/layer_parallel.py --breakdown --sweep 64 256 1024   # 2 ranks: waiting, own work
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def parse(argv=None):
     p.add_argument("--batch-sweep", type=positive_int, nargs="+", metavar="B",
                    help="only one process, for each of these batch sizes: how much of a pass grows with the "
                         "batch (the arithmetic a second rank would halve) and how much does not")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only where the two-rank pass goes, per rank: waiting for the other rank (the "
+                        "communicator's `waited`) and its own work, beside one process on the whole net and "
+                        "on half of it (what a perfect split would leave each rank); with --sweep, per depth")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.batch_sweep and min(a.batch_sweep) < 1:
@@ -173,6 +178,61 @@ def child(a):
                                       "modes": lp2.kernel.describe()}))
 
 
+def breakdown_child(a):
+    """Under ``mpiexec -n 2``, interleaved: the two-rank pass (each rank's own time and the time it spent
+    waiting for the other, from ``lp.comm.waited``), and on every rank at once one process on the whole
+    net and on its first ``N // 2`` layers. Rank 0 prints ``RESULT`` with every rank's medians."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1))
+    lp2, whole = build_lp(a, comm=comm), build_lp(a)
+    half = build_lp(argparse.Namespace(**{**vars(a), "layers": a.layers // 2}))
+    runs = [fwd_bwd(lp2, x), fwd_bwd(whole, x), fwd_bwd(half, x)]
+    for fn in runs:
+        fn()
+    times, waits = [[] for _ in runs], []
+    for _ in range(a.repeat):
+        for k, fn in enumerate(runs):
+            comm.Barrier()
+            w0, t0 = lp2.comm.waited, time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+            if k == 0:
+                waits.append(lp2.comm.waited - w0)
+    mine = {"pass": statistics.median(times[0]), "waited": statistics.median(waits),
+            "busy": statistics.median([t - w for t, w in zip(times[0], waits)]),
+            "whole": statistics.median(times[1]), "half": statistics.median(times[2])}
+    every = comm.gather(mine, root=0)
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps({"ranks": every}))
+
+
+def breakdown(a):
+    """Where the two-rank pass goes, per rank, beside one process on the whole net and on half of it."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        raise SystemExit(f"--breakdown runs under mpiexec, which is not in {mpiexec.parent} (pip install mpich)")
+    print(f"where a two-rank pass goes: width {a.width}, batch {a.batch}, cf {a.cf}, up to {a.levels} levels, "
+          f"{a.fwd_iters}/{a.bwd_iters} cycles, float32, 1 thread per rank; medians of {a.repeat} interleaved "
+          f"repetitions, {a.launches} mpiexec launches each (one line per launch and rank)")
+    print("waiting: the rank's time in its communicator's waits for the other rank (lp.comm.waited); own work: "
+          "the pass minus that; half net: one process on the first N/2 layers, what a perfect split would "
+          "leave each rank; extra work: own work minus the half net")
+    print(f"{'layers':>7}{'rank':>5}{'whole ms':>10}{'half net ms':>13}{'2 ranks ms':>12}{'waiting ms':>12}"
+          f"{'own work ms':>13}{'extra work ms':>15}")
+    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child", "--breakdown"]
+    for n in a.sweep or [a.layers]:
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in {**vars(a), "layers": n}.items()
+                if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches", "breakdown")]
+        for run in mpi_results(cmd + args, a.launches):
+            for r, d in enumerate(run["ranks"]):
+                print(f"{n:>7}{r:>5}{1e3 * d['whole']:>10.2f}{1e3 * d['half']:>13.2f}{1e3 * d['pass']:>12.2f}"
+                      f"{1e3 * d['waited']:>12.2f}{1e3 * d['busy']:>13.2f}{1e3 * (d['busy'] - d['half']):>15.2f}")
+    return 0
+
+
 OPERATIONS = ["solve", "f_relax", "c_relax", "c_residual", "restrict", "correct", "sequential_solve",
               "_exchange_halo", "_parameter_gradients", "bind", "_check_layers", "_probe"]
 
@@ -199,7 +259,9 @@ def profile(a, lp, x, passes=5):
 def main(argv=None):
     a = parse(argv)
     if a.child:
-        return child(a)
+        return breakdown_child(a) if a.breakdown else child(a)
+    if a.breakdown:
+        return breakdown(a)
     if a.sweep:
         return sweep(a)
     if a.batch_sweep:
@@ -266,7 +328,7 @@ def run_ranks(a) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-        if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches")]
+        if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches", "breakdown")]
     median, runs = median_launch(mpi_results(cmd, a.launches))
     best = dict(median)
     best["ratios"] = [r["lp1"] / r["lp2"] for r in runs]

@@ -498,6 +498,12 @@ class Communicator(ABC):
 
     rank: int = 0
     size: int = 1
+    #: Seconds this rank has spent in this communicator's waits for other ranks since it was made:
+    #: for a message that has not arrived, a send not yet taken, a handshake or reduction whose
+    #: slower ranks have not reached it (views of it, such as a solve's inside a session, add to
+    #: it too). Always 0.0 on one process. A diagnostic: read it before and after a pass, on
+    #: every rank, and the pass's time minus the difference is the rank's own work.
+    waited: float = 0.0
 
     # -- sessions -------------------------------------------------------------
     def open(self, failure: BaseException | None = None, signature=None, share=None) -> list | None:
@@ -733,6 +739,11 @@ class InSession(Communicator):
 
     def __init__(self, comm: Communicator):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    @property
+    def waited(self) -> float:
+        """The viewed communicator's :attr:`Communicator.waited` (its waits are this view's)."""
+        return self.comm.waited
 
     def open(self, failure=None, signature=None, share=None):
         if self.size > 1 and self.comm._depth() == 0:
@@ -1445,7 +1456,7 @@ class MPIComm(_SessionComm):
         """Wait for ``req`` while polling for failures. ``recv = (channel, source)``
         for a receive: it is counted when it completes; when the wait is
         interrupted it is cancelled, and counted if it had matched already."""
-        backoff, since = _Backoff(), [None]
+        backoff, since, start = _Backoff(), [None], time.perf_counter()
         try:
             while not req.Test():
                 self._poll()
@@ -1453,6 +1464,7 @@ class MPIComm(_SessionComm):
                     self._awaited_exited(recv[1], since)
                 backoff.pause()
         except BaseException:
+            self.waited += time.perf_counter() - start
             if recv is not None and req == self._MPI.REQUEST_NULL:  # Test completed it, with an error
                 recv[0].recvd[recv[1]] += 1  # (e.g. a message longer than the buffer: it matched)
             elif recv is not None:
@@ -1462,6 +1474,7 @@ class MPIComm(_SessionComm):
                 if not st.Is_cancelled():
                     recv[0].recvd[recv[1]] += 1
             raise
+        self.waited += time.perf_counter() - start
         if recv is not None:
             recv[0].recvd[recv[1]] += 1
 
@@ -1492,12 +1505,15 @@ class MPIComm(_SessionComm):
 
     def _recv_obj(self, ch: _Channel, source: int, tag: int):
         ch.finished = False
-        backoff, since = _Backoff(), [None]
-        while not ch.comm.Iprobe(source=source, tag=tag):
-            self._poll()
-            if self._exited:
-                self._awaited_exited(source, since)
-            backoff.pause()
+        backoff, since, start = _Backoff(), [None], time.perf_counter()
+        try:
+            while not ch.comm.Iprobe(source=source, tag=tag):
+                self._poll()
+                if self._exited:
+                    self._awaited_exited(source, since)
+                backoff.pause()
+        finally:
+            self.waited += time.perf_counter() - start
         obj = ch.comm.recv(source=source, tag=tag)
         ch.recvd[source] += 1
         return obj

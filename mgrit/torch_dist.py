@@ -583,6 +583,13 @@ class TorchDistComm(_SessionComm):
         """
         if req.done:
             return
+        start = time.perf_counter()
+        try:
+            self._wait_for(req, deadline)
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def _wait_for(self, req: _Req, deadline: float | None) -> None:
         work = req.work
         if req.device:  # NCCL handles can be polled
             backoff = _Backoff()

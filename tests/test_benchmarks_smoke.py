@@ -144,6 +144,12 @@ def test_layer_parallel_quick_run_and_rank_sweep():
         assert [int(r[0]) for r in rows] == [16, 32] and all(r[4].endswith("x") for r in rows)
         # the reported ratio is one of the launches' (the median launch)
         assert all(f"{float(r[4][:-1]):.2f}" in r[5:] for r in rows)
+        # the breakdown: per launch and rank, the rank's waiting and its own work, each within its pass
+        bd = run_benchmark("layer_parallel.py", "--breakdown", "--sweep", "16", "--levels", "3", "--repeat", "2",
+                           "--width", "4", "--batch", "2", "--launches", "1")
+        rows = [[float(v) for v in r] for r in map(str.split, bd.splitlines()) if len(r) == 8 and r[0].isdigit()]
+        assert [(r[0], r[1]) for r in rows] == [(16, 0), (16, 1)], bd
+        assert all(0 <= r[5] <= r[4] + 0.01 and 0 < r[6] <= r[4] + 0.01 for r in rows), bd
 
 
 def test_families_quick_run_two_ranks_give_one_process_gradients():

@@ -241,6 +241,18 @@ def test_serial_sessions_are_no_ops_that_let_exceptions_through():
     with c.session():  # still usable, and sessions nest
         with c.session():
             pass
+    assert c.waited == 0.0  # one process never waits for another
+
+
+def test_one_process_layer_parallel_reports_no_waiting():
+    """``lp.comm.waited`` reads 0.0 after a one-process pass (the MPI and gloo counters are checked
+    by tests/mpi_scripts/comm_session.py and tests/dist_scripts/equal_serial.py)."""
+    torch = pytest.importorskip("torch")
+    from propagators.torch import LayerParallel
+
+    lp = LayerParallel([torch.nn.Linear(3, 3) for _ in range(8)], T=1.0, cf=2)
+    lp(torch.ones(2, 3)).sum().backward()
+    assert lp.comm.waited == 0.0
 
 
 def test_serial_communicator_interface_additions():

@@ -35,7 +35,7 @@ Afterwards: sessions still work (ring exchange, reductions equal on every
 rank), a session's ``share`` reaches every rank in rank order, a solve on
 :class:`ReversedInSession` (inside a session, ranks in reverse) equals the serial
 one bit for bit and a failure in it names the failed rank as the session's
-communicator does, ``exact_many`` equals the single reductions bit for bit, and
+communicator does, ``waited`` counts the time a rank waits for a message, ``exact_many`` equals the single reductions bit for bit, and
 a solve equals the serial one bit for bit, and sessions whose signatures differ in odd
 ways (an unhashable ``what``, numpy arrays, an argument that cannot be printed) raise
 ValueError on every rank: ``rank r: sessions OK``. With
@@ -274,6 +274,28 @@ def check_odd_signatures(c, bad_lines: list) -> None:
                 bad_lines.append(f"{name}: {exc}")
 
 
+def check_waited(c, bad_lines: list, nap: float = 0.3) -> None:
+    """``waited`` counts a rank's waits for the others: the ranks that receive from a rank that
+    naps ``nap`` seconds first wait at least most of that (they entered their receive before it
+    woke); it never decreases; a view of ``c`` (a solve's inside a session) reads ``c``'s."""
+    r, P = c.rank, c.size
+    view = InSession(c)
+    with c.session():
+        before = c.waited
+        c.allreduce(1.0)  # everyone is here: the nap starts after the others posted their receives
+        if r == 0:
+            time.sleep(nap)
+            for q in range(1, P):
+                c.send(np.ones(2), q, Tag.HALO)
+        else:
+            c.recv(np.zeros(2), 0, Tag.HALO)
+        grew = c.waited - before
+        if view.waited != c.waited or ReversedInSession(c).waited != c.waited:
+            bad_lines.append(f"a view's waited {view.waited} != the communicator's {c.waited}")
+    if grew < 0 or (r > 0 and grew < 0.5 * nap):
+        bad_lines.append(f"waited grew by {grew:.3f} s on rank {r} (rank 0 napped {nap} s before sending)")
+
+
 def check_clean(c, bad_lines: list) -> None:
     """Sessions, reductions and a solve work after the failures."""
     r, P = c.rank, c.size
@@ -389,6 +411,7 @@ def main() -> int:
     bad_lines: list = []
     check_odd_signatures(c, bad_lines)
     check_clean(c, bad_lines)
+    check_waited(c, bad_lines)
     for line in bad_lines:
         print(f"rank {r}: MISMATCH {line}", flush=True)
     if not bad_lines:
