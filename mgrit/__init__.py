@@ -3,7 +3,7 @@
 The solver runs against the abstract :class:`Propagator` interface: implement
 ``step(u, t0, t1)`` and call :func:`solve`. See the README for a tour.
 """
-from .comm import Communicator, MPIComm, RemoteRankError, SerialComm, Tag, split_comm
+from .comm import Communicator, MPIComm, RemoteRankError, SerialComm, Tag, as_communicator, split_comm
 from .cycle import DivergenceError
 from .hierarchy import Hierarchy, Level, build_hierarchy
 from .propagator import Propagator
@@ -37,6 +37,7 @@ __all__ = [
     "MPIComm",
     "RemoteRankError",
     "split_comm",
+    "as_communicator",
     "Tag",
     "choose_settings",
     "Settings",

@@ -242,6 +242,7 @@ def test_serial_sessions_are_no_ops_that_let_exceptions_through():
         with c.session():
             pass
     assert c.waited == 0.0  # one process never waits for another
+    assert isinstance(mgrit.as_communicator(None), SerialComm) and mgrit.as_communicator(c) is c
 
 
 def test_one_process_layer_parallel_reports_no_waiting():
