@@ -227,6 +227,9 @@ def test_double_backward_is_a_clear_error():
     assert g.shape == x.shape
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(loss_fn(lp(x)), x, create_graph=True)
+    # jvp differentiates a backward pass: the message names it (it named create_graph only)
+    with pytest.raises(RuntimeError, match=r"double backward .*torch\.autograd\.functional\.jvp"):
+        torch.autograd.functional.jvp(lambda a: lp(a), x.detach(), torch.ones_like(x))
 
 
 def test_in_place_change_between_forward_and_backward_is_an_error():
@@ -1435,6 +1438,28 @@ def test_inference_mode_gives_what_no_grad_gives():
         assert torch.equal(ya, yb), mode
         for ba, bb in zip(a.buffers(), b.buffers()):  # running statistics advanced alike in train mode
             assert torch.equal(ba, bb), mode
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_an_input_made_under_inference_mode_is_taken_outside_it(batched):
+    """Features computed under torch.inference_mode() and passed to the block later, under no_grad (a
+    validation after training: the first pass after eval() checks the layers with autograd, which raised
+    torch's "Setting requires_grad=True on inference tensor" from inside the block), or with grad enabled:
+    the output of a normal copy of the input, equal to the serial network's at convergence."""
+    torch.manual_seed(2)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2, batched=batched,
+                       fwd_iters=40, fwd_tol=1e-13).double()
+    serial = lp.to_serial()
+    lp(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with torch.inference_mode():
+        x = torch.randn(3, 4, dtype=torch.float64)
+    for mode in ("eval", "train"):
+        getattr(lp, mode)(), getattr(serial, mode)()
+        with torch.no_grad():
+            torch.testing.assert_close(lp(x), serial(x), rtol=1e-12, atol=1e-12)
+    y = lp(x)  # with grad enabled: the parameters' gradients of the copy's pass
+    y.sum().backward()
+    assert not y.is_inference() and all(p.grad is not None for p in lp.parameters())
 
 
 def _step(m):

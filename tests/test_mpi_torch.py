@@ -41,7 +41,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "activation", "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
          "shuffled", "loss", "nanloss", "nanin", "n_layers", "shard", "modules", "argument", "calls", "skip",
-         "scheme", "replica_values", "replica_T", "replica_swap"]
+         "scheme", "replica_values", "replica_T", "replica_swap", "backward_order"]
 #: ranks whose handshakes differ: every rank raises ValueError naming the call (the arguments of one call,
 #: or each rank's call), none waits
 MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "fwd_iters"],
@@ -60,7 +60,8 @@ DISAGREE = {"shuffled": "input of rank", "loss": "gradient of the block's output
             "n_layers": "different n_layers", "shard": "`shard_size` was given on some", "modules": "different parameters",
             "scheme": "different scheme (propagators.torch.schemes.",
             "replica_values": "hold different parameter values", "replica_T": "have different settings (n_layers, T",
-            "replica_swap": "hold different parameter values"}
+            "replica_swap": "hold different parameter values",
+            "backward_order": "the ranks run the backward passes of different forward passes of LayerParallel #"}
 
 
 def failure_lines(out, name):

@@ -122,7 +122,7 @@ class _LayerParallelFunction(torch.autograd.Function):
     def forward(ctx, lp, kp, anchor, x, *params):
         with own_saved_tensors():
             y, saved = lp._forward_solve(kp, x)
-        ctx.lp, ctx.saved = lp, saved
+        ctx.lp, ctx.saved, ctx.pass_id = lp, saved, lp._pass_id
         ctx.save_for_backward(*params)  # autograd's own check: no in-place change before backward
         # which parameter each gradient belongs to, by identity: saved tensors may come back as other
         # objects (saved-tensor hooks of the user's, e.g. torch.autograd.graph.save_on_cpu())
@@ -231,7 +231,7 @@ def _adjoint_pass(ctx, gy):
             _backward_checks(ctx)
             finite = _finite_output_gradient(gy)  # (the ranks compare their gy's sums, finite or not, below)
             sig = lp._adjoint_signature(gy)
-            share = _input_sums(gy) if lp._comm.size > 1 else None
+            share = (ctx.pass_id, _input_sums(gy)) if lp._comm.size > 1 else None
         # one session around the whole backward pass on the module's communicator (so that it hears
         # a session the user has open there), the adjoint solve inside it in reverse rank order
         # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
@@ -239,8 +239,8 @@ def _adjoint_pass(ctx, gy):
         # reaches every rank
         session = lp._session("the backward pass", sig, share, _BACKWARD_AGREE)
         with session:
-            differ = None if share is None else _differing_inputs(
-                session.shared, "gradient of the block's output", _DIFFERENT_LOSS)
+            differ = None if share is None else (_differing_passes([sh[0] for sh in session.shared], f"LayerParallel #{lp._uid}") or _differing_inputs(
+                [sh[1] for sh in session.shared], "gradient of the block's output", _DIFFERENT_LOSS))
             if differ is None:
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
@@ -256,6 +256,20 @@ def _adjoint_pass(ctx, gy):
         lp._alarm(exc)
         raise
     return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
+
+
+def _differing_passes(ids: list, block: str) -> ValueError | None:
+    """The error to raise when the ranks run the backward passes of different forward passes of the block
+    (``ids``: every rank's pass id, agreed in the forward passes' handshakes), else None; alike on every rank.
+    Two outputs of one block whose backward passes run in another order on some rank: their output gradients
+    may even be equal (a loss such as ``y.sum()``), and the adjoint would combine different trajectories."""
+    if len(set(ids)) == 1:
+        return None
+    return ValueError(
+        f"the ranks run the backward passes of different forward passes of {block} "
+        f"(forward pass {' / '.join(map(str, ids))} on the ranks in order): when several outputs of the block "
+        "wait for their backward pass, every rank must run them in the same order (the same losses, "
+        "backward() / torch.autograd.grad in the same order), or sum the losses and call backward() once")
 
 
 def _no_transforms(what: str, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> str:
@@ -287,7 +301,8 @@ def _backward_checks(ctx) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(
             "LayerParallel does not support double backward (backward with create_graph=True, "
-            "e.g. gradient penalties or Hessian-vector products): its backward pass is an MGRIT "
+            "e.g. gradient penalties, Hessian-vector products, or torch.autograd.functional.jvp / hvp / "
+            "hessian, which differentiate a backward pass): its backward pass is an MGRIT "
             "solve that is not itself differentiated. Compute such terms on the serial network "
             "(`lp.to_serial()` or `lp.serial(x)`)"
         )
@@ -676,6 +691,8 @@ class LayerParallel(nn.Module):
     True
     """
 
+    _pass_id = 0  # forward passes on several ranks: the last one's id, agreed in its handshake
+
     def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
                  max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
                  fwd_iters: int | None = None, bwd_iters: int | None = None, fwd_tol: float | None = None,
@@ -1027,6 +1044,12 @@ class LayerParallel(nn.Module):
             # under no_grad, on a normal copy of the input (the output is a normal tensor)
             with torch.inference_mode(False), torch.no_grad():
                 return self.forward(x.clone() if isinstance(x, torch.Tensor) else x)
+        if isinstance(x, torch.Tensor) and x.is_inference():
+            # an input made under inference_mode (features computed there before), used outside it: a normal
+            # copy, as above (the first pass's checks differentiate a layer by its input; the serial network
+            # takes such an input under no_grad and raises torch's own error with grad enabled, which a pass
+            # on the copy need not)
+            x = x.clone()
         try:
             modes = _modes(self._subs, self._modes)
             if modes != self._modes or not _unchanged(self._slots, self._stamp):
@@ -1201,7 +1224,7 @@ class LayerParallel(nn.Module):
                        or any(c.mode != "dense" for c in kp.k.classes))
             pairs = self._halo_pairs(kp) if P > 1 else None
             share = (note, self._halo_flags(), _input_sums(x), changed,
-                     {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}) if P > 1 else None
+                     {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id) if P > 1 else None
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
@@ -1209,7 +1232,10 @@ class LayerParallel(nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, sums, changed, nbytes = zip(*session.shared)
+                notes, flags, sums, changed, nbytes, ids = zip(*session.shared)
+                # this pass's id, the same on every rank (after a pass that failed on some rank before its
+                # handshake the ranks' counts differ: the largest goes on), compared by the backward pass
+                self._pass_id = max(ids) + 1
                 differ = _differing_inputs(sums) or self._differing_layout(nbytes)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session closes (no one waits)

@@ -33,7 +33,8 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_pe
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
                      _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active, _input_sums,
-                     _iterations, _nan_like, _no_transforms, _tolerance, _uids, _warn_solve)
+                     _differing_passes, _iterations, _nan_like, _no_transforms, _tolerance, _uids,
+                     _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -219,7 +220,7 @@ class _LayerFunction(torch.autograd.Function):
     def forward(ctx, rnn, layer, want_seq, anchor, x, h0, *weights):
         ctx.set_materialize_grads(False)
         out, hL, saved = rnn._layer_forward(layer, x, h0, weights, want_seq, keep=True)
-        ctx.rnn, ctx.layer, ctx.saved = rnn, layer, saved
+        ctx.rnn, ctx.layer, ctx.saved, ctx.pass_id = rnn, layer, saved, rnn._pass_id
         ctx.save_for_backward(x, *weights)  # autograd's own check: no in-place change before backward
         if not want_seq:
             ctx.mark_non_differentiable(out)
@@ -250,7 +251,8 @@ def _layer_adjoint(ctx, g_out, g_hL):
     with _announced(rnn._comm):  # everything local before the layer's session (a failure reaches every rank)
         if torch.is_grad_enabled():
             raise RuntimeError(
-                f"{type(rnn).__name__} does not support double backward (backward with create_graph=True): its "
+                f"{type(rnn).__name__} does not support double backward (backward with create_graph=True, which "
+                "torch.autograd.functional.jvp / hvp / hessian use too): its "
                 "backward pass is an MGRIT solve that is not itself differentiated. Compute such terms "
                 f"with {rnn._serial_hint}")
         x, *weights = ctx.saved_tensors
@@ -258,7 +260,7 @@ def _layer_adjoint(ctx, g_out, g_hL):
         # as torch's module gives, after an adjoint solve from zero (the ranks compare the original sums)
         finite = all(g is None or _finite_output_gradient(g, type(rnn).__name__, rnn._serial_hint)
                      for g in (g_out, g_hL))
-        share = _tensor_sums(g_out, g_hL) if rnn._comm.size > 1 else None
+        share = _tensor_sums(g_out, g_hL) + (ctx.pass_id,) if rnn._comm.size > 1 else None
         if not finite:
             g_out, g_hL = (None if g is None else torch.zeros_like(g) for g in (g_out, g_hL))
         setup = rnn._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
@@ -283,6 +285,7 @@ class _ParallelRNN(nn.Module):
     :meth:`_initial_states` and :meth:`_final_states`.
     """
 
+    _pass_id = 0  # forward passes on several ranks: the last one's id, agreed in its input check
     _cell = ""
     _gates = 0
     _propagator = None
@@ -641,10 +644,12 @@ class _ParallelRNN(nn.Module):
                 share = ((None, None) if x.is_meta else _tensor_sums(x, h0)) + (
                     seed, tuple(input.shape),
                     tuple((n, tuple(p.shape), None if p.is_meta else _input_sums(p))
-                          for n, p in self.named_parameters())) if P > 1 else None
+                          for n, p in self.named_parameters()), self._pass_id) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
             with session:  # the ranks compare their inputs: every rank holds the whole sequence
                 differ = None if share is None else _differing_parts(session.shared, ("input", self._state_names[0]))
+            if share is not None:  # this pass's id, alike on every rank (compared by its backward passes)
+                self._pass_id = max(sh[5] for sh in session.shared) + 1
             shapes = [] if share is None else [sh[3] for sh in session.shared]
             if differ is None and len(set(shapes)) > 1:  # (equal sums of zeros, an empty batch on some ranks)
                 r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
@@ -844,8 +849,9 @@ class _ParallelRNN(nn.Module):
         session = self._session(f"the backward pass of {self._unit(k)}", sig, share, _BACKWARD_AGREE)
         with session:
             if share is not None:
-                differ = _differing_parts(session.shared, ("gradient of the output sequence", self._state_names[1]),
-                                          _DIFFERENT_LOSS)
+                differ = _differing_passes([sh[-1] for sh in session.shared], f"{type(self).__name__} #{self._uid}") \
+                    or _differing_parts(session.shared, ("gradient of the output sequence", self._state_names[1]),
+                                        _DIFFERENT_LOSS)
                 if differ is not None:
                     return differ  # every rank found it: raised after the session (no one waits)
             with torch.no_grad():

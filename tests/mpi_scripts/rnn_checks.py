@@ -45,7 +45,7 @@ def weights_inputs_and_copies(cls):
     """What every rank must share, and copies: a module built after seeding the ranks differently holds
     rank 0's weights on every rank (and equals torch's module with them); a weight changed on one rank
     raises ValueError on every rank, a NaN in one rank's input its ValueError there and RemoteRankError
-    on the others; a NaN loss on every rank gives NaN gradients on
+    on the others, and so do two outputs whose backward passes run in another order on one rank; a NaN loss on every rank gives NaN gradients on
     every rank, as torch's module does (torch.amp.GradScaler skips such a step), and one on one rank only
     raises everywhere; deepcopy is a clear error on several ranks and works on one (COMM_SELF)."""
     import copy
@@ -86,6 +86,11 @@ def weights_inputs_and_copies(cls):
         # error named sequence lengths, modes and settings, not the cause
         y = par(x.clone().requires_grad_(rank == size - 1))[0]
         value_error_everywhere(lambda: y.sum().backward(), "require grad", "the input requiring grad on one rank")
+        # two outputs whose backward passes run in another order on the last rank, their output gradients
+        # equal (linear losses): the adjoint mixed the two passes' trajectories without a word
+        ya, yb = par(x.clone().requires_grad_(True))[0], par((2 * x).requires_grad_(True))[0]
+        value_error_everywhere(lambda: [y.sum().backward() for y in ((yb, ya) if rank == size - 1 else (ya, yb))],
+                               "different forward passes", "two backward passes in another order on one rank")
         bad = x.clone()
         if rank == size - 1:
             bad[3, 0, 1] = float("nan")

@@ -35,7 +35,8 @@ CASE is the phase in which rank BAD_RANK fails:
   from mixed data): ``order``, two blocks of the same settings called in the other order on
   that rank (each handshake compares which block it is for); ``shuffled``, that rank's batch
   in another row order; ``loss``, another loss there (the adjoint's handshake compares the
-  output gradients), ``nanloss``, a NaN loss there only (a NaN loss on every rank gives NaN
+  output gradients); ``backward_order``, two outputs of the block whose backward passes run in the
+  other order there, their output gradients equal (the handshake compares which forward pass each is of), ``nanloss``, a NaN loss there only (a NaN loss on every rank gives NaN
   gradients everywhere, as serial autograd: checked after the cases); ``n_layers``, a block of 17 layers there, 16 elsewhere; ``scheme``, a block stepped by Heun there;
   ``replica_values`` / ``replica_T``, data replicas (the world as data communicator) whose model differs
   there in a parameter value / in the block's T (the averaged gradients were of no one network);
@@ -225,6 +226,11 @@ def run_case(case, bad):
         lp.to_serial()  # where the others make a training step
         return
     y = lp(x)
+    if case == "backward_order":  # two outputs' backward passes in the other order there, with equal
+        y2 = lp(x.flip(0))          # output gradients (linear losses): the handshake compares the passes
+        for out in ((y2, y) if rank == bad else (y, y2)):
+            out.sum().backward()
+        return
     if case == "skip" and rank == bad:
         with torch.no_grad():
             lp(x)  # another forward pass (a validation) where the others run the backward pass
