@@ -92,6 +92,30 @@ def test_measuring_leaves_no_trace_and_a_converged_batch_norm_gradient_has_no_er
     assert torch.equal(rng, torch.random.get_rng_state())
 
 
+def test_a_model_with_two_switchable_blocks_on_one_process():
+    """Two Switchable blocks, each on its own one-process communicator: SerialSwitch refused the model
+    ("must share one layer communicator"); its error is the relative distance between the gradient of
+    the layer-parallel pass and that of both blocks in serial mode."""
+    torch.manual_seed(4)
+
+    def block():
+        return Switchable(LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(16)], T=2.0, cf=2,
+                                        max_levels=3, fwd_iters=1, bwd_iters=1))
+
+    model = nn.Sequential(nn.Linear(4, 6), block(), nn.Linear(6, 6), block(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(12, 4, dtype=torch.float64), torch.randint(0, 3, (12,))
+    loss = nn.functional.cross_entropy
+    loss(model(x), y).backward()
+    g_lp = flat_grad(model)
+    rec = SerialSwitch(model, loss, every=1).measure(x, y)
+    for s in (model[1], model[3]):
+        s.mode = "serial"
+    model.zero_grad()
+    loss(model(x), y).backward()
+    g = flat_grad(model)
+    assert rec["error"] > 1e-3 and rec["error"] == pytest.approx(float((g_lp - g).norm() / g.norm()), rel=1e-9)
+
+
 def test_lowering_the_cycles_never_raises_them():
     """``min_iters`` above the block's cycles: a "lowering" (error far below the target) set them to 4/4."""
     model = network()

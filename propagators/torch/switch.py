@@ -56,6 +56,25 @@ def _exact_block(m) -> bool:
     return m.options.get("max_levels") == 1
 
 
+def _layer_comm(model: nn.Module, switchables: list):
+    """The layer communicator of the model's LayerParallel blocks (Switchable or not): the one their
+    ranks split the layers over (blocks on one process each have a communicator of their own: the
+    first). Blocks distributed over different communicators are refused: the norms could not sum them."""
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, LayerParallel) and m.comm.size > 1}
+    if len(comms) > 1:
+        raise ValueError("the LayerParallel blocks of the model are distributed over different communicators: "
+                         "SerialSwitch sums each gradient norm over the layer ranks of one communicator; build "
+                         "every block with the same `comm`")
+    return next(iter(comms.values()), switchables[0].lp.comm)
+
+
+def _distributed(model: nn.Module) -> set:
+    """Ids of the parameters each layer rank holds only its part of: those of the model's LayerParallel
+    blocks, Switchable or not (their norms are summed over the layer ranks); on one process none."""
+    return {id(p) for m in model.modules() if isinstance(m, LayerParallel) and m.comm.size > 1
+            for p in m.parameters()}
+
+
 class Switchable(nn.Module):
     """A :class:`LayerParallel` that can run serially (exactly) with the same parameters.
 
@@ -117,6 +136,12 @@ class Switchable(nn.Module):
     def forward(self, x):
         if self._mode == "serial" and self.ranks == 1:
             return self.lp.serial(x)
+        if self._mode == "serial":  # a converged solve: the warm start of the next parallel pass is left as it
+            warm = self.lp._warm    # was, as by the serial network on one process (the same on any number of ranks)
+            try:
+                return self.lp(x)
+            finally:
+                self.lp._warm = warm
         return self.lp(x)
 
     def _replica_settings(self) -> tuple:
@@ -327,10 +352,7 @@ class SerialSwitch:
         self._since = 0  # the window restarts after an action (the cycles changed)
         self.history: list = []
         self.switched_at: int | None = None
-        comms = {id(s.lp.comm): s.lp.comm for s in self.switchables}
-        if len(comms) > 1:
-            raise ValueError("the Switchable blocks of one model must share one layer communicator")
-        self._comm = next(iter(comms.values()))
+        self._comm = _layer_comm(model, self.switchables)
         if data_comm is False:
             data_comm = None
         elif data_comm is None:
@@ -340,7 +362,6 @@ class SerialSwitch:
                                  "pass the model's one as SerialSwitch(..., data_comm=)")
             data_comm = next(iter(given.values()), None)
         self._data = None if data_comm is None else as_communicator(data_comm)
-        self._distributed = {id(p) for s in self.switchables for p in s.lp.parameters()}
 
     @property
     def mode(self) -> str:
@@ -354,13 +375,14 @@ class SerialSwitch:
     def _grads(self, params):
         return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
 
-    def _norm(self, params, vectors) -> float:
-        """Euclidean norm over the whole model: layer parameters are summed over the layer
-        ranks (each rank owns some), the others (replicated on every rank) counted once."""
+    def _norm(self, params, vectors, distributed: set) -> float:
+        """Euclidean norm over the whole model: layer parameters (``distributed``: their ids, see
+        :func:`_distributed`) are summed over the layer ranks (each rank owns some), the others
+        (replicated on every rank) counted once."""
         dist = rep = 0.0
         for p, v in zip(params, vectors):
             s = float(v.double().pow(2).sum())
-            if id(p) in self._distributed:
+            if id(p) in distributed:
                 dist += s
             else:
                 rep += s
@@ -423,9 +445,10 @@ class SerialSwitch:
         # no side effects on training: buffers (BatchNorm's running statistics) and the random state
         # (the next dropout masks) are as they were before the measurement
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        # and on several ranks (serial mode is a converged solve there) the blocks' warm-start trajectory
-        # and solve statistics, which the exact passes would replace by theirs
-        kept = [(s.lp, s.lp._warm, s.lp.last_forward, s.lp.last_backward) for s in self.switchables]
+        # and the blocks' warm-start trajectories and solve statistics (on several ranks serial mode is a
+        # converged solve; blocks outside the Switchables run their own), which the passes would replace
+        kept = [(lp, lp._warm, lp.last_forward, lp.last_backward) for lp in self.model.modules()
+                if isinstance(lp, LayerParallel)]
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         batch_stats = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules())
@@ -457,10 +480,11 @@ class SerialSwitch:
         n_all, k_all = (n, k) if totals is None else totals
         # the whole batch: all data ranks' shards
         g_all, lp_all = (g, g_lp) if totals is None else self._combine(params, g, g_lp, n, n_all)
-        norm = self._norm(params, g_all)
-        err = self._norm(params, [a - b for a, b in zip(lp_all, g_all)])
+        dist = _distributed(self.model)  # (now: a parameter may have been replaced since the switch was built)
+        norm = self._norm(params, g_all, dist)
+        err = self._norm(params, [a - b for a, b in zip(lp_all, g_all)], dist)
         # per-sample variance from the group means, then the variance of the batch mean
-        spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g_all)]) ** 2
+        spread = sum(m * self._norm(params, [a - b for a, b in zip(part, g_all)], dist) ** 2
                      for m, part in zip(sizes, parts))
         if totals is not None:
             spread = self._data.allreduce(spread)

@@ -214,6 +214,62 @@ def grid_serial_switch(layer_comm, data_comm):
                    d == 1, RuntimeError, "loss failed")
 
 
+def switch_beside_other_blocks(comm):
+    """SerialSwitch on the layer ranks of a model with a bare (converged) LayerParallel beside its
+    Switchable: the bare block's parameters are each rank's own layers, summed over the ranks like the
+    Switchable's (they were counted as if every rank held them: each rank measured another error, and a
+    threshold between them switched one rank alone); the same after load_state_dict(assign=True), which
+    replaces every parameter; and a Switchable with warm_start switched to serial mode and back gives the
+    one-process results (on several ranks its serial pass replaced the warm-start trajectory)."""
+    from propagators.torch import SerialSwitch, Switchable
+
+    torch.manual_seed(11)
+    first, second = make(16, 5, seed=11), make(16, 5, seed=12)
+    opening, closing = nn.Linear(3, 5), nn.Linear(5, 3)
+
+    def build(c):
+        lp1 = LayerParallel(copy.deepcopy(first), T=2.0, cf=2, max_levels=3, fwd_iters=1, bwd_iters=1, comm=c)
+        lp2 = LayerParallel(copy.deepcopy(second), T=2.0, cf=2, max_levels=3, fwd_tol=1e-13, bwd_tol=1e-13, comm=c)
+        return nn.Sequential(copy.deepcopy(opening), Switchable(lp1), lp2, copy.deepcopy(closing))
+
+    torch.manual_seed(12)
+    X, Y = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    loss = nn.functional.cross_entropy
+    ref = build(None)
+    loss(ref(X), Y).backward()
+    want = SerialSwitch(ref, loss, groups=4).measure(X, Y)
+    model = build(comm)
+    switch = SerialSwitch(model, loss, groups=4)
+    for case in ("built", "assigned"):
+        if case == "assigned":  # every parameter replaced after the switch was built
+            model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+        model.zero_grad()
+        loss(model(X), Y).backward()
+        rec = switch.measure(X, Y)
+        for key in ("error", "noise", "grad_norm"):
+            if not abs(rec[key] - want[key]) <= 1e-10 * abs(want[key]):
+                fail(f"SerialSwitch beside a bare block ({case}): {key} {rec[key]!r} != one process {want[key]!r}")
+    if not want["error"] > 1e-3:
+        fail(f"SerialSwitch beside a bare block: error {want['error']:.2e}; the check needs an inexact gradient")
+
+    def warm_run(c):
+        torch.manual_seed(13)
+        block = Switchable(LayerParallel(copy.deepcopy(first), T=2.0, cf=2, max_levels=3, warm_start=True, comm=c))
+        opt = torch.optim.SGD(block.parameters(), lr=0.05)
+        outs = []
+        for mode in ("parallel", "parallel", "serial", "parallel", "parallel"):
+            block.mode = mode
+            opt.zero_grad()
+            y = block(torch.randn(6, 5))
+            y.square().sum().backward()
+            opt.step()
+            outs.append(y.detach())
+        return outs
+
+    for k, (a, b) in enumerate(zip(warm_run(comm), warm_run(None))):
+        check(f"warm start around a serial-mode step, step {k}", a, b, 1e-10)
+
+
 def grid_batch_norm_buffers(layer_comm, data_comm):
     """``allreduce_gradients(..., buffers=True)``: every data replica ends with the average of the running
     statistics that each shard's serial network would have."""
@@ -268,6 +324,7 @@ try:
             layer_parallel_vs_serial(world, n_layers, cf, levels, relax)
         for n_layers, cf, levels, relax, rows in [(31, 3, 2, "F", 9), (31, 2, 4, "FCF", 3), (50, 4, 3, "F", 7)]:
             unconverged_equals_one_process(n_layers, cf, levels, relax, rows)
+        switch_beside_other_blocks(world)
 except SystemExit:
     raise
 except BaseException as exc:  # report, then fail this rank
