@@ -37,8 +37,10 @@ missing value is replaced by ``missing`` (default 0.0; None keeps NaN), then
 the padding appends, by default, the channel's last value (``pad="last"``: a
 sequence model sees the series end and then a constant, which leaves a GRU's
 last hidden state close to where the series ended); ``pad="zero"`` appends
-zeros and ``pad="nan"`` NaN. An empty channel is padded with ``missing`` (or
-NaN). The original lengths are kept in ``lengths``.
+zeros and ``pad="nan"`` NaN. With ``pad="last"`` an empty channel, which has no
+last value, is filled with ``missing`` (or NaN). The original lengths are kept in
+``lengths``. A file that declares ``@equalLength true`` must hold series of one
+length, and of its ``@seriesLength`` when it declares one.
 """
 from __future__ import annotations
 
@@ -111,10 +113,23 @@ def _flag(value: str, tag: str, where: str) -> bool:
 def _parse_values(text: str, timestamps: bool, where: str) -> list:
     text = text.strip()
     if timestamps:
-        items = [m.group(1).rsplit(",", 1)[-1] for m in _PAIR.finditer(text)]
-        if text and not items:
+        pairs = list(_PAIR.finditer(text))
+        if text and not pairs:
             raise ValueError(f"{where}: @timeStamps is true but the channel {text[:40]!r} holds no "
                              "'(timestamp,value)' pairs")
+        # between the pairs only commas: a truncated pair ("(3,4"), text between pairs or a pair without
+        # its timestamp was dropped without a word
+        gaps = [text[a.end(): b.start()] for a, b in zip(pairs, pairs[1:])]
+        rest = text[: pairs[0].start()] + text[pairs[-1].end():] if pairs else ""
+        bad = next((g for g in gaps if g.strip() != ","), None)
+        if bad is None and rest.strip() not in ("", ","):
+            bad = rest
+        if bad is None:
+            bad = next((m.group(0) for m in pairs if "," not in m.group(1)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: @timeStamps is true but the channel {text[:60]!r} has {bad.strip()[:30]!r} "
+                             "where a '(timestamp,value)' pair or the comma between two is expected")
+        items = [m.group(1).rsplit(",", 1)[-1] for m in pairs]
     else:
         items = text.split(",") if text else []
         if len(items) > 1 and not items[-1].strip():  # "1,2,3," ends the list; it adds no missing value
@@ -257,6 +272,10 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         if uneven:
             raise ValueError(f"{path.name}: @equalLength is true but case {uneven[0]} has series of lengths "
                              f"{[len(ch) for ch in cases[uneven[0]]]} (longest {longest})")
+        declared = header.get("serieslength", "").strip()
+        if declared and declared.isdigit() and int(declared) != longest:
+            raise ValueError(f"{path.name}: @equalLength is true and @seriesLength is {declared}, but the series "
+                             f"have length {longest}: a truncated or mislabelled file")
     fill = math.nan if missing is None else float(missing)
     X = np.empty((len(cases), n_dims, T), dtype=np.float64)
     for i, case in enumerate(cases):

@@ -2003,6 +2003,13 @@ def test_grad_norm_of_gradients_with_a_nan_is_nan(where, p):
     assert math.isnan(torch.nn.utils.get_total_norm([q.grad for q in model.parameters()], p))
     with pytest.raises(RuntimeError, match="error_if_nonfinite"):
         clip_grad_norm_(model, 0.1, p, error_if_nonfinite=True)
+    # without error_if_nonfinite: every gradient NaN, as torch's function leaves them (ours left the others)
+    plain = [nn.Parameter(torch.ones(3)) for _ in range(2)]
+    plain[0].grad, plain[1].grad = torch.tensor([1.0, float("nan"), 2.0]), torch.ones(3)
+    torch.nn.utils.clip_grad_norm_(plain, 0.1, p)
+    assert all(torch.isnan(q.grad).all() for q in plain)  # (torch's own behaviour)
+    assert math.isnan(float(clip_grad_norm_(model, 0.1, p)))
+    assert all(torch.isnan(q.grad).all() for q in model.parameters())
 
 
 # --------------------------------------------------------------------------- from a review of the dense path

@@ -124,6 +124,13 @@ def test_timestamps_dropped_and_regression_targets(tmp_path):
     ("@classLabel true a b\n@data\n1,2:z\n", "label 'z'"),
     ("@classLabel true a\n@data\n1,x,3:a\n", "'x' is not a number"),
     ("@equalLength true\n@classLabel true a\n@data\n1,2:a\n1,2,3:a\n", "equalLength"),
+    # a file declaring a series length its series do not have (truncated): accepted before
+    ("@equalLength true\n@seriesLength 5\n@classLabel true a\n@data\n1,2:a\n3,4:a\n", "@seriesLength is 5"),
+    # timestamped pairs that are truncated or interleaved with text were dropped without a word
+    ("@timeStamps true\n@classLabel false\n@data\n(1,2),(3,4\n", r"'\(timestamp,value\)' pair"),
+    ("@timeStamps true\n@classLabel false\n@data\n(1,2),garbage,(3,4)\n", "garbage"),
+    ("@timeStamps true\n@classLabel false\n@data\n(1,2),(3,4),(5,\n", r"\(5,"),
+    ("@timeStamps true\n@classLabel false\n@data\n(2),(3,4)\n", r"'\(2\)'"),
     ("@classLabel maybe a\n@data\n1:a\n", "classLabel must be"),
     ("@classLabel true a\n@data\n1,2,3\n", "label after the last"),
 ])

@@ -90,7 +90,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     norm of :func:`grad_norm` (the serial network's, the same on every rank). Returns the norm (a
     float64 tensor, like torch's function).
 
-    On one process it equals torch's function (up to rounding). Collective: call it on every rank,
+    On one process it equals torch's function (up to rounding; norm types > 0 and inf), a NaN or Inf
+    gradient included (a NaN norm makes every gradient NaN). Collective: call it on every rank,
     after the gradients are complete (after :func:`allreduce_gradients` on a layer x data grid).
     """
     _check_model(model, "clip_grad_norm_")
@@ -101,8 +102,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}: "
                            "it cannot be clipped (error_if_nonfinite=True)")
-    coef = min(1.0, max_norm / (total + 1e-6))
+    coef = max_norm / (total + 1e-6)
+    coef = coef if math.isnan(coef) else min(1.0, coef)  # a NaN norm makes every gradient NaN, as torch's does
     grads = [q.grad for q in model.parameters() if q.grad is not None]
-    if grads and coef < 1.0:
+    if grads and not coef >= 1.0:
         torch._foreach_mul_(grads, coef)
     return torch.tensor(total, dtype=torch.float64)
