@@ -17,6 +17,7 @@ its rationale: docs/transformer.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 from dataclasses import dataclass
@@ -367,6 +368,43 @@ class SerialSwitch:
     def mode(self) -> str:
         """"serial" once the switch happened, else "parallel"."""
         return "serial" if all(s.mode == "serial" for s in self.switchables) else "parallel"
+
+    # -- checkpoints -----------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What the switch has learnt and changed, for a checkpoint beside the model's and the optimizer's:
+        its counters and measurements, and every Switchable's mode and cycles (the model's ``state_dict``
+        holds the parameters only). The cycles are stored as parallel mode runs them, so a checkpoint taken
+        on any number of ranks loads on any other. Plain Python values (``torch.save`` them)."""
+        blocks = []
+        for s in self.switchables:
+            lp = s.lp
+            now = (lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type)
+            parallel = s._saved if s.mode == "serial" and s._saved is not None else now
+            blocks.append(dict(zip(("fwd_iters", "bwd_iters", "fwd_tol", "bwd_tol", "tol_type"), parallel),
+                               mode=s.mode))
+        return dict(steps=self.steps, strikes=self.strikes, since=self._since, raised_at=self._raised_at,
+                    switched_at=self.switched_at, history=copy.deepcopy(self.history), blocks=blocks)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s counters and measurements, and every Switchable's mode and cycles
+        (the model's parameters come from its own ``load_state_dict``). Call it on every rank."""
+        keys = {"steps", "strikes", "since", "raised_at", "switched_at", "history", "blocks"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a SerialSwitch state_dict (its keys are {sorted(keys)}, got {got})")
+        if len(state["blocks"]) != len(self.switchables):
+            raise ValueError(f"the checkpoint holds {len(state['blocks'])} Switchable blocks, this model "
+                             f"{len(self.switchables)}: load it into the model it was taken from")
+        for s, b in zip(self.switchables, state["blocks"]):
+            s.mode = "parallel"
+            lp = s.lp
+            lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol = b["fwd_iters"], b["bwd_iters"], b["fwd_tol"], \
+                b["bwd_tol"]
+            lp.tol_type = b["tol_type"]
+            s.mode = b["mode"]  # (on several ranks serial mode sets the exact cycles, keeping these)
+        self.steps, self.strikes, self._since = state["steps"], state["strikes"], state["since"]
+        self._raised_at, self.switched_at = state["raised_at"], state["switched_at"]
+        self.history = copy.deepcopy(state["history"])
 
     # -- measurement ---------------------------------------------------------
     def _params(self):

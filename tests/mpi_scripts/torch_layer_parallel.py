@@ -251,6 +251,24 @@ def switch_beside_other_blocks(comm):
                 fail(f"SerialSwitch beside a bare block ({case}): {key} {rec[key]!r} != one process {want[key]!r}")
     if not want["error"] > 1e-3:
         fail(f"SerialSwitch beside a bare block: error {want['error']:.2e}; the check needs an inexact gradient")
+    # the switch's checkpoint holds the parallel cycles: taken in serial mode here (a converged solve, the
+    # exact cycles set), it loads on one process with the same mode and cycles, and back
+    block = model[1]
+    block.mode = "serial"
+    state = switch.state_dict()
+    if state["blocks"][0]["mode"] != "serial" or state["blocks"][0]["fwd_iters"] != 1:
+        fail(f"SerialSwitch.state_dict in serial mode on {comm.Get_size()} ranks: {state['blocks']}")
+    ref_switch = SerialSwitch(ref, loss, groups=4)
+    ref_switch.load_state_dict(state)
+    if (ref[1].mode, ref[1].lp.fwd_iters, ref[1].lp.bwd_iters) != ("serial", 1, 1):
+        fail(f"a checkpoint of {comm.Get_size()} ranks on one process: {ref[1].mode}, {ref[1].lp.fwd_iters}")
+    block.mode = "parallel"
+    switch.load_state_dict(ref_switch.state_dict())
+    if block.mode != "serial" or block.lp.fwd_iters != block.exact_iterations:
+        fail(f"a one-process checkpoint on {comm.Get_size()} ranks: {block.mode}, {block.lp.fwd_iters}")
+    block.mode = "parallel"
+    if (block.lp.fwd_iters, block.lp.bwd_iters) != (1, 1):
+        fail(f"a one-process checkpoint on {comm.Get_size()} ranks: parallel cycles {block.lp.fwd_iters}")
 
     def warm_run(c):
         torch.manual_seed(13)
