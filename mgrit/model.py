@@ -110,8 +110,10 @@ class Prediction:
 
     @property
     def speedup(self) -> float:
-        """Sequential stepping time over the predicted time."""
-        return self.sequential_time / self.time if self.time > 0 else math.inf
+        """Sequential stepping time over the predicted time (NaN when both are 0: costs of 0 everywhere)."""
+        if self.time > 0:
+            return self.sequential_time / self.time
+        return math.inf if self.sequential_time > 0 else math.nan
 
 
 def count_residue(lo: int, hi: int, j: int, m: int) -> int:
@@ -120,6 +122,8 @@ def count_residue(lo: int, hi: int, j: int, m: int) -> int:
     >>> count_residue(1, 8, 0, 2), count_residue(1, 8, 1, 2), count_residue(5, 4, 0, 2)
     (4, 4, 0)
     """
+    if m < 1 or not 0 <= j < m:
+        raise ValueError(f"count_residue needs a modulus m >= 1 and a residue 0 <= j < m, got j={j!r}, m={m!r}")
     if hi < lo:
         return 0
     return (hi - j) // m - (lo - 1 - j) // m

@@ -79,6 +79,9 @@ def step_factor(z, scheme: str = "be"):
     (0.5, 0.5)
     """
     if scheme == "be":
+        if np.any(np.asarray(z) == 1.0):
+            raise ValueError("z = xi h = 1 is the pole of backward Euler: the step solves (1 - z) u_new = u, "
+                             "which has no solution there; take another step size")
         return 1.0 / (1.0 - np.asarray(z)) if np.ndim(z) else 1.0 / (1.0 - z)
     if scheme == "fe":
         return 1.0 + np.asarray(z) if np.ndim(z) else 1.0 + z

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+import mgrit
+
 from .data import load_digits
 from .torch import LayerParallel, ODENet
 
@@ -202,7 +204,12 @@ def main(argv=None) -> int:
         levels = len(lp.hierarchy)
         print(f"MGRIT: cf {args.cf}, {levels} level{'s' if levels > 1 else ''}, relax {lp.options['relax']}, "
               f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations per step")
-    s_par = train(parallel, data, args, "layer-parallel", show, lp)
+    try:
+        s_par = train(parallel, data, args, "layer-parallel", show, lp)
+    except (mgrit.DivergenceError, mgrit.RemoteRankError) as exc:  # (settings that diverge: a message, no traceback)
+        where = "" if size == 1 else f"rank {rank}: "
+        print(f"{where}the layer-parallel training stopped: {exc}", file=sys.stderr)
+        return 1
     s_ser = train(serial, data, args, "serial", show)
     if show:
         fwd, bwd = np.array(s_par["fwd"]), np.array(s_par["bwd"])

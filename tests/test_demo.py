@@ -55,3 +55,12 @@ def test_a_missing_launcher_says_what_to_install(tmp_path, monkeypatch):
         demo.main(["--ranks", "2"])
     with pytest.raises(SystemExit, match=r"--ranks needs `torchrun`.*--launcher mpiexec"):
         demo.main(["--ranks", "2", "--launcher", "torchrun"])
+
+
+def test_settings_that_diverge_end_with_a_message_not_a_traceback():
+    """`--T 1e300` overflows the layers: the demo ended in a DivergenceError traceback; now one line on
+    stderr and exit status 1."""
+    out = subprocess.run([sys.executable, "-m", "propagators.demo", "--layers", "4", "--epochs", "1", "--T", "1e300"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "the layer-parallel training stopped: MGRIT diverged" in out.stderr

@@ -134,6 +134,24 @@ def test_bad_arguments_are_rejected(kwargs, match):
         predict(h, args.pop("size"), args.pop("iterations"), **args)
 
 
+def test_helpers_reject_what_has_no_meaning():
+    """From a review: count_residue with modulus 0 raised ZeroDivisionError and with a negative one
+    returned -4; zero costs everywhere gave an infinite speedup for 0 / 0; backward Euler's pole
+    (z = 1) raised ZeroDivisionError."""
+    from mgrit.theory import step_factor
+
+    for j, m in ((0, 0), (0, -2), (3, 2)):
+        with pytest.raises(ValueError, match="modulus"):
+            count_residue(1, 8, j, m)
+    h = mgrit.build_hierarchy(np.linspace(0, 1, 9), cf=2)
+    assert math.isnan(predict(h, 2, 1, cost=StepCost(0.0, 0.0, 0.0)).speedup)
+    assert predict(h, 2, 1, cost=StepCost(1.0, 0.0, 0.0), latency=0.0).speedup > 0
+    for z in (1.0, np.array([0.5, 1.0])):
+        with pytest.raises(ValueError, match="pole of backward Euler"):
+            step_factor(z, "be")
+    assert step_factor(1.0, "fe") == 2.0
+
+
 def test_step_cost_validates():
     with pytest.raises(ValueError, match="per_state"):
         StepCost(per_state=-1.0)
