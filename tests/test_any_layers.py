@@ -1462,6 +1462,25 @@ def test_an_input_made_under_inference_mode_is_taken_outside_it(batched):
     assert not y.is_inference() and all(p.grad is not None for p in lp.parameters())
 
 
+def test_a_channels_last_input_gives_a_channels_last_output():
+    """Convolutions keep a channels_last input's layout, so the serial network returns one; the block
+    returned a plainly contiguous output (equal values). Now the layout of the serial network's output,
+    with its values and gradients."""
+    torch.manual_seed(3)
+    lp = LayerParallel([nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Tanh()) for _ in range(4)], cf=2,
+                       fwd_iters=10, bwd_iters=10).double()
+    serial = lp.to_serial()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_(True)
+    xs = x.detach().clone().requires_grad_(True)
+    y, ys = lp(x), serial(xs)
+    assert y.is_contiguous(memory_format=torch.channels_last) and ys.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, ys, rtol=1e-12, atol=1e-12)
+    y.square().sum().backward()
+    ys.square().sum().backward()
+    torch.testing.assert_close(x.grad, xs.grad, rtol=1e-12, atol=1e-12)
+    assert lp(torch.randn(2, 3, 6, 6, dtype=torch.float64)).is_contiguous()  # (a plain input: a plain output)
+
+
 def _step(m):
     def run(v):
         loss = loss_fn(m(v))

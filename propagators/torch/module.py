@@ -310,6 +310,15 @@ def _backward_checks(ctx) -> None:
     ctx.saved[0].kernel.check_parameter_data()  # ... or given new data (p.data = ..., .to())
 
 
+def _channels_last_format(x):
+    """``torch.channels_last`` (``channels_last_3d``) when ``x`` is a 4-D (5-D) tensor laid out so and not
+    plainly contiguous, else None: the block returns its output in that layout, as convolutions do."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is None or x.is_contiguous() or not x.is_contiguous(memory_format=fmt):
+        return None
+    return fmt
+
+
 def _autocast_on(x):
     """torch.autocast's dtype on the device of ``x`` when it is enabled there, else None."""
     dev = x.device.type
@@ -1302,6 +1311,9 @@ class LayerParallel(nn.Module):
             else:
                 root = self.plan.owner_of_point(self.n_layers)
                 y = self._comm.bcast_state(U[-1].clone() if r == root else None, x, root=root)
+            fmt = _channels_last_format(x)
+            if fmt is not None:  # (the serial network's convolutions keep such an input's memory format)
+                y = y.contiguous(memory_format=fmt)
         # after the checks: an error comes first
         _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype)
         if self.warm_start:
