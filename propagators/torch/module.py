@@ -237,7 +237,7 @@ def _adjoint_pass(ctx, gy):
         # (ReversedInSession: no handshake or closing barrier of its own; this handshake compares
         # the solve's arguments and the output gradients): a failure of the solve or of the gradients
         # reaches every rank
-        session = lp._session("the backward pass", sig, share, _BACKWARD_AGREE)
+        session = lp._session("the backward pass" + lp._pass_note, sig, share, _BACKWARD_AGREE)
         with session:
             differ = None if share is None else (_differing_passes([sh[0] for sh in session.shared], f"LayerParallel #{lp._uid}") or _differing_inputs(
                 [sh[1] for sh in session.shared], "gradient of the block's output", _DIFFERENT_LOSS))
@@ -701,6 +701,7 @@ class LayerParallel(nn.Module):
     """
 
     _pass_id = 0  # forward passes on several ranks: the last one's id, agreed in its handshake
+    _pass_note = ""  # what the passes' handshakes add to their names (SerialSwitch's measurement says so)
 
     def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
                  max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
@@ -1237,7 +1238,7 @@ class LayerParallel(nn.Module):
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
-        session = self._session(_pass_name(exact), sig, share, _FORWARD_AGREE)
+        session = self._session(_pass_name(exact) + self._pass_note, sig, share, _FORWARD_AGREE)
         with session:
             notes = None
             if P > 1:

@@ -57,6 +57,21 @@ def _exact_block(m) -> bool:
     return m.options.get("max_levels") == 1
 
 
+_MEASURING = (" in SerialSwitch.measure (every layer rank must measure at the same steps: the same `every`, "
+              "update() called alike)")
+
+
+@contextlib.contextmanager
+def _noted(lp: LayerParallel, note: str):
+    """The passes of ``lp`` named with ``note`` in their handshakes, inside the block."""
+    old = lp._pass_note
+    lp._pass_note = note
+    try:
+        yield
+    finally:
+        lp._pass_note = old
+
+
 def _layer_comm(model: nn.Module, switchables: list):
     """The layer communicator of the model's LayerParallel blocks (Switchable or not): the one their
     ranks split the layers over (blocks on one process each have a communicator of their own: the
@@ -494,6 +509,8 @@ class SerialSwitch:
             with contextlib.ExitStack() as stack:
                 for s in self.switchables:
                     stack.enter_context(s.exact())
+                for lp, *_ in kept:  # the passes' handshakes name the measurement: a rank that measures
+                    stack.enter_context(_noted(lp, _MEASURING))  # where another trains says so
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     for p in params:
                         p.grad = None

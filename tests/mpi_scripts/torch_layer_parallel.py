@@ -269,6 +269,21 @@ def switch_beside_other_blocks(comm):
     block.mode = "parallel"
     if (block.lp.fwd_iters, block.lp.bwd_iters) != (1, 1):
         fail(f"a one-process checkpoint on {comm.Get_size()} ranks: parallel cycles {block.lp.fwd_iters}")
+    # layer ranks that measure at different steps: every rank raises, and the message names the measurement
+    # (it said that the forward passes' arguments differ)
+    odd = SerialSwitch(model, loss, groups=4, every=1 if comm.Get_rank() == 0 else 2)
+    try:
+        for _ in range(3):  # (the second update measures on rank 0 only; the others train on meanwhile)
+            model.zero_grad()
+            loss(model(X), Y).backward()
+            odd.update(X, Y)
+    except ValueError as exc:
+        if "in SerialSwitch.measure (every layer rank must measure at the same steps" not in str(exc):
+            fail(f"SerialSwitch measuring at different steps: unclear error {exc}")
+    else:
+        fail("SerialSwitch measuring at different steps on the layer ranks: no error")
+    model.zero_grad()
+    loss(model(X), Y).backward()  # (usable afterwards)
 
     def warm_run(c):
         torch.manual_seed(13)
