@@ -115,13 +115,15 @@ def test_state_dict_round_trip_through_the_serial_network():
     third = small_cnn(seed=2)
     third.load_state_dict(net.state_dict())
     assert torch.equal(third(x), net(x))
-    with pytest.raises(KeyError, match="lacks"):
+    with pytest.raises(KeyError, match=r"lacks 1 entries .*\['3.layers.5.0.bias'\]"):  # (the key as given)
         other.load_serial({k: v for k, v in sd.items() if k != "3.layers.5.0.bias"})
     with pytest.raises(KeyError, match="no piece"):
         other.load_serial({**sd, "7.weight": torch.zeros(1)})
     # an extra layer of a stage (a checkpoint of a deeper stage) loaded silently before
     extra = {**sd, "3.layers.99.0.weight": sd["3.layers.5.0.weight"]}
-    with pytest.raises(KeyError, match=r"entries the serial network \(\d+ layers\) lacks, e.g. \['layers.99"):
+    with pytest.raises(KeyError, match=r"entries the serial network \(\d+ layers\) lacks, e.g. \['3.layers.99"):
+        other.load_serial(extra)
+    with pytest.raises(KeyError, match=r"other layers\); pass strict=False"):  # (no "keys with a prefix" hint)
         other.load_serial(extra)
     keys = other.load_serial(extra, strict=False)
     assert keys.missing_keys == [] and keys.unexpected_keys == ["3.layers.99.0.weight"]

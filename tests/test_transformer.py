@@ -149,6 +149,22 @@ def test_bad_arguments_are_clear_errors():
     assert quantized(torch.zeros(3, 64, dtype=torch.float32)).shape == (3, 10)
     with pytest.raises(TypeError, match="Switchable wraps"):
         Switchable(nn.Linear(2, 2))
+    # from a review: inputs of the right size but another shape ran, their pixels in the wrong patches
+    # (a (3, 2, 8, 4) batch; a channels-last colour image); a causal ViT with a class token in front
+    # ignored its input (the token sees only itself: a constant output, a zero input gradient)
+    x = torch.randn(3, 64, dtype=dt)
+    for shape in ((3, 1, 8, 8), (3, 8, 8)):
+        assert torch.equal(vit(x.reshape(shape)), vit(x))
+    for shape in ((3, 2, 8, 4), (3, 1, 4, 16), (3, 16, 4)):
+        with pytest.raises(ValueError, match=r"shaped \(batch, 64\) or \(batch, 1, 8, 8\) or \(batch, 8, 8\)"):
+            vit(x.reshape(shape))
+    with pytest.raises(ValueError, match=r"x.permute\(0, 3, 1, 2\)"):
+        make_vit(2, 8, 2, channels=3, seed=0).to(dt)(torch.randn(2, 8, 8, 3, dtype=dt))
+    with pytest.raises(ValueError, match="n_blocks"):  # ("`layers` is empty" before)
+        make_vit(0, 8, 2)
+    with pytest.raises(ValueError, match="causal=True with pool='cls'.*pool='mean'"):
+        make_vit(2, 8, 2, causal=True)
+    assert make_vit(2, 8, 2, causal=True, pool="mean", seed=0)(torch.randn(2, 64)).shape == (2, 10)
 
 
 # -- the vision transformer ------------------------------------------------------------------
@@ -198,7 +214,7 @@ def test_vit_checkpoints_move_between_the_parallel_and_the_serial_build():
         par.load_serial(par.state_dict())  # the parallel build's own keys: not a serial state dict
     # a ViT of more blocks: its extra blocks loaded silently before
     deeper = make_vit(5, 8, 2, patch=4, seed=99, parallel=False).state_dict()
-    with pytest.raises(KeyError, match=r"\(3 layers\) lacks, e.g. \['layers.3"):
+    with pytest.raises(KeyError, match=r"\(3 layers\) lacks, e.g. \['blocks.layers.3"):
         par.load_serial(deeper)
     keys = par.load_serial(deeper, strict=False)
     assert keys.missing_keys == [] and keys.unexpected_keys and all(

@@ -1615,7 +1615,7 @@ class LayerParallel(nn.Module):
         assert self._comm.size == 1
         return ODENet([self.layers[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
 
-    def load_serial(self, state_dict: dict, strict: bool = True):
+    def load_serial(self, state_dict: dict, strict: bool = True, *, prefix: str = ""):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
 
         Every rank takes the entries of the layers it holds (owned and halo);
@@ -1624,6 +1624,8 @@ class LayerParallel(nn.Module):
         every rank (a checkpoint of another network: more layers, other
         layers); otherwise, like ``load_state_dict``, returns the serial
         network's ``missing_keys`` and ``unexpected_keys`` (the same on every rank).
+        ``prefix``: where a larger network's state dict holds this block's entries
+        (``"1."`` in a MultiStage), for the keys the errors name.
         """
         with self._session("load_serial()"):  # collective: every rank raises alike
             own = self.state_dict()
@@ -1634,13 +1636,14 @@ class LayerParallel(nn.Module):
             unexpected = sorted(set(state_dict) - every, key=_layer_key_order)
             if strict and missing:
                 raise KeyError(f"the state dict lacks {len(missing)} entries of the serial network's layers, "
-                               f"e.g. {missing[:3]} (pass strict=False to load the others)")
+                               f"e.g. {[prefix + k for k in missing[:3]]} (pass strict=False to load the others)")
             if strict and unexpected:
+                hint = "" if prefix else (" or keys with a prefix (load_serial takes the block's own serial state "
+                                          "dict, ODENet.state_dict() or to_serial().state_dict())")
                 raise KeyError(f"the state dict has {len(unexpected)} entries the serial network ({self.n_layers} "
-                               f"layers) lacks, e.g. {unexpected[:3]}: a checkpoint of another network (more "
-                               "layers, other layers) or keys with a prefix (load_serial takes the block's own "
-                               "serial state dict, ODENet.state_dict() or to_serial().state_dict()); pass "
-                               "strict=False to load the entries that fit")
+                               f"layers) lacks, e.g. {[prefix + k for k in unexpected[:3]]}: a checkpoint of another "
+                               f"network (more layers, other layers){hint}; pass strict=False to load the entries "
+                               "that fit")
             self.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=strict)
             with torch.no_grad():
                 for j, m in self._halo.items():

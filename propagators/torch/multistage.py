@@ -282,12 +282,12 @@ class MultiStage(nn.Module):
             return copy.deepcopy(nn.Sequential(*(p._serial_view() if isinstance(p, LayerParallel) else p
                                                  for p in self))).train(self.training)
         here = self._comm.rank == root
-        out = []
+        out, memo = [], {}
         for p in self:
             if isinstance(p, LayerParallel):
                 out.append(p.to_serial(root))  # collective
-            elif here:
-                out.append(copy.deepcopy(p))
+            elif here:  # one memo for all replicated pieces: a module or parameter they share stays shared
+                out.append(copy.deepcopy(p, memo))
         if not here:
             return None
         return nn.Sequential(*out).train(self.training)
@@ -309,7 +309,7 @@ class MultiStage(nn.Module):
             prefix = f"{i}."
             sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
             if isinstance(p, LayerParallel):
-                keys = p.load_serial(sub, strict=strict)
+                keys = p.load_serial(sub, strict=strict, prefix=prefix)
             else:
                 with self._session("load_serial()"):
                     keys = p.load_state_dict(sub, strict=strict)
@@ -330,9 +330,14 @@ class MultiStage(nn.Module):
         check_root(root, self._comm.size, none_ok=True)
         first = 0 if root is None else root
         mine: dict = {}
+        seen: set = set()  # a parameter that several replicated pieces share: once, under its first name
         for i, p in enumerate(self):
             if isinstance(p, LayerParallel) or self._comm.rank == first:
                 for n, q in p.named_parameters():
+                    if not isinstance(p, LayerParallel):
+                        if id(q) in seen:
+                            continue
+                        seen.add(id(q))
                     mine[f"{i}.{n}"] = None if q.grad is None else q.grad.detach().cpu().clone()
         with self._session("gather_gradients()", root, agree="roots"):
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -195,10 +196,16 @@ class PatchEmbedding(nn.Module):
                             f"({dtype}), got dtype {x.dtype}; convert it, e.g. x.to({dtype}) (8-bit pixels "
                             f"scaled to [0, 1]: x.to({dtype}) / 255), or the model, e.g. model.to(x.dtype)")
         B, s, p, c = x.shape[0], self.side, self.patch, self.channels
-        if x.shape[1:].numel() != c * s * s:
+        shape = tuple(x.shape[1:])
+        if x.dim() < 2 or shape not in ((c * s * s,), (c, s, s)) + (((s, s),) if c == 1 else ()):
+            # (any shape of the right size passed before: a (N, 2, 8, 4) batch, or an NHWC image whose pixels
+            # went into the wrong patches)
             raise ValueError(f"the patch embedding expects images of {c} channel(s) x {s} x {s} = {c * s * s} values "
-                             f"per sample, got input of shape {tuple(x.shape)}; build the model for this size "
-                             f"(e.g. make_vit(..., side=28) for MNIST's 784 pixels, channels=... for colour)")
+                             f"per sample, shaped (batch, {c * s * s}) or (batch, {c}, {s}, {s})"
+                             + (f" or (batch, {s}, {s})" if c == 1 else "") + f", got input of shape "
+                             f"{tuple(x.shape)}; build the model for this size (e.g. make_vit(..., side=28) for "
+                             "MNIST's 784 pixels, channels=... for colour), and put channels first "
+                             "(x.permute(0, 3, 1, 2) for channels-last images)")
         img = x.reshape(B, c, s // p, p, s // p, p)
         patches = img.permute(0, 2, 4, 1, 3, 5).reshape(B, self.n_patches, c * p * p)
         tok = self.proj(patches)
@@ -277,7 +284,7 @@ class ViT(nn.Module):
                                ".state_dict() or make_vit(..., parallel=False).state_dict())")
         self.load_state_dict(rest, strict=False)
         keys = lp.load_serial({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-                              strict=strict)
+                              strict=strict, prefix=prefix)
         return nn.modules.module._IncompatibleKeys(missing + [prefix + k for k in keys.missing_keys],
                                                    extra + [prefix + k for k in keys.unexpected_keys])
 
@@ -328,6 +335,12 @@ def make_vit(n_blocks: int = 8, dim: int = 32, heads: int = 4, *, side: int = 8,
     torch.Size([3, 10])
     >>> vit.blocks.mode = "serial"               # the same parameters, plain autograd through the blocks
     """
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, numbers.Integral) or n_blocks < 1:
+        raise ValueError(f"`n_blocks` must be a whole number >= 1, got {n_blocks!r}")
+    if causal and pool == "cls":
+        raise ValueError("causal=True with pool='cls': the class token stands in front of the patches and causal "
+                         "attention lets it see only itself, so the classifier would ignore the image; use "
+                         "pool='mean' with causal attention")
     if seed is not None:
         torch.manual_seed(seed)
     open_ = PatchEmbedding(side, patch, dim, channels, cls_token=pool == "cls")

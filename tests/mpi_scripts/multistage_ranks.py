@@ -203,7 +203,8 @@ def grid_case():
 def tied_pieces_case():
     """A parameter shared by a replicated piece and a stage layer: on several ranks only the ranks that hold
     the layer gave the replicated piece that layer's gradient (6.61 on rank 0, 6.27 on rank 1), so the
-    replicas drifted apart. Now a ValueError on every rank; a tie between two replicated pieces is fine."""
+    replicas drifted apart. Now a ValueError on every rank; a tie between two replicated pieces is fine, and
+    stays a tie in to_serial (gather_gradients lists it once)."""
     from propagators.torch import Stage
 
     torch.manual_seed(0)
@@ -232,6 +233,20 @@ def tied_pieces_case():
                      **TIGHT)
     par(x).sum().backward()
     par.check_replicas(grads=True)
+    # that tie survives to_serial (on several ranks each replicated piece was copied on its own: the copy's
+    # two pieces were untied, its gradients 1.4 apart), and gather_gradients lists the shared gradient once,
+    # under its first name, as to_serial().named_parameters() does
+    ser = par.to_serial(0)
+    grads = par.gather_gradients(0)
+    if rank == 0:
+        if ser[0].weight is not ser[2].weight:
+            fail("to_serial untied a parameter two replicated pieces share")
+        if list(grads) != [n for n, _ in ser.named_parameters()]:
+            fail(f"gather_gradients keys {list(grads)[:3]}... are not to_serial's {[n for n, _ in ser.named_parameters()][:3]}...")
+        xs = x.clone()
+        ser(xs).sum().backward()
+        for n, q in ser.named_parameters():
+            check(f"tied pieces: gathered gradient {n}", grads[n], q.grad)
 
 
 try:
