@@ -1422,6 +1422,12 @@ def test_a_tolerance_below_the_rounding_floor_says_so():
                                            "or compute in float64$")):
         with pytest.warns(ConvergenceWarning, match=advice):
             _warn_solve(stalled, "forward", "fwd_iters", 1e-30, "abs", dtype)
+    # a stall far above the rounding (a GRU of large weights stalled at 6e-4 in float64, a relative error
+    # of 1.7e-4, and the warning said to raise the tolerance): the advice is about the settings
+    high = SimpleNamespace(residuals=[None, 1.0, 6.03e-4, 6.02e-4, 6.03e-4, 6.03e-4], final_residual=6.03e-4,
+                           converged=False, iterations=6, u=torch.ones(5, 8, dtype=torch.float64))
+    with pytest.warns(ConvergenceWarning, match="far above the rounding of the states.*fewer levels.*relax='FCF'"):
+        _warn_solve(high, "forward", "fwd_iters", 1e-13, "abs", torch.float64)
 
 
 def test_inference_mode_gives_what_no_grad_gives():

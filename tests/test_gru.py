@@ -97,6 +97,9 @@ def test_parameter_names_and_state_dicts_are_nn_grus():
     assert maxdiff(gru(x)[0], ref(x)[0]) == 0.0 and maxdiff(back(x)[0], ref(x)[0]) == 0.0
     nobias = ParallelGRU(I, H, num_layers=2, bias=False)
     assert list(nobias.state_dict()) == list(torch.nn.GRU(I, H, num_layers=2, bias=False).state_dict())
+    # in this module's mode (it came back in training mode: with dropout, a reference that drops out)
+    dropping = ParallelGRU(I, H, num_layers=2, dropout=0.5).eval()
+    assert not dropping.to_gru().training and dropping.train().to_gru().training
 
 
 def test_default_initialisation_is_nn_grus_range():

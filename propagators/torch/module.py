@@ -1811,6 +1811,17 @@ def _rounding(dtype) -> str:
     return f"{str(dtype).replace('torch.', '')} rounds at about {eps:.0e} of the states"
 
 
+def _rounding_floor(res, seen: list, dtype) -> float:
+    """The residual below which a stall is the rounding of the states: 1e4 units in the last place of the
+    larger of the largest residual seen and the size of a state (its largest entry times the square root
+    of its entries; ``res.u`` when the result holds its states)."""
+    scale = max(seen)
+    u = getattr(res, "u", None)
+    if isinstance(u, torch.Tensor) and u.dim() > 0 and u.numel():
+        scale = max(scale, float(u.detach().abs().max()) * math.sqrt(u[0].numel()))
+    return 1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps * scale
+
+
 def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None) -> None:
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, or when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
@@ -1822,10 +1833,16 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
             seen = [r for r in res.residuals if r is not None]
-            if len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]:  # three cycles that did not halve it: a floor
+            stalled = len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]  # three cycles that did not halve it
+            if stalled and seen[-1] <= _rounding_floor(res, seen, dtype):  # ... near the rounding of the states
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
                         f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance"
                         + ("" if dtype in (torch.float64, torch.complex128) else " or compute in float64"))
+            elif stalled:  # far above it: the cycles no longer improve the iterate, more of them will not help
+                what = (f"the residual has stopped decreasing far above the rounding of the states ({seen[-4]:.3e} "
+                        "three cycles before): the coarse levels approximate this problem too poorly for the cycles "
+                        "to converge; use fewer levels (max_levels), relax='FCF' or a smaller cf "
+                        "(mgrit.choose_settings picks them), or evaluate serially (eval() with exact_eval)")
             else:
                 what = (f"raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset "
                         f"for up to {TOL_ITERS})")

@@ -476,7 +476,7 @@ class _ParallelRNN(nn.Module):
         return masks
 
     def _to_serial(self):
-        """The ``torch.nn`` module of the cell with a copy of the current weights."""
+        """The ``torch.nn`` module of the cell with a copy of the current weights, in this module's mode."""
         p = next(self.parameters())
         serial = getattr(nn, self._cell)(self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
                                          batch_first=self.batch_first, dropout=self.dropout,
@@ -484,7 +484,7 @@ class _ParallelRNN(nn.Module):
         # the weights' current values by torch's names (a parametrized weight, e.g. weight_norm's, is computed:
         # its state-dict entries are the parametrization's, which the plain module does not have)
         serial.load_state_dict({k: getattr(self, k).detach() for k in serial.state_dict()})
-        return serial
+        return serial.train(self.training)  # (in eval mode no dropout between the layers, as this module)
 
     @property
     def _serial_hint(self) -> str:
