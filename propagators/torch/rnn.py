@@ -646,15 +646,17 @@ class _ParallelRNN(nn.Module):
                     tuple((n, tuple(p.shape), None if p.is_meta else _input_sums(p))
                           for n, p in self.named_parameters()), self._pass_id) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
-            with session:  # the ranks compare their inputs: every rank holds the whole sequence
-                differ = None if share is None else _differing_parts(session.shared, ("input", self._state_names[0]))
+            with session:  # its handshake all-gathers the ranks' inputs' sums and shapes, compared below alike
+                differ = None  # on every rank (every rank holds the whole sequence)
             if share is not None:  # this pass's id, alike on every rank (compared by its backward passes)
                 self._pass_id = max(sh[5] for sh in session.shared) + 1
             shapes = [] if share is None else [sh[3] for sh in session.shared]
-            if differ is None and len(set(shapes)) > 1:  # (equal sums of zeros, an empty batch on some ranks)
+            if len(set(shapes)) > 1:  # first: another length or batch is named as such, not as other values
                 r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
                 differ = ValueError(f"the input of rank {r} has shape {shapes[r]}, rank 0's {shapes[0]}: every rank "
                                     "must pass the same whole sequence")
+            if differ is None and share is not None:
+                differ = _differing_parts(session.shared, ("input", self._state_names[0]))
             if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
                 differ = ValueError(f"dropout is drawn on some ranks and not on others: put the {name} in the "
                                     "same mode on every rank (model.train() or model.eval() alike)")

@@ -105,6 +105,9 @@ def bad_input_raises_everywhere():
         fail(f"an empty batch: output {tuple(y.shape)}, h_n {tuple(h_n.shape)}, gradient {par.weight_hh_l0.grad}")
     value_error_everywhere(lambda: par(torch.zeros(7, 0 if rank == size - 1 else 2, 3)), "has shape",
                            "an empty batch on one rank")
+    # another sequence length there (values that differ too): named as a shape, not as other values
+    value_error_everywhere(lambda: par(same_randn(8 if rank == size - 1 else 7, 2, 3)), "has shape (8, 2, 3)",
+                           "another sequence length on one rank")
     still_trains(par, "after an empty batch on one rank")
 
 
