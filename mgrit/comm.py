@@ -1789,6 +1789,18 @@ def _uninitialised_hint() -> str:
     return ""
 
 
+def warn_if_alone(what: str) -> None:
+    """Warn (``RuntimeWarning``) when ``what`` was given no communicator in a process launched as one of
+    several (``WORLD_SIZE > 1``) before torch.distributed was initialised: ``comm=dist.group.WORLD``
+    is None then, and the work would run on every process alone, each doing all of it."""
+    hint = _uninitialised_hint()
+    if hint:
+        import warnings
+
+        warnings.warn(f"{what} got comm=None and runs on this process alone{hint}; pass comm=dist.group.WORLD "
+                      "after it, or comm=None deliberately with WORLD_SIZE=1", RuntimeWarning, stacklevel=3)
+
+
 def _is_process_group(obj) -> bool:
     """A ``torch.distributed`` ProcessGroup? (torch is looked up in ``sys.modules``, never imported)."""
     torch = sys.modules.get("torch")

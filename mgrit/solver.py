@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from .comm import Call, Communicator, args_signature, as_communicator
+from .comm import Call, Communicator, args_signature, as_communicator, warn_if_alone
 from .cycle import DivergenceError, Levels, run
 from .hierarchy import per_level
 from .options import Options
@@ -240,6 +240,8 @@ def solve(
     >>> res.iterations, res.converged
     (4, True)
     """
+    if comm is None:
+        warn_if_alone("mgrit.solve")
     comm = as_communicator(comm)
     try:  # every check is local: a rank with bad input tells the others in comm.open
         opts = Options(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, c_weight=c_weight,

@@ -47,14 +47,18 @@ connection for good. So:
   sizes of the messages it sent on the channel (run-length encoded, per peer
   and tag) and the barrier through rank 0 carries these logs; a rank then
   receives (and discards) whatever was sent to it and not received.
-* **After a failure** the channel is *retired*, not cleaned up: a posted
-  receive cannot be cancelled, so a channel on which one may still be
-  pending can never carry another session. Retiring a tag space costs
-  nothing (MPI communicators are a scarce resource; tag spaces are not),
-  so every failed session simply takes a new channel next time. What the
-  failed session left in flight (unmatched sends, pending receives) stays
-  alive in this module and is never touched again; :func:`retired_channels`
-  counts the retired channels. The process group itself stays usable.
+* **After a failure** the channel is cleaned up (``TorchDistComm._cleanup``): a
+  posted receive cannot be cancelled, so the peers *fulfil* it instead (every
+  rank tells each peer what it sent and posted there; each drains what it did not
+  receive and sends a dummy message for every receive a peer posted that it never
+  sent), within ``cleanup_timeout`` seconds; the clean channel goes back to the
+  pool. Only when that times out or an alarm interrupts it is the channel
+  *retired*: a channel on which a receive may still be pending can never carry
+  another session, and retiring a tag space costs nothing (MPI communicators are
+  a scarce resource; tag spaces are not), so the next session takes a new one.
+  What a retired channel left in flight stays alive in this module and is never
+  touched again; :func:`retired_channels` counts them. The process group itself
+  stays usable.
 * **A process that is gone** (its connection closed) is found only by the ranks
   waiting for it: they raise RemoteRankError with ``gone=True``. Inside a
   session such a rank sends the others a failure notice; the root of a

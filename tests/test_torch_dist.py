@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,27 @@ def test_a_process_group_that_is_none_before_init_is_named(monkeypatch):
         allreduce_gradients(model, None)
     with pytest.raises(ValueError, match="dist.group.WORLD is None until torch.distributed.init_process_group"):
         mgrit.split_comm(None, 1)
+    # the blocks and the solver with comm=None there (dist.group.WORLD passed too early): each process ran
+    # all of the work alone, without a word; now a warning that says so
+    import numpy as np
+
+    from propagators import Heat1D
+    from propagators.torch import LayerParallel, MultiStage, ParallelGRU, ParallelLSTM, Stage
+
+    prop = Heat1D(9)
+    builds = {"LayerParallel": lambda: LayerParallel([nn.Linear(2, 2) for _ in range(4)]),
+              "ParallelGRU": lambda: ParallelGRU(2, 3), "ParallelLSTM": lambda: ParallelLSTM(2, 3),
+              "MultiStage": lambda: MultiStage([nn.Linear(2, 2), Stage(lambda i: nn.Linear(2, 2), 4)]),
+              "mgrit.solve": lambda: mgrit.solve(prop, prop.initial(), np.linspace(0, 1, 9))}
+    for name, build in builds.items():
+        with pytest.warns(RuntimeWarning, match=rf"^{name} got comm=None and runs on this process alone "
+                                                r"\(this process was launched with WORLD_SIZE=2"):
+            build()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for build in builds.values():
+            build()
 
 
 def test_a_group_this_rank_is_not_in_is_named():

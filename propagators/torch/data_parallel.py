@@ -146,7 +146,9 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
         raise ValueError("allreduce_gradients: the data ranks hold different parameter values (the checksums of "
                          "their bits differ): seed every "
                          "rank alike before building the model (or load one state dict on every rank), and step "
-                         "the same optimizer on every data rank")
+                         "the same optimizer on every data rank; or a data rank skipped an allreduce_gradients "
+                         "call the others made (every data rank calls it once per step, before the optimizer "
+                         "step), and its optimizer stepped with its own shard's gradients")
 
 
 #: the blocks whose settings are compared one by one (the error names the first that differs)

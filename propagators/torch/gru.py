@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgrit.comm import as_communicator
+from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
 from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
@@ -253,7 +253,10 @@ class ParallelGRU(_ParallelRNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
                  dtype=None, proj_size: int = 0, **options):
-        comm = as_communicator(options.pop("comm", None))
+        comm = options.pop("comm", None)
+        if comm is None:
+            warn_if_alone("ParallelGRU")
+        comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
             if proj_size:  # (torch's GRU takes the keyword and refuses it, in the same words)
                 raise ValueError(f"proj_size argument is only supported for LSTM, not GRU (got {proj_size!r})")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgrit.comm import as_communicator
+from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
 from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
@@ -207,7 +207,10 @@ class ParallelLSTM(_ParallelRNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
                  device=None, dtype=None, **options):
-        comm = as_communicator(options.pop("comm", None))
+        comm = options.pop("comm", None)
+        if comm is None:
+            warn_if_alone("ParallelLSTM")
+        comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
             if proj_size:
                 raise ValueError(f"ParallelLSTM has no projections (proj_size={proj_size!r}): pass proj_size=0, "

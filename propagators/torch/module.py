@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import mgrit
-from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator
+from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -711,6 +711,8 @@ class LayerParallel(nn.Module):
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
                  comm=None, data_comm=None, callback=None, spatial=None):
         super().__init__()
+        if comm is None:
+            warn_if_alone("LayerParallel")
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below

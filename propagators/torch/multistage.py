@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from mgrit.comm import Call, args_signature, as_communicator
+from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
 from .module import LayerParallel, _announced, check_root
 
@@ -138,6 +138,8 @@ class MultiStage(nn.Module):
                              "without one use nn.Sequential")
         if comm is None:
             comm = next((p.comm for p in pieces if isinstance(p, LayerParallel)), None)
+        if comm is None:
+            warn_if_alone("MultiStage")
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         if defaults and not any(isinstance(p, Stage) for p in pieces):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator
+from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator, warn_if_alone
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_per_level
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
@@ -302,6 +302,8 @@ class _ParallelRNN(nn.Module):
                  tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
                  return_sequence: bool = True, comm=None):
         super().__init__()
+        if comm is None:
+            warn_if_alone(type(self).__name__)
         self._comm = as_communicator(comm)
         with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
             for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
