@@ -1781,8 +1781,13 @@ def _uninitialised_hint() -> str:
     with torch.distributed not initialised, dist.group.WORLD is None."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    if launched and dist is not None and dist.is_available() and not dist.is_initialized():
+    if dist is None:
+        return ""
+    try:  # (a value that is no whole number is not a launcher's: nothing to say)
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    except ValueError:
+        return ""
+    if launched and dist.is_available() and not dist.is_initialized():
         return (f" (this process was launched with WORLD_SIZE={os.environ['WORLD_SIZE']} and torch.distributed is "
                 "not initialised: dist.group.WORLD is None until torch.distributed.init_process_group(...) "
                 "has been called)")

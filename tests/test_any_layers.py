@@ -1428,6 +1428,11 @@ def test_a_tolerance_below_the_rounding_floor_says_so():
                            converged=False, iterations=6, u=torch.ones(5, 8, dtype=torch.float64))
     with pytest.warns(ConvergenceWarning, match="far above the rounding of the states.*fewer levels.*relax='FCF'"):
         _warn_solve(high, "forward", "fwd_iters", 1e-13, "abs", torch.float64)
+    # in bfloat16 too: 1e4 units in its last place exceed the largest residual, a stall near it is no floor
+    flat = SimpleNamespace(residuals=[None, 1.0, 0.9, 0.9, 0.9, 0.9], final_residual=0.9, converged=False,
+                           iterations=6)
+    with pytest.warns(ConvergenceWarning, match="far above the rounding of the states"):
+        _warn_solve(flat, "forward", "fwd_iters", 1e-3, "abs", torch.bfloat16)
 
 
 def test_inference_mode_gives_what_no_grad_gives():

@@ -293,11 +293,12 @@ def test_a_process_group_that_is_none_before_init_is_named(monkeypatch):
         with pytest.warns(RuntimeWarning, match=rf"^{name} got comm=None and runs on this process alone "
                                                 r"\(this process was launched with WORLD_SIZE=2"):
             build()
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for build in builds.values():
-            build()
+    for value in ("1", "", "abc", "2.0"):  # (no whole number > 1: no launcher's; "abc" raised ValueError)
+        monkeypatch.setenv("WORLD_SIZE", value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for build in builds.values():
+                build()
 
 
 def test_a_group_this_rank_is_not_in_is_named():

@@ -1814,14 +1814,15 @@ def _rounding(dtype) -> str:
 
 
 def _rounding_floor(res, seen: list, dtype) -> float:
-    """The residual below which a stall is the rounding of the states: 1e4 units in the last place of the
-    larger of the largest residual seen and the size of a state (its largest entry times the square root
-    of its entries; ``res.u`` when the result holds its states)."""
+    """The residual below which a stall is the rounding of the states: 1e4 units in the last place (at most
+    a tenth: in float16 / bfloat16 a stall near the largest residual is no rounding floor) of the larger of
+    the largest residual seen and the size of a state (its largest entry times the square root of its
+    entries; ``res.u`` when the result holds its states)."""
     scale = max(seen)
     u = getattr(res, "u", None)
     if isinstance(u, torch.Tensor) and u.dim() > 0 and u.numel():
         scale = max(scale, float(u.detach().abs().max()) * math.sqrt(u[0].numel()))
-    return 1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps * scale
+    return min(1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps, 0.1) * scale
 
 
 def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None) -> None:
