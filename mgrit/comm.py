@@ -1063,6 +1063,12 @@ class _SessionComm(Communicator):
 
     @staticmethod
     def _verdict(notes: list):
+        odd = next((r for r, n in enumerate(notes) if not (isinstance(n, tuple) and len(n) == 5)), None)
+        if odd is not None:  # a rank in another protocol's gather (a split's plan) on this tag: no unpacking
+            bad = (f"the collective calls differ between ranks: rank {odd} is in another collective call of the "
+                   "communicator (a split) than rank 0; every rank must make the same collective calls in the "
+                   "same order")
+            return [], bad, None, 0, [None] * len(notes)
         failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
         bad = None if failed else mismatch_message([s for _, s, *_ in notes])  # (never raises)
         common = set(notes[0][2]).intersection(*(set(p) for _, _, p, *_ in notes[1:]))
@@ -1187,17 +1193,26 @@ class _SessionComm(Communicator):
         on every rank: else a ValueError on every rank naming ``what``."""
         self._before_post()
         ch = self._top
+        # a handshake's note and verdict (see _handshake), so that a rank in agree and one in a session's
+        # handshake read each other's messages: the verdict names both calls (the root unpacked a bare
+        # value as a note before, a TypeError that left the other rank waiting)
+        mine = (None, Call(f"agree ({what})", ()), (), 0, value)
         self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
         try:
-            values = self._gather_to_root(ch, value, Tag.HANDSHAKE)
-            odd = None if values is None else next(((r, v) for r, v in enumerate(values)
-                                                    if not _equal(v, values[0])), None)
-            odd = self._from_root(ch, None if odd is None else (odd[0], odd[1], values[0]), Tag.HANDSHAKE)
+            notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
+            verdict = None if notes is None else self._verdict(notes)
+            failed, bad, _, _, values = self._from_root(ch, verdict, Tag.HANDSHAKE)
         finally:
             self._handshaking = False
         self._after_object_sends(ch)
+        if failed:
+            r, n = failed[0]
+            raise self._remote(r, n)
+        if bad:
+            raise ValueError(bad)
+        odd = next(((r, v) for r, v in enumerate(values) if not _equal(v, values[0])), None)
         if odd is not None:
-            raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {odd[2]!r} on rank 0; "
+            raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {values[0]!r} on rank 0; "
                              "pass the same on every rank")
 
     def send(self, x, dest, tag):

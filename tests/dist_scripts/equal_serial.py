@@ -4,7 +4,7 @@ Run as ``python _launch.py P equal_serial.py [--torch]`` (or under ``torchrun``)
 cases and checks are those of ``tests/mpi_scripts/equal_serial.py`` (linear, FAS,
 nested, F-cycles, spatial coarsening, awkward distributions; torch states), with
 ``comm=`` the world process group, and the checks of a session's ``share``, of a
-solve on ``ReversedInSession``, of ``exact_many`` and of ``waited`` from
+solve on ``ReversedInSession``, of ``exact_many``, ``waited`` and ``agree`` from
 ``mpi_scripts/comm_session.py``. Every rank prints ``rank r: OK n cases`` or its
 ``MISMATCH`` lines; exit 0 only when nothing failed.
 """
@@ -49,10 +49,11 @@ def main() -> int:
     if not np.array_equal(mgrit.gather(res, root=None), ref.u) or res.residuals != ref.residuals:
         failures.append("comm=dist.group.WORLD differs from the serial solve")
     # the session's share and a solve on ReversedInSession (the checks of mpi_scripts/comm_session.py)
-    from comm_session import check_exact_many, check_share_and_reversed, check_waited
+    from comm_session import check_agree_against_a_session, check_exact_many, check_share_and_reversed, check_waited
 
     failures += check_share_and_reversed(comm) + check_exact_many(comm)
     check_waited(comm, failures)
+    check_agree_against_a_session(comm, failures)
     for f in failures:
         print(f"rank {comm.rank}: MISMATCH {f}", flush=True)
     if not failures:

@@ -35,7 +35,8 @@ Afterwards: sessions still work (ring exchange, reductions equal on every
 rank), a session's ``share`` reaches every rank in rank order, a solve on
 :class:`ReversedInSession` (inside a session, ranks in reverse) equals the serial
 one bit for bit and a failure in it names the failed rank as the session's
-communicator does, ``waited`` counts the time a rank waits for a message, ``exact_many`` equals the single reductions bit for bit, and
+communicator does, ``waited`` counts the time a rank waits for a message, a rank in
+``agree`` against one in a session's handshake raises naming both calls, ``exact_many`` equals the single reductions bit for bit, and
 a solve equals the serial one bit for bit, and sessions whose signatures differ in odd
 ways (an unhashable ``what``, numpy arrays, an argument that cannot be printed) raise
 ValueError on every rank: ``rank r: sessions OK``. With
@@ -296,6 +297,34 @@ def check_waited(c, bad_lines: list, nap: float = 0.3) -> None:
         bad_lines.append(f"waited grew by {grew:.3f} s on rank {r} (rank 0 napped {nap} s before sending)")
 
 
+def check_agree_against_a_session(c, bad_lines: list) -> None:
+    """One rank in a session's handshake, the others in ``agree`` (split_comm's), either way round: every
+    rank raises ValueError naming both calls (rank 0 unpacked the bare value of agree as a handshake note,
+    a TypeError, and the other ranks waited), and the communicator stays usable (one process: nothing to
+    differ)."""
+    if c.size == 1:
+        return
+    for first in (0, c.size - 1):
+        try:
+            if c.rank == first:
+                with c.session():
+                    pass
+            else:
+                c.agree(3, "`layer_size` of split_comm")
+        except ValueError as exc:
+            if "the collective calls differ" not in str(exc) or "agree (`layer_size` of split_comm)" not in str(exc):
+                bad_lines.append(f"agree against a session: unclear error {exc}")
+        else:
+            bad_lines.append(f"agree against a session on rank {first}: no error")
+    c.agree(5, "a value")  # (usable)
+    try:
+        c.agree(c.rank, "`layer_size` of split_comm")
+        bad_lines.append("agree of different values: no error")
+    except ValueError as exc:
+        if "`layer_size` of split_comm differs between ranks" not in str(exc):
+            bad_lines.append(f"agree of different values: {exc}")
+
+
 def check_clean(c, bad_lines: list) -> None:
     """Sessions, reductions and a solve work after the failures."""
     r, P = c.rank, c.size
@@ -412,6 +441,7 @@ def main() -> int:
     check_odd_signatures(c, bad_lines)
     check_clean(c, bad_lines)
     check_waited(c, bad_lines)
+    check_agree_against_a_session(c, bad_lines)
     for line in bad_lines:
         print(f"rank {r}: MISMATCH {line}", flush=True)
     if not bad_lines:
