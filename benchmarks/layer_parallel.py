@@ -222,11 +222,9 @@ def breakdown(a):
           "leave each rank; extra work: own work minus the half net")
     print(f"{'layers':>7}{'rank':>5}{'whole ms':>10}{'half net ms':>13}{'2 ranks ms':>12}{'waiting ms':>12}"
           f"{'own work ms':>13}{'extra work ms':>15}")
-    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child", "--breakdown"]
     for n in a.sweep or [a.layers]:
-        args = [f"--{k.replace('_', '-')}={v}" for k, v in {**vars(a), "layers": n}.items()
-                if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches", "breakdown")]
-        for run in mpi_results(cmd + args, a.launches):
+        cmd = child_command(argparse.Namespace(**{**vars(a), "layers": n}), "--breakdown")
+        for run in mpi_results(cmd, a.launches):
             for r, d in enumerate(run["ranks"]):
                 print(f"{n:>7}{r:>5}{1e3 * d['whole']:>10.2f}{1e3 * d['half']:>13.2f}{1e3 * d['pass']:>12.2f}"
                       f"{1e3 * d['waited']:>12.2f}{1e3 * d['busy']:>13.2f}{1e3 * (d['busy'] - d['half']):>15.2f}")
@@ -325,14 +323,19 @@ def run_ranks(a) -> dict:
     can run a few percent slower than another for its whole life (the two-rank time follows the
     slower one). Returns the median launch by its 1 -> 2 rank ratio, with every launch's ratio
     under ``"ratios"``."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child"] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-        if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches", "breakdown")]
-    median, runs = median_launch(mpi_results(cmd, a.launches))
+    median, runs = median_launch(mpi_results(child_command(a), a.launches))
     best = dict(median)
     best["ratios"] = [r["lp1"] / r["lp2"] for r in runs]
     return best
+
+
+def child_command(a, *flags: str) -> list:
+    """The ``mpiexec -n 2`` command line of the child run with the settings of ``a`` (not the parent's own
+    options: what it runs, how often it launches), plus ``flags``."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    return [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "--child", *flags] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+        if k not in ("quick", "no_mpi", "child", "sweep", "batch_sweep", "launches", "breakdown")]
 
 
 def median_launch(runs: list) -> tuple:

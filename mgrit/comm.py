@@ -1106,13 +1106,18 @@ class _SessionComm(Communicator):
             raise bad_share
         if failure is not None:
             return None
+        self._raise_verdict(failed, bad)
+        return reuse, new_id, shares
+
+    def _raise_verdict(self, failed: list, bad: str | None) -> None:
+        """Raise what a handshake's verdict says (:meth:`_verdict`): RemoteRankError for the first rank
+        that failed, ValueError when the calls or signatures differ; nothing when neither."""
         if failed:
             r, n = failed[0]
             more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
             raise self._remote(r, n, more)
         if bad:
             raise ValueError(bad)
-        return reuse, new_id, shares
 
     def _after_handshake(self, ch) -> None:
         """Engine hook between the verdict and acting on it."""
@@ -1205,11 +1210,7 @@ class _SessionComm(Communicator):
         finally:
             self._handshaking = False
         self._after_object_sends(ch)
-        if failed:
-            r, n = failed[0]
-            raise self._remote(r, n)
-        if bad:
-            raise ValueError(bad)
+        self._raise_verdict(failed, bad)
         odd = next(((r, v) for r, v in enumerate(values) if not _equal(v, values[0])), None)
         if odd is not None:
             raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {values[0]!r} on rank 0; "
@@ -1809,10 +1810,13 @@ def _uninitialised_hint() -> str:
     return ""
 
 
-def warn_if_alone(what: str) -> None:
-    """Warn (``RuntimeWarning``) when ``what`` was given no communicator in a process launched as one of
-    several (``WORLD_SIZE > 1``) before torch.distributed was initialised: ``comm=dist.group.WORLD``
-    is None then, and the work would run on every process alone, each doing all of it."""
+def warn_if_alone(comm, what: str) -> None:
+    """Warn (``RuntimeWarning``) when ``what`` was given no communicator (``comm`` None) in a process
+    launched as one of several (``WORLD_SIZE > 1``) before torch.distributed was initialised:
+    ``comm=dist.group.WORLD`` is None then, and the work would run on every process alone, each doing
+    all of it."""
+    if comm is not None:
+        return
     hint = _uninitialised_hint()
     if hint:
         import warnings

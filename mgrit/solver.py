@@ -240,8 +240,7 @@ def solve(
     >>> res.iterations, res.converged
     (4, True)
     """
-    if comm is None:
-        warn_if_alone("mgrit.solve")
+    warn_if_alone(comm, "mgrit.solve")
     comm = as_communicator(comm)
     try:  # every check is local: a rank with bad input tells the others in comm.open
         opts = Options(cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, c_weight=c_weight,

@@ -254,8 +254,7 @@ class ParallelGRU(_ParallelRNN):
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
                  dtype=None, proj_size: int = 0, **options):
         comm = options.pop("comm", None)
-        if comm is None:
-            warn_if_alone("ParallelGRU")
+        warn_if_alone(comm, "ParallelGRU")
         comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
             if proj_size:  # (torch's GRU takes the keyword and refuses it, in the same words)

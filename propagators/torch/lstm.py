@@ -208,8 +208,7 @@ class ParallelLSTM(_ParallelRNN):
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
                  device=None, dtype=None, **options):
         comm = options.pop("comm", None)
-        if comm is None:
-            warn_if_alone("ParallelLSTM")
+        warn_if_alone(comm, "ParallelLSTM")
         comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
             if proj_size:

@@ -239,8 +239,10 @@ def _adjoint_pass(ctx, gy):
         # reaches every rank
         session = lp._session("the backward pass" + lp._pass_note, sig, share, _BACKWARD_AGREE)
         with session:
-            differ = None if share is None else (_differing_passes([sh[0] for sh in session.shared], f"LayerParallel #{lp._uid}") or _differing_inputs(
-                [sh[1] for sh in session.shared], "gradient of the block's output", _DIFFERENT_LOSS))
+            differ = None if share is None else (
+                _differing_passes([sh[0] for sh in session.shared], f"LayerParallel #{lp._uid}")
+                or _differing_inputs([sh[1] for sh in session.shared], "gradient of the block's output",
+                                     _DIFFERENT_LOSS))
             if differ is None:
                 kp = ctx.saved[0].kernel
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
@@ -711,8 +713,7 @@ class LayerParallel(nn.Module):
                  scheme=forward_euler, layer_index=None, batched: bool = True, streams: int = 0,
                  comm=None, data_comm=None, callback=None, spatial=None):
         super().__init__()
-        if comm is None:
-            warn_if_alone("LayerParallel")
+        warn_if_alone(comm, "LayerParallel")
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below

@@ -138,8 +138,7 @@ class MultiStage(nn.Module):
                              "without one use nn.Sequential")
         if comm is None:
             comm = next((p.comm for p in pieces if isinstance(p, LayerParallel)), None)
-        if comm is None:
-            warn_if_alone("MultiStage")
+        warn_if_alone(comm, "MultiStage")
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         if defaults and not any(isinstance(p, Stage) for p in pieces):

@@ -32,9 +32,8 @@ from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_co
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_per_level
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
-                     _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active, _input_sums,
-                     _differing_passes, _iterations, _nan_like, _no_transforms, _tolerance, _uids,
-                     _warn_solve)
+                     _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active,
+                     _input_sums, _iterations, _nan_like, _no_transforms, _tolerance, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -302,8 +301,7 @@ class _ParallelRNN(nn.Module):
                  tol_type: str = "abs", skip: bool = True, exact_eval: bool = True,
                  return_sequence: bool = True, comm=None):
         super().__init__()
-        if comm is None:
-            warn_if_alone(type(self).__name__)
+        warn_if_alone(comm, type(self).__name__)
         self._comm = as_communicator(comm)
         with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
             for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
