@@ -1066,8 +1066,7 @@ class _SessionComm(Communicator):
         odd = next((r for r, n in enumerate(notes) if not (isinstance(n, tuple) and len(n) == 5)), None)
         if odd is not None:  # a rank in another protocol's gather (a split's plan) on this tag: no unpacking
             bad = (f"the collective calls differ between ranks: rank {odd} is in another collective call of the "
-                   "communicator (a split) than rank 0; every rank must make the same collective calls in the "
-                   "same order")
+                   "communicator than rank 0; every rank must make the same collective calls in the same order")
             return [], bad, None, 0, [None] * len(notes)
         failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
         bad = None if failed else mismatch_message([s for _, s, *_ in notes])  # (never raises)
@@ -1197,11 +1196,19 @@ class _SessionComm(Communicator):
         ``torch.distributed.new_group``). ``value`` (picklable, compared with ``==``) must be the same
         on every rank: else a ValueError on every rank naming ``what``."""
         self._before_post()
+        values = self._exchange(Call(f"agree ({what})", ()), value)
+        odd = next(((r, v) for r, v in enumerate(values) if not _equal(v, values[0])), None)
+        if odd is not None:
+            raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {values[0]!r} on rank 0; "
+                             "pass the same on every rank")
+
+    def _exchange(self, call: Call, value) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank: a collective that speaks a
+        session handshake's note and verdict (see :meth:`_handshake`) under the name ``call``, so that
+        ranks at different collective calls (this one, a split, a session's handshake) all raise a
+        ValueError naming every rank's call, and a rank's failure notice a RemoteRankError."""
         ch = self._top
-        # a handshake's note and verdict (see _handshake), so that a rank in agree and one in a session's
-        # handshake read each other's messages: the verdict names both calls (the root unpacked a bare
-        # value as a note before, a TypeError that left the other rank waiting)
-        mine = (None, Call(f"agree ({what})", ()), (), 0, value)
+        mine = (None, call, (), 0, value)
         self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
         try:
             notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
@@ -1211,10 +1218,7 @@ class _SessionComm(Communicator):
             self._handshaking = False
         self._after_object_sends(ch)
         self._raise_verdict(failed, bad)
-        odd = next(((r, v) for r, v in enumerate(values) if not _equal(v, values[0])), None)
-        if odd is not None:
-            raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {values[0]!r} on rank 0; "
-                             "pass the same on every rank")
+        return values
 
     def send(self, x, dest, tag):
         self._before_post()
@@ -1724,7 +1728,8 @@ class MPIComm(_SessionComm):
         self._broken = (self.rank, note)
 
     def split(self, color, key=0):
-        self.agree()  # all are here
+        self._before_post()
+        self._exchange(Call("Communicator.split", ()), None)  # all are here (MPI_Comm_split waits for ever)
         raw = self._base.comm.Split(color, key)
         if raw == self._MPI.COMM_NULL:
             return None

@@ -99,6 +99,7 @@ import numpy as np
 
 from . import _backend as B
 from .comm import (
+    Call,
     RemoteRankError,
     Tag,
     _Backoff,
@@ -1029,22 +1030,18 @@ class TorchDistComm(_SessionComm):
         for ``color`` None or negative (such as ``MPI.UNDEFINED``).
         """
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        ch = self._top
         undefined = color is None or int(color) < 0
         mine = (None if undefined else int(color), int(key), self._g.next_space)
-        notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-        plan = None
-        if notes is not None:
-            top = max(n for _, _, n in notes)
-            colors = sorted({c for c, _, _ in notes if c is not None})
-            plan = (top + len(colors), {
-                c: (top + i, [self._members[r] for r in sorted((r for r in range(self.size) if notes[r][0] == c),
-                                                               key=lambda r: (notes[r][1], r))])
-                for i, c in enumerate(colors)})
-        after, groups = self._from_root(ch, plan, Tag.HANDSHAKE)
-        if ch is self._base:
-            self._complete_sends(ch)
-        self._g.next_space = max(self._g.next_space, after)
+        # every rank's (color, key, next tag space), exchanged as a handshake is (so that a rank here and
+        # one in a session's handshake or in agree both get an error naming both calls); every rank then
+        # makes the same plan from them
+        notes = self._exchange(Call("Communicator.split", ()), mine)
+        top = max(n for _, _, n in notes)
+        colors = sorted({c for c, _, _ in notes if c is not None})
+        groups = {c: (top + i, [self._members[r] for r in sorted((r for r in range(self.size) if notes[r][0] == c),
+                                                                 key=lambda r: (notes[r][1], r))])
+                  for i, c in enumerate(colors)}
+        self._g.next_space = max(self._g.next_space, top + len(colors))
         if undefined:
             return None
         space, members = groups[int(color)]

@@ -85,7 +85,7 @@ def solve_kw():
 
 def run_case(c, name: str, bad: int):
     """Run case ``name`` on communicator wrapper ``c``; return this rank's exception."""
-    r, P = c.rank, c.size
+    r = c.rank
     busy = 1 if bad != 1 else 0
     t = np.linspace(0.0, 2.0, 17)
     try:
@@ -263,7 +263,7 @@ def check_odd_signatures(c, bad_lines: list) -> None:
             raise RuntimeError("no repr")
 
     odd = {"unhashable what": (Call(["step", r]), "the collective calls differ"),
-           "numpy signature": (np.arange(3) + (r == P - 1), "differ between ranks (ranks"),
+           "numpy signature": (np.arange(3) + (r == P - 1), "differ between ranks (rank"),
            "unprintable argument": (Call("my call", Unprintable() if r == 0 else 1), "the arguments of my call")}
     for name, (sig, part) in odd.items():
         try:
@@ -297,25 +297,44 @@ def check_waited(c, bad_lines: list, nap: float = 0.3) -> None:
         bad_lines.append(f"waited grew by {grew:.3f} s on rank {r} (rank 0 napped {nap} s before sending)")
 
 
+def _session(c) -> None:
+    with c.session():
+        pass
+
+
+def _split(c) -> None:
+    part = c.split(0, c.rank)
+    if part is not None:
+        part.free()
+
+
 def check_agree_against_a_session(c, bad_lines: list) -> None:
-    """One rank in a session's handshake, the others in ``agree`` (split_comm's), either way round: every
-    rank raises ValueError naming both calls (rank 0 unpacked the bare value of agree as a handshake note,
-    a TypeError, and the other ranks waited), and the communicator stays usable (one process: nothing to
-    differ)."""
+    """One rank in one collective call, the others in another, either way round: a session's handshake
+    against ``agree`` (split_comm's), and ``split`` against both. Every rank raises ValueError naming both
+    calls (rank 0 unpacked the bare value of agree as a handshake note, a TypeError, and the other ranks
+    waited; the plan of a split over torch.distributed, met by a handshake, gave an unpacking error on
+    rank 0), and the communicator stays usable (one process: nothing to differ)."""
     if c.size == 1:
         return
-    for first in (0, c.size - 1):
-        try:
-            if c.rank == first:
-                with c.session():
-                    pass
+    layer_size = lambda c: c.agree(3, "`layer_size` of split_comm")  # noqa: E731
+    pairs = [(_session, layer_size, "agree (`layer_size` of split_comm)", "agree against a session"),
+             (_split, _session, "Communicator.split", "split against a session"),
+             (_split, lambda c: c.agree(1, "a value"), "Communicator.split", "split against agree")]
+    for mine, theirs, named, case in pairs:
+        for first in (0, c.size - 1):
+            try:
+                (mine if c.rank == first else theirs)(c)
+            except ValueError as exc:
+                if "the collective calls differ" not in str(exc) or named not in str(exc):
+                    bad_lines.append(f"{case}: unclear error {exc}")
             else:
-                c.agree(3, "`layer_size` of split_comm")
-        except ValueError as exc:
-            if "the collective calls differ" not in str(exc) or "agree (`layer_size` of split_comm)" not in str(exc):
-                bad_lines.append(f"agree against a session: unclear error {exc}")
-        else:
-            bad_lines.append(f"agree against a session on rank {first}: no error")
+                bad_lines.append(f"{case}, rank {first} alone: no error")
+    part = c.split(c.rank % 2, -c.rank)  # (usable, and a split still splits)
+    want = sorted((r for r in range(c.size) if r % 2 == c.rank % 2), reverse=True)
+    if part.size != len(want) or part.rank != want.index(c.rank):
+        bad_lines.append(f"split after the mismatches: rank {part.rank} of {part.size}, want "
+                         f"{want.index(c.rank)} of {len(want)}")
+    part.free()
     c.agree(5, "a value")  # (usable)
     try:
         c.agree(c.rank, "`layer_size` of split_comm")
