@@ -188,3 +188,24 @@ def type_name(x) -> str:
 
 def shape_of(x) -> tuple:
     return tuple(x.shape)
+
+
+def host_values(x) -> tuple:
+    """``(flat real numpy array on the host, machine epsilon of x's dtype)`` of an array or tensor (complex
+    entries as their real and imaginary parts, a tensor copied to the host where it is not there, bfloat16
+    widened to float32): what :func:`mgrit._inputs.array_sums` reads."""
+    if is_torch(x):
+        import torch
+
+        eps = torch.finfo(x.dtype).eps
+        v = x.detach().resolve_conj().resolve_neg().reshape(-1)
+        if v.is_complex():
+            v = torch.view_as_real(v).reshape(-1)
+        if v.dtype == torch.bfloat16:
+            v = v.float()
+        return v.cpu().numpy(), eps
+    v = np.asarray(x)
+    eps = float(np.finfo(v.dtype).eps)
+    if v.dtype.kind == "c":
+        v = v.view(v.real.dtype) if v.flags.c_contiguous else np.concatenate([v.real.ravel(), v.imag.ravel()])
+    return v.reshape(-1), eps

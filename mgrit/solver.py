@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from .comm import Call, Communicator, args_signature, as_communicator, warn_if_alone
+from ._inputs import array_sums, sums_gap, sums_rtol
+from .comm import Call, Communicator, InSession, args_signature, as_communicator, warn_if_alone
 from .cycle import DivergenceError, Levels, run
 from .hierarchy import per_level
 from .options import Options
@@ -138,6 +139,9 @@ def solve(
         float64 (numpy) or torch's default floating dtype. A real ``u0`` needs a
         propagator that returns real states (pass a complex ``u0`` otherwise).
         A tensor that requires grad is rejected: the solve is not differentiable.
+        On several ranks every rank passes the same ``u0`` (up to rounding): the
+        ranks compare sums of it in their handshake, and a ValueError on every
+        rank names one that differs.
     t : array_like, shape (N + 1,)
         Strictly increasing fine time points; non-uniform grids are fine.
     cf, max_levels, min_coarse, relax, c_weight
@@ -268,10 +272,17 @@ def solve(
             [(lv.n, lv.cf, lv.relax, lv.c_weight) for lv in hierarchy], hierarchy[0].t.tobytes(),
             B.shape_of(u0), str(u0.dtype), [tr is None for tr in transfers], *opts.signature(),
         ), "time grids, hierarchies, state shapes or dtypes, spatial transfers or stopping rules")
+        # the ranks compare their u0 in the handshake (no message of its own); inside a caller's session
+        # (InSession: no handshake to ride on) the caller has compared its inputs itself
+        share = _u0_sums(u0) if comm.size > 1 and not isinstance(comm, InSession) else None
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
-    comm.open(signature=sig)
+    shared = comm.open(signature=sig, share=share)
+    differ = None if share is None else _differing_u0(shared)
+    if differ is not None:  # every rank found it in the handshake: raised after the session (no one waits)
+        comm.close()
+        raise differ
     try:
         res = _run(hierarchy, states, u0, comm, opts)
     except BaseException as exc:
@@ -287,6 +298,27 @@ def solve(
             stacklevel=2,
         )
     return res
+
+
+def _u0_sums(u0) -> tuple:
+    """What the ranks compare of their ``u0``: its sums (:func:`mgrit._inputs.array_sums`) and tolerance."""
+    v, eps = B.host_values(u0)
+    with np.errstate(all="ignore"):  # (u0 is finite: checked before)
+        return (*array_sums(v), sums_rtol(eps))
+
+
+def _differing_u0(sums: list) -> ValueError | None:
+    """The error when the ranks' ``u0`` differ beyond rounding (``sums``: every rank's :func:`_u0_sums`):
+    only rank 0's sets the solution, the others' would enter the first iterate alone."""
+    rtol = max(s[4] for s in sums)
+    odd = [r for r, s in enumerate(sums) if sums_gap(s, sums[0]) > rtol]
+    if not odd:
+        return None
+    r = odd[0]
+    return ValueError(
+        f"`u0` differs between ranks: rank {r}'s (sum of squares {sums[r][0]:.6g}, sum weighted by position "
+        f"{sums[r][3]:.6g}) against rank 0's ({sums[0][0]:.6g}, {sums[0][3]:.6g}); every rank must pass the same "
+        "initial state: make it alike on every rank (the same data and seed), or broadcast rank 0's")
 
 
 def _check_no_grad(x, name: str) -> None:

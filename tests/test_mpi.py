@@ -89,21 +89,27 @@ def test_failures_reach_every_rank_and_mpi_stays_usable():
     """Failures on one rank in several places, in one launch on 3 ranks: an exception
     early, late and in the final F-relaxation after the last cycle (when the other
     ranks may already be done), a NaN (divergence), bad input (NaN u0, a failing
-    initial guess) and inconsistent input (another time grid). Afterwards a solve on
-    the same communicator still equals the serial one."""
-    cases = ["raise:1:1", "raise:0:4", "raise:2:6", "raise:1:0", "nan:1:2", "u0:2", "guess:0", "grid:1"]
+    initial guess) and inconsistent input (another time grid, another u0; a u0 one bit
+    apart is rounding: no error). Afterwards a solve on the same communicator still
+    equals the serial one."""
+    cases = ["raise:1:1", "raise:0:4", "raise:2:6", "raise:1:0", "nan:1:2", "u0:2", "guess:0", "grid:1", "u0diff:1",
+             "u0ulp:2"]
     rc, out, _ = launch(3, "failures.py", *cases, timeout=90)
     assert rc == 1, out[-5000:]
     rep = _reports(out)
-    assert set(rep) == {(c, r) for c in range(len(cases)) for r in range(3)}, out
+    ulp = cases.index("u0ulp:2")
+    assert set(rep) == {(c, r) for c in range(len(cases)) if c != ulp for r in range(3)}, out
+    assert {int(r) for r in re.findall(rf"case {ulp} rank (\d+): no error", out)} == {0, 1, 2}, out
     for c, spec in enumerate(cases):
         mode, bad = spec.split(":")[:2]
         bad = int(bad)
-        for r in range(3):
+        for r in range(3 if c != ulp else 0):
             kind, msg, seconds = rep[c, r]
             assert seconds < 10.0, (spec, r, out)
             if mode == "grid":  # every rank sees the inconsistency itself
                 assert kind == "ValueError" and "differ between ranks" in msg, (spec, r, msg)
+            elif mode == "u0diff":
+                assert kind == "ValueError" and "`u0` differs between ranks: rank 1's" in msg, (spec, r, msg)
             elif mode == "nan":  # the NaN may reach a neighbour, and be detected there, first
                 assert kind == "DivergenceError" or (
                     kind == "RemoteRankError" and "DivergenceError: MGRIT diverged" in msg), (spec, r, kind, msg)

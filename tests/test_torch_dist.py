@@ -115,12 +115,14 @@ def test_failures_reach_every_process_within_seconds_and_the_group_stays_usable(
     solves in a row. Every process raises within seconds (the others RemoteRankError naming
     the failed rank); afterwards a solve and a layer-parallel step on the same group equal
     the serial ones, and no channel had to be retired (every cleanup emptied its channel)."""
-    cases = ["raise:1", "late:0", "final:2", "nan:1", "u0:2", "grid:1", "step:1", "adjoint:2", "alarm:1", "many:0"]
+    cases = ["raise:1", "late:0", "final:2", "nan:1", "u0:2", "grid:1", "step:1", "adjoint:2", "alarm:1", "many:0",
+             "u0diff:2", "u0ulp:1"]
     rc, out = launch(3, "failures.py", *cases, timeout=180)
     rep = _reports(out)
-    names = [c.split(":")[0] for c in cases]
+    names = [c.split(":")[0] for c in cases if c != "u0ulp:1"]
     assert set(rep) == {(c, r) for c in names for r in range(3)}, out[-5000:]
-    for spec in cases:
+    assert {int(r) for r in re.findall(r"case u0ulp rank (\d+): no error", out)} == {0, 1, 2}, out[-5000:]
+    for spec in cases[:-1]:
         case, bad = spec.split(":")
         bad = int(bad)
         for r in range(3):
@@ -128,6 +130,8 @@ def test_failures_reach_every_process_within_seconds_and_the_group_stays_usable(
             assert seconds < 5.0, (case, r, seconds)
             if case == "grid":
                 assert kind == "ValueError" and "differ between ranks" in msg, (case, r, msg)
+            elif case == "u0diff":
+                assert kind == "ValueError" and "`u0` differs between ranks: rank 2's" in msg, (case, r, msg)
             elif case == "nan":
                 assert kind == "DivergenceError" or (kind == "RemoteRankError" and "DivergenceError" in msg)
             elif r == bad:

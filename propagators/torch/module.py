@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
+from mgrit._inputs import array_sums as _input_sums_numpy, sums_gap as _input_gap, sums_rtol
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -454,43 +455,10 @@ _NUMPY_SUMS = {torch.float64, torch.float32, torch.float16, torch.int64, torch.i
                torch.uint8, torch.bool}
 
 
-def _input_sums_numpy(v: np.ndarray) -> tuple:
-    """The four sums of :func:`_input_sums` for a flat CPU array, with numpy (a few microseconds where
-    torch's dispatch takes about a hundred for a small input); the same sums, rounded alike."""
-    n = v.size
-    if n <= 4096 or v.dtype.kind not in "f":  # (integers: no wrap-around in abs)
-        w = v.astype(np.float64)
-        k, a = np.arange(n, dtype=np.float64), np.abs(w)
-        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k)
-    body, tail = v[: n - n % 61].reshape(-1, 61), v[n - n % 61:]
-    cols, rows, last = np.arange(61.0), np.arange(body.shape[0]) * 61.0, np.arange(n - n % 61, n, dtype=np.float64)
-
-    def weighted(b, t):
-        return float(b.sum(0, dtype=np.float64) @ cols + b.sum(1, dtype=np.float64) @ rows
-                     + t.astype(np.float64) @ last)
-
-    mags, tmags = np.abs(body), np.abs(tail)
-    squares = float(np.dot(v, v) if v.dtype == np.float64 else np.square(v, dtype=np.float64).sum())
-    total = float(mags.sum(dtype=np.float64) + tmags.sum(dtype=np.float64))
-    return squares, total, weighted(mags, tmags), weighted(body, tail)
-
-
 def _input_rtol(dtype) -> float:
     """How far the sums of one input may differ between ranks: rounding in the layers before the block
     (computed on other hardware), not a different batch; 100 units in the last place, at most 1e-4."""
-    eps = torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7
-    return min(1e-4, 100 * eps)
-
-
-def _input_gap(s, s0) -> float:
-    """Largest relative difference between one rank's :func:`_input_sums` ``s`` and rank 0's ``s0``
-    (NaN and Inf left out)."""
-    scales = (max(abs(s[0]), abs(s0[0])), max(abs(s[1]), abs(s0[1])), max(abs(s[2]), abs(s0[2])),
-              max(abs(s[2]), abs(s0[2])))  # (the signed sum relative to the weighted magnitudes)
-    if any(math.isfinite(a) != math.isfinite(b) for a, b in zip(s[:4], s0[:4])):
-        return math.inf  # NaN or Inf on some ranks only: different inputs
-    return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:4], s0[:4], scales)
-                if math.isfinite(a) and math.isfinite(b)), default=0.0)
+    return sums_rtol(torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7)
 
 
 def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError | None:

@@ -18,7 +18,9 @@ MODE:
 * ``nan``: the propagator of rank BAD_RANK returns NaN in cycle CYCLE (a divergence);
 * ``u0``: rank BAD_RANK passes a NaN initial condition (bad input);
 * ``guess``: the initial-guess callable raises on rank BAD_RANK only (bad input);
-* ``grid``: rank BAD_RANK passes a different time grid (inconsistent input).
+* ``grid``: rank BAD_RANK passes a different time grid (inconsistent input);
+* ``u0diff``: rank BAD_RANK passes another (finite) initial condition (inconsistent input);
+* ``u0ulp``: rank BAD_RANK's initial condition differs in the last bit (rounding: no error).
 """
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ def run_case(comm, mode: str, bad_rank: int, cycle: int):
 
     if mode == "u0" and rank == bad_rank:
         u0[0] = np.nan
+    if mode == "u0diff" and rank == bad_rank:
+        u0 = u0 * 1.001
+    if mode == "u0ulp" and rank == bad_rank:
+        u0 = np.nextafter(u0, np.inf)
     if mode == "grid" and rank == bad_rank:
         t = np.linspace(0.0, 4.0, 66)
     if mode == "guess" and rank == bad_rank:

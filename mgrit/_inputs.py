@@ -1,0 +1,70 @@
+"""Whether the ranks of a solve hold the same array, up to rounding.
+
+Each rank reduces its array to four sums (:func:`array_sums`); the ranks
+exchange them in a handshake and compare them with a tolerance
+(:func:`sums_gap`). Used for the initial state of :func:`mgrit.solve` and for
+the inputs and output gradients of the torch blocks: data that every rank must
+pass alike, but that may come out of computations on other hardware (so the
+last bits may differ).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["array_sums", "sums_gap", "sums_rtol"]
+
+
+def array_sums(v: np.ndarray) -> tuple:
+    """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
+    weighted by flat position) of a flat real array, summed in float64. The weighted sums tell a
+    shuffled array, the last one a sign. Above 4,096 entries the weights ``k = 61 i + j`` come from
+    the column and row sums of a 61-wide view, and the last ``size % 61`` entries on their own.
+
+    >>> array_sums(np.array([1.0, -2.0, 3.0]))
+    (14.0, 6.0, 8.0, 4.0)
+    """
+    n = v.size
+    if n <= 4096 or v.dtype.kind not in "f":  # (integers: no wrap-around in abs)
+        w = v.astype(np.float64)
+        k, a = np.arange(n, dtype=np.float64), np.abs(w)
+        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k)
+    body, tail = v[: n - n % 61].reshape(-1, 61), v[n - n % 61:]
+    cols, rows, last = np.arange(61.0), np.arange(body.shape[0]) * 61.0, np.arange(n - n % 61, n, dtype=np.float64)
+
+    def weighted(b, t):
+        return float(b.sum(0, dtype=np.float64) @ cols + b.sum(1, dtype=np.float64) @ rows
+                     + t.astype(np.float64) @ last)
+
+    mags, tmags = np.abs(body), np.abs(tail)
+    squares = float(np.dot(v, v) if v.dtype == np.float64 else np.square(v, dtype=np.float64).sum())
+    total = float(mags.sum(dtype=np.float64) + tmags.sum(dtype=np.float64))
+    return squares, total, weighted(mags, tmags), weighted(body, tail)
+
+
+def sums_rtol(eps: float) -> float:
+    """How far two ranks' sums may differ for a dtype of machine epsilon ``eps``: rounding in what
+    computed the array (on other hardware), not other data; 100 units in the last place, at most 1e-4.
+
+    >>> sums_rtol(np.finfo(np.float64).eps) < 1e-13, sums_rtol(np.finfo(np.float16).eps)
+    (True, 0.0001)
+    """
+    return min(1e-4, 100 * float(eps))
+
+
+def sums_gap(s, s0) -> float:
+    """Largest relative difference between one rank's sums ``s`` and rank 0's ``s0`` (the first four
+    entries, as :func:`array_sums` makes them; NaN and Inf left out, but NaN or Inf on one side only
+    is an infinite gap).
+
+    >>> sums_gap((14.0, 6.0, 8.0, 4.0), (14.0, 6.0, 8.0, 4.0)), sums_gap((1.0, 1.0, 0.0, 0.0), (1.0, 1.0, 1.0, 1.0))
+    (0.0, 1.0)
+    """
+    scales = (max(abs(s[0]), abs(s0[0])), max(abs(s[1]), abs(s0[1])), max(abs(s[2]), abs(s0[2])),
+              max(abs(s[2]), abs(s0[2])))  # (the signed sum relative to the weighted magnitudes)
+    if any(math.isfinite(a) != math.isfinite(b) for a, b in zip(s[:4], s0[:4])):
+        return math.inf  # NaN or Inf on some ranks only: different arrays
+    return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:4], s0[:4], scales)
+                if math.isfinite(a) and math.isfinite(b)), default=0.0)
