@@ -62,28 +62,35 @@ def _average(comm, module, params, floats, shard_size) -> None:
     """allreduce_gradients' work, inside its session."""
     _check_alike(comm, params + floats, shard_size is not None, module, params)
     weight = 1.0 if shard_size is None else float(shard_size)
-    meta = np.array([p.grad is not None for p in params] + [weight], dtype=np.float64)
+    n = len(params)
+    sparse_grads = [p.grad is not None and p.grad.layout != torch.strided for p in params]
+    meta = np.array([p.grad is not None for p in params] + sparse_grads
+                    + [weight], dtype=np.float64)
     meta = comm.allreduce_array(meta)
     total = meta[-1]
     if total <= 0:
         raise ValueError("the shard sizes of all data ranks add up to 0")
     buckets: OrderedDict = OrderedDict()
-    for p, has in zip(params, meta[:-1]):
+    for p, has in zip(params, meta[:n]):
         if has:
             buckets.setdefault((p.dtype, p.device), []).append(p)
+    sparse = {id(p) for p, s in zip(params, meta[n:2 * n]) if s}  # (nn.Embedding(sparse=True): on any data rank)
     for (dtype, device), ps in buckets.items():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                          for p in ps])
+        flat = torch.cat([_dense_grad(p).reshape(-1) for p in ps])
+        if flat.dtype in (torch.float16, torch.bfloat16):  # (a gradient times the shard size overflows float16)
+            flat = flat.float()
         if weight != 1.0:
             flat = flat * weight
         # the tensor itself: a communicator that can reduce on the device (NCCL) keeps it there
-        summed = comm.allreduce_array(flat if flat.dtype != torch.bfloat16 else flat.float())
+        summed = comm.allreduce_array(flat)
         summed = (summed / total).to(dtype=dtype, device=device)
         off = 0
         for p in ps:
             g = summed[off: off + p.numel()].view_as(p)
             off += p.numel()
-            if p.grad is None:
+            if id(p) in sparse:  # the sum of the replicas' sparse gradients, sparse again on every data rank
+                p.grad = g.to_sparse()
+            elif p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
@@ -95,6 +102,14 @@ def _average(comm, module, params, floats, shard_size) -> None:
             for b in floats:
                 b.copy_(summed[off: off + b.numel()].view_as(b))
                 off += b.numel()
+
+
+def _dense_grad(p) -> torch.Tensor:
+    """``p``'s gradient as a dense tensor (zeros where it has none; a sparse one, such as
+    ``nn.Embedding(sparse=True)`` makes, summed into its dense form)."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.detach().to_dense() if p.grad.layout != torch.strided else p.grad.detach()
 
 
 def param_layout(params) -> int:
@@ -109,14 +124,17 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
     matched by position. The MGRIT blocks' settings (n_layers, T, scheme, hierarchy) must agree too, and the
     values of the parameters ``values`` (not the buffers: running statistics differ until averaged):
     replicas built after seeding the ranks differently (or with another T) averaged the gradients of
-    different networks, silently. So must the blocks' cycles and tolerances (and a Switchable's mode).)"""
+    different networks, silently. So must the blocks' cycles and tolerances (and a Switchable's mode), and every
+    module's training mode.)"""
     layout = param_layout(params)
     blocks = [(name, m._replica_settings()) for name, m in module.named_modules() if hasattr(m, "_replica_settings")]
     sums = _value_sums(values)
     # each of the first blocks' settings apart too (padded to a fixed count), so that the error names one
     each = [float(zlib.crc32(repr(b).encode())) for b in blocks[:_NAMED_BLOCKS]]
     each += [-1.0] * (_NAMED_BLOCKS - len(each))
-    mine = [float(len(params)), float(layout), float(weighted), float(zlib.crc32(repr(blocks).encode()))] + sums + each
+    modes = [m.training for m in module.modules()]  # (a replica left in eval() after its validation)
+    mine = ([float(len(params)), float(layout), float(weighted), float(zlib.crc32(repr(blocks).encode()))] + sums
+            + each + [float(zlib.crc32(bytes(modes)))])
     got = comm.exact_many([[v] for m in mine for v in (m, -m)], "max")
     if got[0] != -got[1] or got[2] != -got[3]:
         raise ValueError(
@@ -135,13 +153,21 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
             every = comm.gather(dict(blocks[i][1]) if i < len(blocks) else {}, root=None)
             fields = sorted({k for d in every for k in d if len({repr(e.get(k)) for e in every}) > 1})
             if i < len(blocks):
-                which = (f"block `{blocks[i][0]}` ({type(module.get_submodule(blocks[i][0])).__name__}): "
+                name = f"`{blocks[i][0]}`" if blocks[i][0] else "(the module itself)"
+                which = (f"block {name} ({type(module.get_submodule(blocks[i][0])).__name__}): "
                          + "; ".join(f"{k} " + " / ".join(repr(d.get(k)) for d in every) for k in fields)
                          + " on the data ranks in order")
         raise ValueError("allreduce_gradients: the data ranks' MGRIT blocks have different settings (n_layers, T, "
-                         "scheme, the MGRIT hierarchy, fwd_iters / bwd_iters / tolerances, a Switchable's mode; "
+                         "scheme, the MGRIT hierarchy, fwd_iters / bwd_iters / tolerances, skip / warm_start / "
+                         "exact_eval, a Switchable's mode; "
                          f"the first that differs: {which}): build and configure them alike on every data rank "
                          "(a SerialSwitch changes them alike when given `data_comm`)")
+    if got[-2] != -got[-1]:
+        every = comm.gather(sum(modes), root=None)
+        raise ValueError("allreduce_gradients: the data ranks' modules are in different modes (train() / eval(); "
+                         f"modules in training mode on the data ranks in order: {every} of {len(modes)}): their "
+                         "gradients come from different networks (BatchNorm's batch or running statistics, dropout "
+                         "on or off); call model.train() on every data rank after an evaluation on some of them")
     if got[8] != -got[9] or got[10] != -got[11]:  # (every rank decides from the same reduced numbers)
         raise ValueError("allreduce_gradients: the data ranks hold different parameter values (the checksums of "
                          "their bits differ): seed every "

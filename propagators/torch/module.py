@@ -1087,7 +1087,8 @@ class LayerParallel(nn.Module):
         net = dict(zip(("n_layers", "T", "options", "scheme", "layer_index"), self._network()))
         return tuple(net.items()) + (("spatial", self.spatial is not None), ("fwd_iters", self.fwd_iters),
                                      ("bwd_iters", self.bwd_iters), ("fwd_tol", self.fwd_tol),
-                                     ("bwd_tol", self.bwd_tol), ("tol_type", self.tol_type))
+                                     ("bwd_tol", self.bwd_tol), ("tol_type", self.tol_type), ("skip", self.skip),
+                                     ("warm_start", self.warm_start), ("exact_eval", self.exact_eval))
 
     def _pass_signature(self, x, exact: bool, cold: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares

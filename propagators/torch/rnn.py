@@ -371,7 +371,7 @@ class _ParallelRNN(nn.Module):
         approximations)."""
         return tuple((name, getattr(self, name)) for name in (
             "cycle", "coarse", "dropout", "return_sequence", "fwd_iters", "bwd_iters", "fwd_tol", "bwd_tol",
-            "tol_type")) + (("options", repr(self.options)),)
+            "tol_type", "skip", "exact_eval")) + (("options", repr(self.options)),)
 
     def _agree_on_ranks(self) -> None:
         """Building on several ranks is collective: the ranks agree on the module's id (so that ranks

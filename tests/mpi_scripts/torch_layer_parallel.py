@@ -144,6 +144,56 @@ def grid_2x2():
             check(f"uneven shards: gradient of layer {j}", p.grad, q.grad, 1e-10)
     grid_batch_norm_buffers(layer_comm, data_comm)
     grid_serial_switch(layer_comm, data_comm)
+    grid_replicas_alike(layer_comm, data_comm)
+
+
+def expect_error(name, fn, needle):
+    try:
+        fn()
+    except ValueError as exc:
+        if needle not in str(exc):
+            fail(f"{name}: unclear error {exc}")
+    else:
+        fail(f"{name}: no error")
+
+
+def grid_replicas_alike(layer_comm, data_comm):
+    """allreduce_gradients refuses replicas in different modes (one left in eval() after its validation)
+    or with blocks built with another skip (their gradients averaged silently: 53% and 9% off); averages
+    float16 gradients weighted by large shards without overflow, and sparse gradients (nn.Embedding)."""
+    d = data_comm.Get_rank()
+    layers = make(8, 4, seed=8)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2, comm=layer_comm, data_comm=data_comm)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(8))
+    if d == 1:
+        lp.eval()
+        with torch.no_grad():
+            lp(x)  # (validation on this replica; it forgets train())
+    lp(x).square().sum().backward()
+    expect_error("a replica in eval()", lambda: allreduce_gradients(lp, data_comm), "in different modes")
+    lp.train()
+    allreduce_gradients(lp, data_comm)  # (usable)
+    odd = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2, comm=layer_comm, data_comm=data_comm,
+                        skip=d == 0)
+    odd(x).square().sum().backward()
+    expect_error("a replica with another skip", lambda: allreduce_gradients(odd, data_comm), "block (the module itself) (LayerParallel): skip True / False")
+    half = nn.Linear(2, 1).half()
+    for p in half.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    allreduce_gradients(half, data_comm, shard_size=1000)
+    check("float16 gradient, shards of 1000", half.weight.grad.float(), torch.full((1, 2), 100.0), 1e-12)
+    emb = nn.Embedding(6, 2, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(12.0).view(6, 2))
+    ref = copy.deepcopy(emb)
+    rows = torch.tensor([[0, 2], [2, 5]])
+    emb(rows[d]).square().sum().backward()
+    allreduce_gradients(emb, data_comm)
+    ref(rows).square().sum().backward()
+    if not emb.weight.grad.is_sparse:
+        fail("a sparse gradient came back dense")
+    check("sparse gradient (the mean over the replicas)", emb.weight.grad.to_dense() * 2, ref.weight.grad.to_dense(),
+          1e-15)
 
 
 def grid_serial_switch(layer_comm, data_comm):
