@@ -40,3 +40,15 @@ def check(name, a, b, tol=REL):
     err = rel(a, b)
     if not err < tol:
         fail(f"{name}: relative difference {err:.3e} >= {tol:.0e}")
+
+
+def value_error_everywhere(call, text: str, what: str) -> None:
+    """``call()`` raises ValueError mentioning ``text`` on this rank (every rank checks its own: an error
+    the ranks agreed on)."""
+    try:
+        call()
+    except ValueError as exc:
+        if text not in str(exc):
+            fail(f"{what}: unexpected ValueError: {exc}")
+    else:
+        fail(f"{what}: no error")

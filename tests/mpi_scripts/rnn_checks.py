@@ -3,7 +3,7 @@ settings, an absolute comparison, the same random input on every rank, and the c
 on the last rank reaches every rank."""
 import torch
 
-from checks import fail, one_rank_fails, rank, size
+from checks import fail, one_rank_fails, rank, size, value_error_everywhere  # noqa: F401 - (shared)
 
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
 TOL = 1e-10
@@ -27,18 +27,6 @@ def raised_on_every_rank(call, error, text: str, what: str) -> None:
     """``call()`` fails on the last rank with ``error`` (mentioning ``text``) and on every other rank
     with RemoteRankError naming the last rank and carrying ``text``."""
     one_rank_fails(what, call, rank == size - 1, error, text, remote_from=size - 1)
-
-
-def value_error_everywhere(call, text: str, what: str) -> None:
-    """``call()`` raises ValueError mentioning ``text`` on this rank (every rank checks its own: an error
-    the ranks agreed on)."""
-    try:
-        call()
-    except ValueError as exc:
-        if text not in str(exc):
-            fail(f"{what}: unexpected ValueError: {exc}")
-    else:
-        fail(f"{what}: no error")
 
 
 def weights_inputs_and_copies(cls):

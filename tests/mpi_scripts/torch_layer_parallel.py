@@ -19,6 +19,8 @@ from torch import nn
 import mgrit
 from propagators.torch import LayerParallel, allreduce_gradients
 
+from checks import value_error_everywhere
+
 torch.set_default_dtype(torch.float64)
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
@@ -147,16 +149,6 @@ def grid_2x2():
     grid_replicas_alike(layer_comm, data_comm)
 
 
-def expect_error(name, fn, needle):
-    try:
-        fn()
-    except ValueError as exc:
-        if needle not in str(exc):
-            fail(f"{name}: unclear error {exc}")
-    else:
-        fail(f"{name}: no error")
-
-
 def grid_replicas_alike(layer_comm, data_comm):
     """allreduce_gradients refuses replicas in different modes (one left in eval() after its validation)
     or with blocks built with another skip (their gradients averaged silently: 53% and 9% off); averages
@@ -170,13 +162,14 @@ def grid_replicas_alike(layer_comm, data_comm):
         with torch.no_grad():
             lp(x)  # (validation on this replica; it forgets train())
     lp(x).square().sum().backward()
-    expect_error("a replica in eval()", lambda: allreduce_gradients(lp, data_comm), "in different modes")
+    value_error_everywhere(lambda: allreduce_gradients(lp, data_comm), "in different modes", "a replica in eval()")
     lp.train()
     allreduce_gradients(lp, data_comm)  # (usable)
     odd = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=2, comm=layer_comm, data_comm=data_comm,
                         skip=d == 0)
     odd(x).square().sum().backward()
-    expect_error("a replica with another skip", lambda: allreduce_gradients(odd, data_comm), "block (the module itself) (LayerParallel): skip True / False")
+    value_error_everywhere(lambda: allreduce_gradients(odd, data_comm),
+                           "block (the module itself) (LayerParallel): skip True / False", "a replica with another skip")
     half = nn.Linear(2, 1).half()
     for p in half.parameters():
         p.grad = torch.full_like(p, 100.0)
