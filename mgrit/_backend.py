@@ -70,6 +70,15 @@ def copy(x):
     return x.clone() if is_torch(x) else x.copy()
 
 
+def same_values(a, b) -> bool:
+    """True when ``a`` and ``b`` (alike in type and shape) hold the same values, NaN matching NaN."""
+    if is_torch(a):
+        import torch
+
+        return bool(torch.equal(a, b) or ((a == b) | (a.isnan() & b.isnan())).all())
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+
+
 def subtract_into(a, b, out):
     """``out = a - b`` without a temporary (``out`` may be ``a`` or ``b``); returns ``out``."""
     if is_torch(out):

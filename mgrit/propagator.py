@@ -69,8 +69,17 @@ class Propagator(ABC):
             return first[None]  # wrong shape: the solver reports it with the level
         out = B.empty_stack(n, first)
         out[0] = first
+        row, shape, dtype = type(first), first.shape, first.dtype
         for k in range(1, n):
-            out[k] = step(U[k], a[k], b[k])
+            x = step(U[k], a[k], b[k])
+            if type(x) is not row or x.shape != shape or x.dtype is not dtype:
+                x = B.as_state(x)  # None, a float, another shape: returned for the solver to name, not broadcast
+                if B.is_torch(x) != B.is_torch(U) or tuple(x.shape) != tuple(U.shape[1:]) or (
+                        not B.is_torch(x) and x.dtype.kind not in "biufc"):
+                    return x[None]
+                if B.is_complex(x) and not B.is_complex(out):
+                    out = out.to(x.dtype) if B.is_torch(out) else out.astype(x.dtype)
+            out[k] = x
         return out
 
     def norms(self, U) -> np.ndarray:

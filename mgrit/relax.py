@@ -52,6 +52,7 @@ class LevelState:
     g: object = None
     v: object = None
     count: int = 0
+    watched: bool = False  # a `step` call on this level was checked for writing into its input
     tl: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -91,12 +92,22 @@ def _complex_for_real(level: int) -> TypeError:
     )
 
 
+def _tracked(level: int) -> ValueError:
+    return ValueError(
+        f"the propagator of level {level} returned a tensor that requires grad (a step computed from "
+        "parameters that require grad): mgrit.solve does not differentiate through the solve; compute the "
+        "step under torch.no_grad() or from detached parameters, or use propagators.torch.LayerParallel for "
+        "gradients"
+    )
+
+
 def check_batch(out, U, level: int, call: str = "step_batch") -> None:
     """Raise unless ``out``, returned by ``step_batch(U, ...)``, is a stack like ``U``.
 
     Checks the array type (torch tensor for torch states, numpy array for numpy
-    states), the shape, and that real states do not become complex. Reads only
-    metadata, never the entries. ``call`` names the method the user wrote.
+    states), the shape, that real states do not become complex and that autograd
+    does not track the result. Reads only metadata, never the entries. ``call``
+    names the method the user wrote.
     """
     torch_states = B.is_torch(U)
     if torch_states != B.is_torch(out) or not (
@@ -111,6 +122,8 @@ def check_batch(out, U, level: int, call: str = "step_batch") -> None:
         )
     if B.is_complex(out) and not B.is_complex(U):
         raise _complex_for_real(level)
+    if torch_states and out.requires_grad:
+        raise _tracked(level)
 
 
 def checked_state(x, U, level: int):
@@ -133,6 +146,24 @@ def checked_state(x, U, level: int):
         )
     if B.is_complex(x) and not B.is_complex(U):
         raise _complex_for_real(level)
+    if B.requires_grad(x):
+        raise _tracked(level)
+    return x
+
+
+def _watched_step(w: LevelState, u, t0: float, t1: float):
+    """``step(u, t0, t1)``, the first time on a level checked for writing into ``u`` (which the solver
+    stores: a step that divides its input in place corrupts the iterate without an error)."""
+    if w.watched:
+        return w.prop.step(u, t0, t1)
+    w.watched, before = True, B.copy(u)
+    x = w.prop.step(u, t0, t1)
+    if not B.same_values(before, u):
+        raise ValueError(
+            f"the propagator of level {w.level.index} changed its input state in place in `step` "
+            "(`u /= ...`, `u += ...`, `u[...] = ...`): the solver stores that state; compute into a new "
+            "array (`u = u / ...`) and return it"
+        )
     return x
 
 
@@ -145,7 +176,7 @@ def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
     ``step_batch`` would), so that the arithmetic that follows is the same.
     """
     step, a, b, level = w.prop.step, t0.tolist(), t1.tolist(), w.level.index
-    first = step(U[0], a[0], b[0])
+    first = _watched_step(w, U[0], a[0], b[0])
     if first is None or B.is_torch(first) != B.is_torch(U):
         check_batch(first, U, level, "step")  # raises
     first = B.as_state(first)
@@ -153,8 +184,10 @@ def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
     if first.dtype != out.dtype:
         out = B.empty_stack(U.shape[0], first)
     out[0] = first
-    for k in range(1, U.shape[0]):
-        out[k] = step(U[k], a[k], b[k])
+    row, shape, dtype = type(first), first.shape, first.dtype  # every later result: three comparisons (about
+    for k in range(1, U.shape[0]):  # 70 ns), so that None, a float, another shape or complex is named, not stored
+        x = step(U[k], a[k], b[k])
+        out[k] = x if type(x) is row and x.shape == shape and x.dtype is dtype else checked_state(x, U, level)
     return out
 
 
@@ -230,14 +263,18 @@ def _f_relax_by_interval(w: LevelState) -> None:
     starts = list(range(a0, n, m))  # every later interval: its C-point slot
     if w.right is not None and w.hi % m != 0 and starts:
         starts = starts[-1:] + starts[:-1]  # the interval holding the last point, first
-    first = [True]
+    first, row, shape, dtype = [True], type(u[0]), u.shape[1:], u.dtype
 
     def sweep(slots):
         for i in slots:
-            x = step(u[i - 1], tl[i - 1], tl[i])
-            if first[0]:  # the first result is checked like a batch (type, shape, complex), the rest trusted
-                x = checked_state(x, u, level)
+            if first[0]:  # the first result checked like a batch (type, shape, complex, autograd), and the input
+                x = checked_state(_watched_step(w, u[i - 1], tl[i - 1], tl[i]), u, level)
                 first[0] = False
+            else:
+                x = step(u[i - 1], tl[i - 1], tl[i])
+                if type(x) is not row or x.shape != shape or x.dtype is not dtype:  # None, a float, another
+                    #    shape, complex: named, not broadcast (another real dtype: stored as below)
+                    x = checked_state(x, u, level)
             if g is None:
                 u[i] = x
             elif getattr(x, "dtype", u.dtype) == u.dtype:  # as the batch: stored, then g added in place
@@ -343,7 +380,7 @@ def sequential_solve(w: LevelState) -> None:
     u, tl, step, g, level = w.u, w.tl.tolist(), w.prop.step, w.g, w.level.index
     kind = (type(u), u.dtype, u.shape[1:])
     for a in range(1, w.nloc):
-        x = step(u[a - 1], tl[a - 1], tl[a])
+        x = step(u[a - 1], tl[a - 1], tl[a]) if a > 1 else checked_state(_watched_step(w, u[0], tl[0], tl[1]), u, level)
         if (type(x), getattr(x, "dtype", None), getattr(x, "shape", None)) != kind:
             x = checked_state(x, u, level)  # (a state like the others passes with one comparison)
         u[a] = x if g is None else x + g[a]

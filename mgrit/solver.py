@@ -199,7 +199,11 @@ def solve(
         block of fine points; ranks may outnumber the coarse points or even
         the fine points (they then own nothing). ``Result.u`` holds this
         rank's points (see ``Result.index``); :func:`gather` collects them.
-        The results do not depend on the number of ranks, bit for bit.
+        The results do not depend on the number of ranks, bit for bit, when
+        a row of ``step_batch``'s result does not depend on how many rows it
+        gets (a ``step`` alone always; numpy's ``U @ A.T`` may round a single
+        row differently from a row of many, and the rows per call depend on
+        the blocks).
     partition : sequence of int, optional
         Fine index at which the block of each rank starts (default: balanced
         contiguous blocks).

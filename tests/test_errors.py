@@ -170,6 +170,81 @@ def test_propagator_returning_wrong_shape(prop, levels, skip):
     assert "`step`" in str(info.value)
 
 
+class LateOdd(mgrit.Propagator):
+    """Backward Euler for u' = -u whose `step` returns ``odd(u)`` (a float, None, a state of another shape)
+    on the fine steps (of 1/32) that start after t = 0.5 only: the first call of a sweep is fine, later
+    ones are not, and the coarse levels' sequential solve never sees it."""
+
+    def __init__(self, odd):
+        self.odd = odd
+
+    def step(self, u, t0, t1):
+        return self.odd(u) if t0 > 0.5 and t1 - t0 < 0.04 else u / (1.0 + (t1 - t0))
+
+
+ODD = {"a float": (lambda u: 7.0, ValueError, r"level \d returned a state of shape \(\) for an input of shape \(3,\)"),
+       "None": (lambda u: None, TypeError, r"level \d returned None from `step`"),
+       "another shape": (lambda u: u[:1], ValueError, r"shape \(1,\) for an input of shape \(3,\)"),
+       "complex": (lambda u: u * 1j, TypeError, "complex states for a real `u0`")}
+
+
+@pytest.mark.parametrize("odd", list(ODD))
+@pytest.mark.parametrize("kw", [dict(max_levels=3, relax="F"), dict(max_levels=3, relax="FCF"),
+                                dict(max_levels=2, relax="FCF", c_weight=0.5), dict(max_levels=1)],
+                         ids=["F", "FCF", "weighted C", "one level"])
+def test_an_odd_state_from_a_later_step_is_an_error_not_broadcast(odd, kw):
+    """A float broadcast into a state of 3 entries made a CONVERGED solve with u(T) = [829, 829, 829] for about
+    0.38 (only the first result of a sweep was checked); None became NaN and a DivergenceError that advised
+    fewer levels. Every path of a propagator with only `step`: the sweeps interval by interval, the C-point
+    calls written into the stack, the default step_batch (weighted C-relaxation) and the sequential solve."""
+    fn, kind, match = ODD[odd]
+    with pytest.raises(kind, match=match), np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (numpy's ComplexWarning, were the imaginary part dropped)
+        mgrit.solve(LateOdd(fn), np.ones(3), np.linspace(0.0, 1.0, 33), cf=2, tol=1e-12, **kw)
+
+
+def test_the_default_step_batch_returns_an_odd_state_for_the_solver_to_name():
+    prop = LateOdd(lambda u: 7.0)
+    U, t0 = np.ones((4, 3)), np.array([0.0, 0.25, 0.5, 0.75])
+    out = prop.step_batch(U, t0, t0 + 1 / 32)
+    assert out.shape == (1,)  # (a stack of the odd 0-d state: check_batch names its shape)
+    assert prop.step_batch(U[:2], t0[:2], t0[:2] + 1 / 32).shape == (2, 3)
+
+
+class InPlace(mgrit.Propagator):
+    """Backward Euler that divides its input in place (a common bug)."""
+
+    def step(self, u, t0, t1):
+        u /= 1.0 + (t1 - t0)
+        return u
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_a_step_that_changes_its_input_is_an_error(levels):
+    """The iterate was corrupted without a word: one level gave an error of 0.059 as SEQUENTIAL, three
+    levels 0.97 at max_iter."""
+    with pytest.raises(ValueError, match=r"level \d changed its input state in place in `step`"):
+        mgrit.solve(InPlace(), np.ones(3), np.linspace(0.0, 1.0, 17), cf=2, max_levels=levels)
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_a_torch_step_that_autograd_tracks_is_a_clear_error(levels):
+    """An nn.Linear with parameters that require grad: three levels raised torch's 'functions with out=...
+    arguments don't support automatic differentiation' from a subtraction, one level returned states with a
+    grad_fn (a graph over every step kept in memory)."""
+    torch = pytest.importorskip("torch")
+
+    class Linear(mgrit.Propagator):
+        def __init__(self):
+            self.f = torch.nn.Linear(3, 3, dtype=torch.float64)
+
+        def step(self, u, t0, t1):
+            return u + (t1 - t0) * torch.tanh(self.f(u))
+
+    with pytest.raises(ValueError, match="requires grad.*torch.no_grad"):
+        mgrit.solve(Linear(), torch.ones(3, dtype=torch.float64), np.linspace(0.0, 1.0, 17), cf=2, max_levels=levels)
+
+
 # --------------------------------------------------------------------------- divergence
 class NaNAfter(mgrit.Propagator):
     """Backward Euler for u' = -u that returns NaN on steps ending after ``t_bad``."""
