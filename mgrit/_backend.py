@@ -215,6 +215,7 @@ def host_values(x) -> tuple:
         return v.cpu().numpy(), eps
     v = np.asarray(x)
     eps = float(np.finfo(v.dtype).eps)
-    if v.dtype.kind == "c":
-        v = v.view(v.real.dtype) if v.flags.c_contiguous else np.concatenate([v.real.ravel(), v.imag.ravel()])
+    if v.dtype.kind == "c":  # (real and imaginary parts interleaved in C order, whatever the memory layout)
+        v = np.ascontiguousarray(v)
+        v = v.view(v.real.dtype)
     return v.reshape(-1), eps

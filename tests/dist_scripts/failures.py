@@ -8,7 +8,8 @@ Run as ``python _launch.py P failures.py CASE:BAD [CASE:BAD ...]`` or
 * ``nan``: it returns NaN in cycle 2 (a divergence); ``u0``: a NaN initial condition on
   rank BAD (bad input); ``grid``: another time grid on rank BAD (every rank: ValueError);
   ``u0diff``: another initial condition on rank BAD (every rank: ValueError); ``u0ulp``: one
-  that differs in the last bit (no error);
+  that differs in the last bit, ``u0layout``: a complex one in a strided view, ``u0half``: a float16
+  one a unit in the last place apart (no error);
 * ``step``: a layer of LayerParallel's forward solve raises on rank BAD;
 * ``adjoint``: a vector-Jacobian product of its adjoint (backward) solve raises;
 * ``alarm``: rank BAD calls ``alarm`` on a fresh communicator while the others wait in
@@ -90,7 +91,7 @@ def run_case(case, bad):
         return None
     mode, cycle = {"raise": ("raise", 1), "late": ("raise", 4), "final": ("raise", 6), "nan": ("nan", 2),
                    "u0": ("u0", 1), "grid": ("grid", 1), "many": ("raise", 1), "u0diff": ("u0diff", 1),
-                   "u0ulp": ("u0ulp", 1)}[case]
+                   "u0ulp": ("u0ulp", 1), "u0layout": ("u0layout", 1), "u0half": ("u0half", 1)}[case]
     for _ in range(30 if case == "many" else 1):
         exc = mpi_failures.run_case(comm, mode, bad, cycle)
     if exc is not None:

@@ -20,7 +20,9 @@ MODE:
 * ``guess``: the initial-guess callable raises on rank BAD_RANK only (bad input);
 * ``grid``: rank BAD_RANK passes a different time grid (inconsistent input);
 * ``u0diff``: rank BAD_RANK passes another (finite) initial condition (inconsistent input);
-* ``u0ulp``: rank BAD_RANK's initial condition differs in the last bit (rounding: no error).
+* ``u0ulp``: rank BAD_RANK's initial condition differs in the last bit (rounding: no error);
+* ``u0layout``: a complex initial condition, on rank BAD_RANK the same values in a strided view (no error);
+* ``u0half``: a float16 initial condition, one unit in the last place apart on rank BAD_RANK (no error).
 """
 from __future__ import annotations
 
@@ -75,6 +77,14 @@ def run_case(comm, mode: str, bad_rank: int, cycle: int):
         u0 = u0 * 1.001
     if mode == "u0ulp" and rank == bad_rank:
         u0 = np.nextafter(u0, np.inf)
+    if mode == "u0layout":
+        u0 = u0 * (1 + 2j)
+        if rank == bad_rank:
+            u0 = np.repeat(u0, 2)[::2]
+    if mode == "u0half":
+        u0 = u0.astype(np.float16)
+        if rank == bad_rank:
+            u0 = np.nextafter(u0, np.float16(np.inf))
     if mode == "grid" and rank == bad_rank:
         t = np.linspace(0.0, 4.0, 66)
     if mode == "guess" and rank == bad_rank:
