@@ -40,7 +40,7 @@ import numpy as np
 from .cycle import LevelOps, run
 from .hierarchy import Hierarchy, per_level
 from .options import Options
-from .partition import level_ranges, neighbours
+from .partition import all_neighbours, level_ranges
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ class _Schedule(LevelOps):
         self.work = np.zeros((size, L), dtype=np.int64)  # everything each rank did
         self.blocks = []  # per level: {rank: (lo, hi, left, right)}
         for ranges in level_ranges(hierarchy, size, partition):
-            self.blocks.append({r: (lo, hi) + neighbours(ranges, r) for r, (lo, hi) in enumerate(ranges) if hi >= lo})
+            nb = all_neighbours(ranges)  # (one pass: neighbours() per rank made choose_settings quadratic in ranks)
+            self.blocks.append({r: (lo, hi) + nb[r] for r, (lo, hi) in enumerate(ranges) if hi >= lo})
 
     # -- primitives -------------------------------------------------------
     def snap(self, r):

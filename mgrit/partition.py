@@ -201,3 +201,16 @@ def neighbours(ranges: Sequence[tuple[int, int]], rank: int) -> tuple:
     left = owner(lo - 1) if lo > 0 else None
     right = owner(hi + 1) if hi < n else None
     return left, right
+
+
+def all_neighbours(ranges: Sequence[tuple[int, int]]) -> dict:
+    """:func:`neighbours` of every rank that owns points on the level, in one pass over the ranks (the
+    ranges are contiguous blocks in rank order: an owner's neighbours are the owners before and after it).
+
+    >>> all_neighbours([(0, 2), (3, 2), (3, 5)])
+    {0: (None, 2), 2: (0, None)}
+    """
+    owners = [p for p, (lo, hi) in enumerate(ranges) if lo <= hi]
+    n = max(hi for _, hi in ranges)
+    return {p: (owners[k - 1] if ranges[p][0] > 0 else None, owners[k + 1] if ranges[p][1] < n else None)
+            for k, p in enumerate(owners)}

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mgrit
-from mgrit.partition import block_range, fine_ranges, level_ranges, neighbours
+from mgrit.partition import all_neighbours, block_range, fine_ranges, level_ranges, neighbours
 
 
 def owners(ranges, n_points: int) -> list:
@@ -101,6 +101,7 @@ def test_neighbours_own_the_adjacent_points(case):
             left, right = neighbours(ranges, p)
             assert left == (own[lo - 1][0] if lo > 0 else None)
             assert right == (own[hi + 1][0] if hi < lv.n else None)
+        assert all_neighbours(ranges) == {p: neighbours(ranges, p) for p, (lo, hi) in enumerate(ranges) if lo <= hi}
 
 
 @pytest.mark.parametrize("part", [[1, 2], [0, 5, 3], [0, 20], [0]])
