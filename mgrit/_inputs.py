@@ -22,19 +22,23 @@ __all__ = ["array_sums", "sums_gap", "sums_rtol"]
 def array_sums(v: np.ndarray) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
     weighted by flat position) of a flat real array, summed in float64. The weighted sums tell a
-    shuffled array, the last one a sign. Above 4,096 entries the weights ``k = 61 i + j`` come from
-    the column and row sums of a 61-wide view, and the last ``size % 61`` entries on their own.
+    shuffled array, the last one a sign (every entry's: the weights ``k + 1`` of entry ``k`` start at
+    1). Above 4,096 entries the weights ``61 i + j + 1`` come from the column and row sums of a
+    61-wide view, and the last ``size % 61`` entries on their own.
 
     >>> array_sums(np.array([1.0, -2.0, 3.0]))
-    (14.0, 6.0, 8.0, 4.0)
+    (14.0, 6.0, 14.0, 6.0)
+    >>> array_sums(np.array([-1.0]))[3] != array_sums(np.array([1.0]))[3]
+    True
     """
     n = v.size
     if n <= 4096 or v.dtype.kind not in "f":  # (integers: no wrap-around in abs)
         w = v.astype(np.float64)
-        k, a = np.arange(n, dtype=np.float64), np.abs(w)
+        k, a = np.arange(1, n + 1, dtype=np.float64), np.abs(w)
         return float(w @ w), float(a.sum()), float(a @ k), float(w @ k)
     body, tail = v[: n - n % 61].reshape(-1, 61), v[n - n % 61:]
-    cols, rows, last = np.arange(61.0), np.arange(body.shape[0]) * 61.0, np.arange(n - n % 61, n, dtype=np.float64)
+    cols, rows = np.arange(1.0, 62.0), np.arange(body.shape[0]) * 61.0
+    last = np.arange(n - n % 61 + 1, n + 1, dtype=np.float64)
 
     def weighted(b, t):
         return float(b.sum(0, dtype=np.float64) @ cols + b.sum(1, dtype=np.float64) @ rows
@@ -46,17 +50,22 @@ def array_sums(v: np.ndarray) -> tuple:
     return squares, total, weighted(mags, tmags), weighted(body, tail)
 
 
-def sums_rtol(eps: float) -> float:
-    """How far two ranks' sums may differ for a dtype of machine epsilon ``eps``: rounding in what
-    computed the array (on other hardware), not other data. 100 units in the last place where that is
-    at most 1e-4 (float32, float64); 8 for float16 and bfloat16, whose 100 would pass other data, and
-    where one unit in one entry of a short array moves the sum of squares by ``2 eps``.
+def sums_rtol(eps: float, n: int) -> float:
+    """How far two ranks' sums of an array of ``n`` entries may differ for a dtype of machine epsilon
+    ``eps``: rounding in what computed the array (on other hardware), not other data.
 
-    >>> sums_rtol(np.finfo(np.float64).eps) < 1e-13, sums_rtol(np.finfo(np.float16).eps), sums_rtol(2.0 ** -7)
-    (True, 0.0078125, 0.0625)
+    100 units in the last place where that is at most 1e-4 (float32, float64). For float16 and
+    bfloat16 that would pass other data: a difference of a unit in every entry, in random directions,
+    moves the sums by about ``3.5 eps / sqrt(n)`` and other data by about ``2 / sqrt(n)``, so they get
+    ``32 eps / sqrt(n)`` (nine times the first, an eighth of the second for bfloat16), at least 1e-4.
+
+    >>> sums_rtol(np.finfo(np.float64).eps, 10) < 1e-13, round(sums_rtol(2.0 ** -7, 4096), 6), sums_rtol(2.0 ** -7, 1e8)
+    (True, 0.003906, 0.0001)
     """
     eps = float(eps)
-    return 100 * eps if 100 * eps <= 1e-4 else 8 * eps
+    if 100 * eps <= 1e-4:
+        return 100 * eps
+    return min(100 * eps, max(1e-4, 32 * eps / math.sqrt(max(n, 1))))
 
 
 def sums_gap(s, s0) -> float:

@@ -141,7 +141,9 @@ def solve(
         A tensor that requires grad is rejected: the solve is not differentiable.
         On several ranks every rank passes the same ``u0`` (up to rounding): the
         ranks compare sums of it in their handshake, and a ValueError on every
-        rank names one that differs.
+        rank names one that differs (sums miss a change far below the largest
+        entries; a solve on an ``InSession`` view, inside a session of the
+        caller, leaves the comparison to the caller).
     t : array_like, shape (N + 1,)
         Strictly increasing fine time points; non-uniform grids are fine.
     cf, max_levels, min_coarse, relax, c_weight
@@ -308,7 +310,7 @@ def _u0_sums(u0) -> tuple:
     """What the ranks compare of their ``u0``: its sums (:func:`mgrit._inputs.array_sums`) and tolerance."""
     v, eps = B.host_values(u0)
     with np.errstate(all="ignore"):  # (u0 is finite: checked before)
-        return (*array_sums(v), sums_rtol(eps))
+        return (*array_sums(v), sums_rtol(eps, v.size))
 
 
 def _differing_u0(sums: list) -> ValueError | None:

@@ -1627,9 +1627,13 @@ def test_the_ranks_input_sums_tell_shuffled_sign_flipped_and_scaled_inputs_not_r
     z = torch.randn(3, 5, dtype=torch.complex128)
     assert not differ(z.conj(), z.conj().resolve_conj()) and differ(z, z.conj())
     assert not differ(torch.zeros(4, 3), torch.zeros(4, 3))
-    v, k = torch.randn(130), torch.arange(130, dtype=torch.float64)
+    v, k = torch.randn(130), torch.arange(1, 131, dtype=torch.float64)  # (weights from 1: every sign counts)
     s = _input_sums(v)
     assert abs(s[2] - float(v.double().abs() @ k)) < 1e-9 and abs(s[3] - float(v.double() @ k)) < 1e-9
+    assert differ(torch.tensor([1.0]), torch.tensor([-1.0]))
+    for dtype in (torch.float16, torch.bfloat16):  # (a tolerance of 8 units let another bfloat16 batch through)
+        a, b = torch.randn(128, 64).to(dtype), torch.randn(128, 64).to(dtype)
+        assert differ(a, b) and not differ(a, a.clone()), dtype
 
 
 @pytest.mark.parametrize("shape, dtype", [((16, 16), torch.float32), ((4096,), torch.float32),

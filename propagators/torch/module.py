@@ -426,20 +426,20 @@ def _input_sums(x) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
     weighted by flat position, relative tolerance of the dtype) of a tensor, summed in float64:
     compared between the ranks (the weighted sums tell a shuffled batch, the last one signs). The
-    weights ``k`` come from the column and row sums of a 61-wide view, ``k = 61 i + j``, and the
-    last ``numel % 61`` entries on their own."""
+    weights come from the column and row sums of a 61-wide view, ``61 i + j + 1``, and the last
+    ``numel % 61`` entries on their own (:func:`mgrit._inputs.array_sums`, the same sums)."""
     with torch.no_grad():
         v = x.detach().resolve_conj().resolve_neg().reshape(-1)
         if v.is_complex():
             v = torch.view_as_real(v).reshape(-1)
         if v.device.type == "cpu" and v.dtype in _NUMPY_SUMS:
             with np.errstate(all="ignore"):  # (an Inf or NaN sums to Inf or NaN, compared as such; no warning)
-                return (*_input_sums_numpy(v.numpy()), _input_rtol(x.dtype))
+                return (*_input_sums_numpy(v.numpy()), _input_rtol(x.dtype, v.numel()))
         n = v.numel()
         body, tail = v[: n - n % 61].view(-1, 61), v[n - n % 61:]
         f64 = dict(dtype=torch.float64, device=v.device)
-        cols, rows = torch.arange(61, **f64), torch.arange(body.shape[0], **f64).mul_(61)
-        last = torch.arange(n - n % 61, n, **f64)
+        cols, rows = torch.arange(1, 62, **f64), torch.arange(body.shape[0], **f64).mul_(61)
+        last = torch.arange(n - n % 61 + 1, n + 1, **f64)
 
         def weighted(b, t):
             return float(b.sum(0, dtype=torch.float64) @ cols + b.sum(1, dtype=torch.float64) @ rows
@@ -448,17 +448,17 @@ def _input_sums(x) -> tuple:
         mags = body.abs()
         squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
         total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
-        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype)
+        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype, n)
 
 
 _NUMPY_SUMS = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                torch.uint8, torch.bool}
 
 
-def _input_rtol(dtype) -> float:
-    """How far the sums of one input may differ between ranks: rounding in the layers before the block
-    (computed on other hardware), not a different batch; 100 units in the last place, at most 1e-4."""
-    return sums_rtol(torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7)
+def _input_rtol(dtype, n: int) -> float:
+    """How far the sums of one input of ``n`` entries may differ between ranks: rounding in the layers
+    before the block (computed on other hardware), not a different batch (:func:`mgrit._inputs.sums_rtol`)."""
+    return sums_rtol(torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7, n)
 
 
 def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError | None:

@@ -1,0 +1,57 @@
+"""The sums by which ranks compare an array they must share (mgrit._inputs): other data is told from
+rounding, in every dtype, at every size."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mgrit._inputs import array_sums, sums_gap, sums_rtol
+
+torch = pytest.importorskip("torch")
+
+SIZES = [2, 16, 1000, 4096, 65536, 262144]
+
+
+def values(x: torch.Tensor) -> np.ndarray:
+    return x.float().numpy().reshape(-1)  # (float16 and bfloat16 values are float32 values)
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return sums_gap(array_sums(values(a)), array_sums(values(b)))
+
+
+def one_unit_apart(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Every entry moved by one unit in the last place, up or down at random: rounding on other hardware."""
+    bits = x.view(torch.int16)
+    step = torch.randint(0, 2, x.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int16) * 2 - 1
+    return (bits + step).view(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_low_precision_arrays_are_told_apart_from_their_rounding(dtype, n):
+    """bfloat16 batches of 4,000 entries or more, and float16 ones of 262,144, passed as 'the same' for
+    independent random data under a tolerance of 8 units in the last place; 100 units capped at 1e-4
+    (the tolerance before that) called one unit apart in a two-entry u0 a different array."""
+    rtol = sums_rtol(torch.finfo(dtype).eps, n)
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        a, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        if n >= 16:  # (two entries of independent data can agree by chance)
+            assert gap(a, b) > rtol, (seed, gap(a, b), rtol)
+        assert gap(a, one_unit_apart(a, seed + 100)) <= rtol, (seed, gap(a, one_unit_apart(a, seed + 100)), rtol)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5000])
+def test_every_entry_has_a_sign_in_the_weighted_sum(n):
+    """The weights started at 0, so a flipped sign of the first entry (a scalar u0 of -1 for +1) passed."""
+    a = np.linspace(1.0, 2.0, n)
+    b = a.copy()
+    b[0] = -b[0]
+    assert sums_gap(array_sums(a), array_sums(b)) > sums_rtol(np.finfo(np.float64).eps, n)
+
+
+def test_the_float32_and_float64_tolerance_is_100_units_whatever_the_size():
+    for dtype in (np.float32, np.float64):
+        eps = float(np.finfo(dtype).eps)
+        assert sums_rtol(eps, 2) == sums_rtol(eps, 10 ** 7) == 100 * eps
