@@ -61,15 +61,16 @@ class Propagator(ABC):
         if n == 0:
             return B.copy(U)
         step, a, b = self.step, t0.tolist(), t1.tolist()
-        first = step(U[0], a[0], b[0])
-        if first is None or B.is_torch(first) != B.is_torch(U):
-            return first  # wrong type: the solver reports it with the level
-        first = B.as_state(first)
+        raw = step(U[0], a[0], b[0])
+        if raw is None or B.is_torch(raw) != B.is_torch(U):
+            return raw  # wrong type: the solver reports it with the level
+        first = B.as_state(raw)
         if tuple(first.shape) != tuple(U.shape[1:]):
             return first[None]  # wrong shape: the solver reports it with the level
         out = B.empty_stack(n, first)
         out[0] = first
-        row, shape, dtype = type(first), first.shape, first.dtype
+        # a later result like the first as `step` returned it (a numpy scalar for 0-d states) is stored as is
+        row, shape, dtype = (type(raw), raw.shape, raw.dtype) if hasattr(raw, "dtype") else (None, None, None)
         for k in range(1, n):
             x = step(U[k], a[k], b[k])
             if type(x) is not row or x.shape != shape or x.dtype is not dtype:

@@ -151,6 +151,15 @@ def checked_state(x, U, level: int):
     return x
 
 
+def _like(raw) -> tuple:
+    """``(type, shape, dtype)`` that a later result of `step` must match to be stored without a check: the
+    first result's, as `step` returned it (a numpy scalar for 0-d states, another real dtype than the
+    states'); ``(None, None, None)`` for a result without them (a Python float: then every one is checked)."""
+    if hasattr(raw, "shape") and hasattr(raw, "dtype"):
+        return type(raw), raw.shape, raw.dtype
+    return None, None, None
+
+
 def _watched_step(w: LevelState, u, t0: float, t1: float):
     """``step(u, t0, t1)``, the first time on a level checked for writing into ``u`` (which the solver
     stores: a step that divides its input in place corrupts the iterate without an error)."""
@@ -176,16 +185,16 @@ def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
     ``step_batch`` would), so that the arithmetic that follows is the same.
     """
     step, a, b, level = w.prop.step, t0.tolist(), t1.tolist(), w.level.index
-    first = _watched_step(w, U[0], a[0], b[0])
-    if first is None or B.is_torch(first) != B.is_torch(U):
-        check_batch(first, U, level, "step")  # raises
-    first = B.as_state(first)
+    raw = _watched_step(w, U[0], a[0], b[0])
+    if raw is None or B.is_torch(raw) != B.is_torch(U):
+        check_batch(raw, U, level, "step")  # raises
+    first = B.as_state(raw)
     check_batch(first[None], U[:1], level, "step")  # type, shape, complex: metadata only
-    if first.dtype != out.dtype:
-        out = B.empty_stack(U.shape[0], first)
+    if first.dtype != out.dtype and (B.is_complex(first) or not B.is_complex(out)):  # (complex states stay complex:
+        out = B.empty_stack(U.shape[0], first)                                       # a later result may be)
     out[0] = first
-    row, shape, dtype = type(first), first.shape, first.dtype  # every later result: three comparisons (about
-    for k in range(1, U.shape[0]):  # 70 ns), so that None, a float, another shape or complex is named, not stored
+    row, shape, dtype = _like(raw)  # every later result like the first passes three comparisons (about 70 ns);
+    for k in range(1, U.shape[0]):  # None, a float, another shape or complex is named, not stored
         x = step(U[k], a[k], b[k])
         out[k] = x if type(x) is row and x.shape == shape and x.dtype is dtype else checked_state(x, U, level)
     return out
@@ -263,18 +272,16 @@ def _f_relax_by_interval(w: LevelState) -> None:
     starts = list(range(a0, n, m))  # every later interval: its C-point slot
     if w.right is not None and w.hi % m != 0 and starts:
         starts = starts[-1:] + starts[:-1]  # the interval holding the last point, first
-    first, row, shape, dtype = [True], type(u[0]), u.shape[1:], u.dtype
+    row = shape = dtype = None  # of the first result (_like); None before it
 
     def sweep(slots):
+        nonlocal row, shape, dtype
         for i in slots:
-            if first[0]:  # the first result checked like a batch (type, shape, complex, autograd), and the input
-                x = checked_state(_watched_step(w, u[i - 1], tl[i - 1], tl[i]), u, level)
-                first[0] = False
-            else:
-                x = step(u[i - 1], tl[i - 1], tl[i])
-                if type(x) is not row or x.shape != shape or x.dtype is not dtype:  # None, a float, another
-                    #    shape, complex: named, not broadcast (another real dtype: stored as below)
-                    x = checked_state(x, u, level)
+            x = step(u[i - 1], tl[i - 1], tl[i]) if row is not None else _watched_step(w, u[i - 1], tl[i - 1], tl[i])
+            if type(x) is not row or x.shape != shape or x.dtype is not dtype:  # the first result (type, shape,
+                if row is None:  # complex, autograd), and any unlike it (None, a float, another shape): named
+                    row, shape, dtype = _like(x)
+                x = checked_state(x, u, level)
             if g is None:
                 u[i] = x
             elif getattr(x, "dtype", u.dtype) == u.dtype:  # as the batch: stored, then g added in place
@@ -378,11 +385,13 @@ def sequential_solve(w: LevelState) -> None:
     if w.left is not None:
         recv_ghost(w, w.u)
     u, tl, step, g, level = w.u, w.tl.tolist(), w.prop.step, w.g, w.level.index
-    kind = (type(u), u.dtype, u.shape[1:])
+    row = shape = dtype = None  # of the first result (_like): a result like it passes three comparisons
     for a in range(1, w.nloc):
-        x = step(u[a - 1], tl[a - 1], tl[a]) if a > 1 else checked_state(_watched_step(w, u[0], tl[0], tl[1]), u, level)
-        if (type(x), getattr(x, "dtype", None), getattr(x, "shape", None)) != kind:
-            x = checked_state(x, u, level)  # (a state like the others passes with one comparison)
+        x = step(u[a - 1], tl[a - 1], tl[a]) if row is not None else _watched_step(w, u[a - 1], tl[a - 1], tl[a])
+        if type(x) is not row or x.shape != shape or x.dtype is not dtype:
+            if row is None:
+                row, shape, dtype = _like(x)
+            x = checked_state(x, u, level)
         u[a] = x if g is None else x + g[a]
     w.count += max(w.nloc - 1, 0)
     send_last(w, w.u)

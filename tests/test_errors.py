@@ -395,3 +395,22 @@ def test_a_finite_guess_beyond_u0s_dtype_is_named_as_such(guess):
         warnings.simplefilter("error")  # (no overflow warning from the cast either)
         with pytest.raises(ValueError, match=r"beyond the range of u0's dtype \(float16\)"):
             solve(u0=U0.astype(np.float16), initial_guess=guess)
+
+
+def test_complex_states_whose_first_step_is_real_keep_the_imaginary_parts_of_later_steps():
+    """`np.real_if_close` in a step: the first result real, later ones complex; the stack of results was
+    built real from the first and dropped the later imaginary parts (a ComplexWarning)."""
+
+    class RealIfClose(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return np.real_if_close(u * np.exp(1j * (t1 - t0) * t0))
+
+    prop, t = RealIfClose(), np.linspace(0.0, 2.0, 17)
+    u0 = np.array([1.0 + 0.0j])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a ComplexWarning fails)
+        res = mgrit.solve(prop, u0, t, cf=2, max_levels=3, tol=1e-13, max_iter=30)
+    serial = [u0]
+    for a, b in zip(t[:-1], t[1:]):
+        serial.append(np.asarray(prop.step(serial[-1], a, b), dtype=complex))
+    assert np.max(np.abs(res.u - np.array(serial))) < 1e-12
