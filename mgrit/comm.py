@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import operator
 import os
 import pickle
 import sys
@@ -665,8 +666,11 @@ class Communicator(ABC):
     # -- communicators -------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> "Communicator | None":
         """Ranks with the same ``color`` form a new communicator, ordered by ``key``
-        (collective). None for ``color`` = ``MPI.UNDEFINED``. Free it with :meth:`free`."""
-        return SerialComm()
+        (collective). None for ``color`` = ``MPI.UNDEFINED`` (or None). Free it with :meth:`free`."""
+        color, key, failure = split_arguments(color, key)
+        if failure is not None:
+            raise failure
+        return None if color is None else SerialComm()
 
     def reversed(self) -> "Communicator":
         """The same ranks in reverse order (collective): rank ``r`` becomes
@@ -1014,6 +1018,22 @@ def _mismatch_message(signatures: list) -> str | None:
             "call the others made)")
 
 
+def split_arguments(color, key) -> tuple:
+    """``(color, key, failure)`` of :meth:`Communicator.split` as integers, color None for None or a
+    negative one (``MPI.UNDEFINED``); ``failure`` the TypeError for arguments that are not integers
+    (raised by the split after the ranks' exchange, so that no rank waits in the engine's split).
+
+    >>> split_arguments(2, 0), split_arguments(-32766, 1)[:2], type(split_arguments(1.5, 0)[2]).__name__
+    ((2, 0, None), (None, 1), 'TypeError')
+    """
+    try:
+        color = None if color is None else operator.index(color)
+        return (None if color is None or color < 0 else color), operator.index(key), None
+    except TypeError:
+        return None, 0, TypeError(f"split(color, key) takes integers (color None or negative: no new "
+                                  f"communicator), got color {color!r}, key {key!r}")
+
+
 def args_signature(*items) -> int:
     """A checksum of the arguments that must be equal on every rank of a solve
     (``bytes`` items, such as a time grid's buffer, enter through their CRC)."""
@@ -1202,13 +1222,14 @@ class _SessionComm(Communicator):
             raise ValueError(f"{what} differs between ranks: {odd[1]!r} on rank {odd[0]}, {values[0]!r} on rank 0; "
                              "pass the same on every rank")
 
-    def _exchange(self, call: Call, value) -> list:
+    def _exchange(self, call: Call, value, failure: BaseException | None = None) -> list:
         """Every rank's ``value`` (picklable), in rank order, on every rank: a collective that speaks a
         session handshake's note and verdict (see :meth:`_handshake`) under the name ``call``, so that
         ranks at different collective calls (this one, a split, a session's handshake) all raise a
-        ValueError naming every rank's call, and a rank's failure notice a RemoteRankError."""
+        ValueError naming every rank's call, and a rank's failure notice a RemoteRankError. A rank
+        with a ``failure`` (a bad argument) takes part, then raises it; the others RemoteRankError."""
         ch = self._top
-        mine = (None, call, (), 0, value)
+        mine = (None if failure is None else _note(failure), call, (), 0, None if failure is not None else value)
         self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
         try:
             notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
@@ -1217,6 +1238,8 @@ class _SessionComm(Communicator):
         finally:
             self._handshaking = False
         self._after_object_sends(ch)
+        if failure is not None:
+            raise failure
         self._raise_verdict(failed, bad)
         return values
 
@@ -1729,8 +1752,9 @@ class MPIComm(_SessionComm):
 
     def split(self, color, key=0):
         self._before_post()
-        self._exchange(Call("Communicator.split", ()), None)  # all are here (MPI_Comm_split waits for ever)
-        raw = self._base.comm.Split(color, key)
+        color, key, failure = split_arguments(color, key)
+        self._exchange(Call("Communicator.split", ()), None, failure)  # all are here (MPI_Comm_split waits for ever)
+        raw = self._base.comm.Split(self._MPI.UNDEFINED if color is None else color, key)
         if raw == self._MPI.COMM_NULL:
             return None
         new = MPIComm(raw, cuda_aware=self.cuda_aware)

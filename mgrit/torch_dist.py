@@ -106,6 +106,7 @@ from .comm import (
     _is_process_group,
     _note,
     _SessionComm,
+    split_arguments,
 )
 
 __all__ = ["TorchDistComm", "split_group", "retired_channels", "is_process_group"]
@@ -1030,12 +1031,12 @@ class TorchDistComm(_SessionComm):
         for ``color`` None or negative (such as ``MPI.UNDEFINED``).
         """
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
-        undefined = color is None or int(color) < 0
-        mine = (None if undefined else int(color), int(key), self._g.next_space)
+        color, key, failure = split_arguments(color, key)
+        undefined = color is None
         # every rank's (color, key, next tag space), exchanged as a handshake is (so that a rank here and
         # one in a session's handshake or in agree both get an error naming both calls); every rank then
         # makes the same plan from them
-        notes = self._exchange(Call("Communicator.split", ()), mine)
+        notes = self._exchange(Call("Communicator.split", ()), (color, key, self._g.next_space), failure)
         top = max(n for _, _, n in notes)
         colors = sorted({c for c, _, _ in notes if c is not None})
         groups = {c: (top + i, [self._members[r] for r in sorted((r for r in range(self.size) if notes[r][0] == c),
@@ -1044,7 +1045,7 @@ class TorchDistComm(_SessionComm):
         self._g.next_space = max(self._g.next_space, top + len(colors))
         if undefined:
             return None
-        space, members = groups[int(color)]
+        space, members = groups[color]
         return TorchDistComm._view(self._g, members, space)
 
     def free(self):
