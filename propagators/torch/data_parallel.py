@@ -63,9 +63,10 @@ def _average(comm, module, params, floats, shard_size) -> None:
     _check_alike(comm, params + floats, shard_size is not None, module, params)
     weight = 1.0 if shard_size is None else float(shard_size)
     n = len(params)
-    sparse_grads = [p.grad is not None and p.grad.layout != torch.strided for p in params]
-    meta = np.array([p.grad is not None for p in params] + sparse_grads
-                    + [weight], dtype=np.float64)
+    # per parameter: a gradient here, and the sparse dimensions of a sparse one (0: dense)
+    sparse_dims = [p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0 for p in params]
+    meta = np.array([p.grad is not None for p in params] + [d > 0 for d in sparse_dims] + sparse_dims + [weight],
+                    dtype=np.float64)
     meta = comm.allreduce_array(meta)
     total = meta[-1]
     if total <= 0:
@@ -74,7 +75,8 @@ def _average(comm, module, params, floats, shard_size) -> None:
     for p, has in zip(params, meta[:n]):
         if has:
             buckets.setdefault((p.dtype, p.device), []).append(p)
-    sparse = {id(p) for p, s in zip(params, meta[n:2 * n]) if s}  # (nn.Embedding(sparse=True): on any data rank)
+    # (nn.Embedding(sparse=True): sparse on any data rank, with its sparse dimensions, 1 for an embedding)
+    sparse = {id(p): round(d / k) for p, k, d in zip(params, meta[n:2 * n], meta[2 * n:3 * n]) if k}
     for (dtype, device), ps in buckets.items():
         flat = torch.cat([_dense_grad(p).reshape(-1) for p in ps])
         if flat.dtype in (torch.float16, torch.bfloat16):  # (a gradient times the shard size overflows float16)
@@ -88,8 +90,8 @@ def _average(comm, module, params, floats, shard_size) -> None:
         for p in ps:
             g = summed[off: off + p.numel()].view_as(p)
             off += p.numel()
-            if id(p) in sparse:  # the sum of the replicas' sparse gradients, sparse again on every data rank
-                p.grad = g.to_sparse()
+            if id(p) in sparse:  # the replicas' sparse gradients summed dense, sparse again on every data rank
+                p.grad = g.to_sparse(sparse[id(p)])
             elif p.grad is None:
                 p.grad = g.clone()
             else:
@@ -109,7 +111,7 @@ def _dense_grad(p) -> torch.Tensor:
     ``nn.Embedding(sparse=True)`` makes, summed into its dense form)."""
     if p.grad is None:
         return torch.zeros_like(p)
-    return p.grad.detach().to_dense() if p.grad.layout != torch.strided else p.grad.detach()
+    return p.grad.detach().to_dense() if p.grad.is_sparse else p.grad.detach()
 
 
 def param_layout(params) -> int:
