@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-__all__ = ["array_sums", "sums_gap", "sums_rtol"]
+__all__ = ["array_sums", "spread", "sums_gap", "sums_rtol"]
 
 
 def array_sums(v: np.ndarray) -> tuple:
@@ -50,22 +50,35 @@ def array_sums(v: np.ndarray) -> tuple:
     return squares, total, weighted(mags, tmags), weighted(body, tail)
 
 
-def sums_rtol(eps: float, n: int) -> float:
-    """How far two ranks' sums of an array of ``n`` entries may differ for a dtype of machine epsilon
-    ``eps``: rounding in what computed the array (on other hardware), not other data.
+def sums_rtol(eps: float, spread: float = 1.0) -> float:
+    """How far two ranks' sums of an array may differ for a dtype of machine epsilon ``eps``: rounding
+    in what computed the array (on other hardware), not other data.
 
     100 units in the last place where that is at most 1e-4 (float32, float64). For float16 and
-    bfloat16 that would pass other data: a difference of a unit in every entry, in random directions,
-    moves the sums by about ``3.5 eps / sqrt(n)`` and other data by about ``2 / sqrt(n)``, so they get
-    ``32 eps / sqrt(n)`` (nine times the first, an eighth of the second for bfloat16), at least 1e-4.
+    bfloat16 that would pass other data. A unit in every entry, in random directions, moves the sum of
+    squares by about ``2 eps spread`` (:func:`spread`: ``1 / sqrt(n)`` for ``n`` entries of one size,
+    1 for one entry that dominates), other data by about ``2 / sqrt(n)``; they get ``16 eps spread``
+    (eight times the first), at least 1e-4 and at most 8 units.
 
-    >>> sums_rtol(np.finfo(np.float64).eps, 10) < 1e-13, round(sums_rtol(2.0 ** -7, 4096), 6), sums_rtol(2.0 ** -7, 1e8)
-    (True, 0.003906, 0.0001)
+    >>> sums_rtol(np.finfo(np.float64).eps) < 1e-13, sums_rtol(2.0 ** -7, 1 / 64), sums_rtol(2.0 ** -7, 1.0)
+    (True, 0.001953125, 0.0625)
     """
     eps = float(eps)
     if 100 * eps <= 1e-4:
         return 100 * eps
-    return min(100 * eps, max(1e-4, 32 * eps / math.sqrt(max(n, 1))))
+    return min(8 * eps, max(1e-4, 16 * eps * float(spread)))
+
+
+def spread(v: np.ndarray) -> float:
+    """``sqrt(sum x^4) / sum x^2`` of a flat real array (in float64): ``1 / sqrt(n)`` for ``n`` entries of
+    one magnitude, 1 for one entry that dominates (or none: zeros). What rounding moves the sums by.
+
+    >>> spread(np.ones(4)), spread(np.array([100.0, 0.0, 0.0])), spread(np.zeros(3))
+    (0.5, 1.0, 1.0)
+    """
+    w = np.square(v, dtype=np.float64)
+    s = float(w.sum())
+    return float(np.sqrt(w @ w)) / s if s > 0 and math.isfinite(s) else 1.0
 
 
 def sums_gap(s, s0) -> float:

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from ._inputs import array_sums, sums_gap, sums_rtol
+from ._inputs import array_sums, spread, sums_gap, sums_rtol
 from .comm import Call, Communicator, InSession, args_signature, as_communicator, warn_if_alone
 from .cycle import DivergenceError, Levels, run
 from .hierarchy import per_level
@@ -310,7 +310,7 @@ def _u0_sums(u0) -> tuple:
     """What the ranks compare of their ``u0``: its sums (:func:`mgrit._inputs.array_sums`) and tolerance."""
     v, eps = B.host_values(u0)
     with np.errstate(all="ignore"):  # (u0 is finite: checked before)
-        return (*array_sums(v), sums_rtol(eps, v.size))
+        return (*array_sums(v), sums_rtol(eps, spread(v) if 100 * eps > 1e-4 else 1.0))
 
 
 def _differing_u0(sums: list) -> ValueError | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mgrit._inputs import array_sums, sums_gap, sums_rtol
+from mgrit._inputs import array_sums, spread, sums_gap, sums_rtol
 
 torch = pytest.importorskip("torch")
 
@@ -18,6 +18,10 @@ def values(x: torch.Tensor) -> np.ndarray:
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return sums_gap(array_sums(values(a)), array_sums(values(b)))
+
+
+def rtol(a: torch.Tensor) -> float:
+    return sums_rtol(torch.finfo(a.dtype).eps, spread(values(a)))
 
 
 def one_unit_apart(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -33,13 +37,35 @@ def test_low_precision_arrays_are_told_apart_from_their_rounding(dtype, n):
     """bfloat16 batches of 4,000 entries or more, and float16 ones of 262,144, passed as 'the same' for
     independent random data under a tolerance of 8 units in the last place; 100 units capped at 1e-4
     (the tolerance before that) called one unit apart in a two-entry u0 a different array."""
-    rtol = sums_rtol(torch.finfo(dtype).eps, n)
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
         a, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
         if n >= 16:  # (two entries of independent data can agree by chance)
-            assert gap(a, b) > rtol, (seed, gap(a, b), rtol)
-        assert gap(a, one_unit_apart(a, seed + 100)) <= rtol, (seed, gap(a, one_unit_apart(a, seed + 100)), rtol)
+            assert gap(a, b) > rtol(a), (seed, gap(a, b), rtol(a))
+        assert gap(a, one_unit_apart(a, seed + 100)) <= rtol(a), (seed, gap(a, one_unit_apart(a, seed + 100)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [64, 4096, 65536])
+def test_one_unit_in_an_entry_that_dominates_is_rounding(dtype, n):
+    """An activation of 100 among values of about 1 (as in large language models), one unit apart on
+    one rank: a tolerance of 32 eps / sqrt(n) called it a different input; the spread of the magnitudes
+    sees that one entry carries the sums."""
+    a = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    a[7] = 100.0
+    b = a.clone()
+    b[7:8] = one_unit_apart(a[7:8], 1)
+    assert gap(a, b) <= rtol(a), (gap(a, b), rtol(a))
+
+
+def test_short_low_precision_arrays_keep_eight_units_at_most():
+    """A bfloat16 u0 of [1.0] on one rank and [1.1] on another passed under 32 eps / sqrt(n) (0.25 at one
+    entry)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        a, b = torch.tensor([1.0], dtype=dtype), torch.tensor([1.1], dtype=dtype)
+        assert gap(a, b) > rtol(a) and gap(a, b) > rtol(b)
+        c, d = torch.tensor([0.5, -1.25], dtype=dtype), torch.tensor([0.55, -1.3], dtype=dtype)
+        assert gap(c, d) > rtol(c)
 
 
 @pytest.mark.parametrize("n", [1, 3, 5000])
@@ -48,10 +74,10 @@ def test_every_entry_has_a_sign_in_the_weighted_sum(n):
     a = np.linspace(1.0, 2.0, n)
     b = a.copy()
     b[0] = -b[0]
-    assert sums_gap(array_sums(a), array_sums(b)) > sums_rtol(np.finfo(np.float64).eps, n)
+    assert sums_gap(array_sums(a), array_sums(b)) > sums_rtol(np.finfo(np.float64).eps)
 
 
-def test_the_float32_and_float64_tolerance_is_100_units_whatever_the_size():
+def test_the_float32_and_float64_tolerance_is_100_units_whatever_the_spread():
     for dtype in (np.float32, np.float64):
         eps = float(np.finfo(dtype).eps)
-        assert sums_rtol(eps, 2) == sums_rtol(eps, 10 ** 7) == 100 * eps
+        assert sums_rtol(eps, 1.0) == sums_rtol(eps, 1e-4) == 100 * eps

@@ -434,7 +434,9 @@ def _input_sums(x) -> tuple:
             v = torch.view_as_real(v).reshape(-1)
         if v.device.type == "cpu" and v.dtype in _NUMPY_SUMS:
             with np.errstate(all="ignore"):  # (an Inf or NaN sums to Inf or NaN, compared as such; no warning)
-                return (*_input_sums_numpy(v.numpy()), _input_rtol(x.dtype, v.numel()))
+                return (*_input_sums_numpy(v.numpy()), _input_rtol(x.dtype, v))
+        if not v.is_floating_point():  # (integer and bool inputs off the CPU: abs and norms need floats)
+            v = v.double()
         n = v.numel()
         body, tail = v[: n - n % 61].view(-1, 61), v[n - n % 61:]
         f64 = dict(dtype=torch.float64, device=v.device)
@@ -448,17 +450,23 @@ def _input_sums(x) -> tuple:
         mags = body.abs()
         squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
         total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
-        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype, n)
+        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype, v)
 
 
 _NUMPY_SUMS = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                torch.uint8, torch.bool}
 
 
-def _input_rtol(dtype, n: int) -> float:
-    """How far the sums of one input of ``n`` entries may differ between ranks: rounding in the layers
-    before the block (computed on other hardware), not a different batch (:func:`mgrit._inputs.sums_rtol`)."""
-    return sums_rtol(torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7, n)
+def _input_rtol(dtype, v) -> float:
+    """How far the sums of one input (of ``dtype``; ``v`` its flat real values) may differ between ranks:
+    rounding in the layers before the block (computed on other hardware), not a different batch
+    (:func:`mgrit._inputs.sums_rtol`; float16 / bfloat16 by the spread of the magnitudes)."""
+    eps = torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7
+    if 100 * eps <= 1e-4:
+        return sums_rtol(eps)
+    w = v.double().square()  # (mgrit._inputs.spread, on the input's device)
+    s = float(w.sum())
+    return sums_rtol(eps, float(torch.linalg.vector_norm(w)) / s if s > 0 and math.isfinite(s) else 1.0)
 
 
 def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError | None:
