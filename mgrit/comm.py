@@ -1020,18 +1020,25 @@ def _mismatch_message(signatures: list) -> str | None:
 
 def split_arguments(color, key) -> tuple:
     """``(color, key, failure)`` of :meth:`Communicator.split` as integers, color None for None or a
-    negative one (``MPI.UNDEFINED``); ``failure`` the TypeError for arguments that are not integers
-    (raised by the split after the ranks' exchange, so that no rank waits in the engine's split).
+    negative one (``MPI.UNDEFINED``); ``failure`` the TypeError for arguments that are not integers, the
+    ValueError for integers beyond 32 bits (raised by the split after the ranks' exchange, so that no
+    rank waits in the engine's split).
 
     >>> split_arguments(2, 0), split_arguments(-32766, 1)[:2], type(split_arguments(1.5, 0)[2]).__name__
     ((2, 0, None), (None, 1), 'TypeError')
+    >>> type(split_arguments(2 ** 40, 0)[2]).__name__
+    'ValueError'
     """
     try:
-        color = None if color is None else operator.index(color)
-        return (None if color is None or color < 0 else color), operator.index(key), None
+        c = None if color is None else operator.index(color)
+        k = operator.index(key)
     except TypeError:
         return None, 0, TypeError(f"split(color, key) takes integers (color None or negative: no new "
                                   f"communicator), got color {color!r}, key {key!r}")
+    if not all(-(2 ** 31) <= v < 2 ** 31 for v in (k, 0 if c is None else c)):  # (MPI's are C ints)
+        return None, 0, ValueError(f"split(color, key) takes integers of 32 bits (MPI's are C ints), got color "
+                                   f"{color!r}, key {key!r}")
+    return (None if c is None or c < 0 else c), k, None
 
 
 def args_signature(*items) -> int:

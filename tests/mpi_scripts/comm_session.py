@@ -329,18 +329,17 @@ def check_agree_against_a_session(c, bad_lines: list) -> None:
                     bad_lines.append(f"{case}: unclear error {exc}")
             else:
                 bad_lines.append(f"{case}, rank {first} alone: no error")
-    # a bad color on one rank: a TypeError there, RemoteRankError on the others (they waited in MPI's split)
-    try:
-        part = c.split("a" if c.rank == c.size - 1 else 0)
-        if part is not None:
-            part.free()
-        bad_lines.append("a bad split color on one rank: no error")
-    except TypeError as exc:
-        if c.rank != c.size - 1 or "split(color, key) takes integers" not in str(exc):
-            bad_lines.append(f"a bad split color: {exc}")
-    except RemoteRankError as exc:
-        if c.rank == c.size - 1 or "split(color, key) takes integers" not in str(exc):
-            bad_lines.append(f"a bad split color: {exc}")
+    # a bad color or key on one rank: an error there, RemoteRankError on the others (they waited in MPI's split)
+    for bad, error in (("a", TypeError), (2 ** 40, ValueError)):
+        try:
+            part = c.split(bad if c.rank == c.size - 1 else 0, 0)
+            if part is not None:
+                part.free()
+            bad_lines.append(f"a split color {bad!r} on one rank: no error")
+        except (error, RemoteRankError) as exc:
+            if (isinstance(exc, RemoteRankError) == (c.rank == c.size - 1)
+                    or "split(color, key) takes integers" not in str(exc)):
+                bad_lines.append(f"a split color {bad!r} on one rank: {type(exc).__name__}: {exc}")
     part = c.split(c.rank % 2, -c.rank)  # (usable, and a split still splits)
     want = sorted((r for r in range(c.size) if r % 2 == c.rank % 2), reverse=True)
     if part.size != len(want) or part.rank != want.index(c.rank):
