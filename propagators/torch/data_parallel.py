@@ -77,6 +77,14 @@ def _average(comm, module, params, floats, shard_size) -> None:
             buckets.setdefault((p.dtype, p.device), []).append(p)
     # (nn.Embedding(sparse=True): sparse on any data rank, with its sparse dimensions, 1 for an embedding)
     sparse = {id(p): round(d / k) for p, k, d in zip(params, meta[n:2 * n], meta[2 * n:3 * n]) if k}
+    if sparse:  # the rows that any replica's gradient holds (looked up), kept though their sum be zero
+        sp = [p for p in params if id(p) in sparse]
+        touched = comm.allreduce_array(np.concatenate([_touched(p, sparse[id(p)]) for p in sp]))
+        off = 0
+        for p in sp:
+            size = int(np.prod(p.shape[:sparse[id(p)]]))
+            sparse[id(p)] = touched[off: off + size].reshape(p.shape[:sparse[id(p)]]) > 0
+            off += size
     for (dtype, device), ps in buckets.items():
         flat = torch.cat([_dense_grad(p).reshape(-1) for p in ps])
         if flat.dtype in (torch.float16, torch.bfloat16):  # (a gradient times the shard size overflows float16)
@@ -91,7 +99,8 @@ def _average(comm, module, params, floats, shard_size) -> None:
             g = summed[off: off + p.numel()].view_as(p)
             off += p.numel()
             if id(p) in sparse:  # the replicas' sparse gradients summed dense, sparse again on every data rank
-                p.grad = g.to_sparse(sparse[id(p)])
+                rows = torch.from_numpy(np.argwhere(sparse[id(p)]).T.copy()).to(device)
+                p.grad = torch.sparse_coo_tensor(rows, g[tuple(rows)], p.shape).coalesce()
             elif p.grad is None:
                 p.grad = g.clone()
             else:
@@ -104,6 +113,17 @@ def _average(comm, module, params, floats, shard_size) -> None:
             for b in floats:
                 b.copy_(summed[off: off + b.numel()].view_as(b))
                 off += b.numel()
+
+
+def _touched(p, sparse_dim: int) -> np.ndarray:
+    """Flat float64 flags over the sparse index space of ``p`` (its first ``sparse_dim`` dimensions): 1
+    where this rank's gradient holds an entry (every index for a dense gradient, none without one)."""
+    flags = np.zeros(p.shape[:sparse_dim], dtype=np.float64)
+    if p.grad is not None and p.grad.is_sparse and p.grad.sparse_dim() == sparse_dim:
+        flags[tuple(p.grad.coalesce().indices().cpu().numpy())] = 1.0
+    elif p.grad is not None:
+        flags[...] = 1.0
+    return flags.reshape(-1)
 
 
 def _dense_grad(p) -> torch.Tensor:
