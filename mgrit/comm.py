@@ -1026,8 +1026,8 @@ def split_arguments(color, key) -> tuple:
 
     >>> split_arguments(2, 0), split_arguments(-32766, 1)[:2], type(split_arguments(1.5, 0)[2]).__name__
     ((2, 0, None), (None, 1), 'TypeError')
-    >>> type(split_arguments(2 ** 40, 0)[2]).__name__
-    'ValueError'
+    >>> type(split_arguments(2 ** 40, 0)[2]).__name__, split_arguments(-(2 ** 40), 0)
+    ('ValueError', (None, 0, None))
     """
     try:
         c = None if color is None else operator.index(color)
@@ -1035,7 +1035,8 @@ def split_arguments(color, key) -> tuple:
     except TypeError:
         return None, 0, TypeError(f"split(color, key) takes integers (color None or negative: no new "
                                   f"communicator), got color {color!r}, key {key!r}")
-    if not all(-(2 ** 31) <= v < 2 ** 31 for v in (k, 0 if c is None else c)):  # (MPI's are C ints)
+    if not (-(2 ** 31) <= k < 2 ** 31 and (c is None or c < 2 ** 31)):  # (MPI's are C ints; a negative color
+        #                                                                   never reaches MPI: undefined)
         return None, 0, ValueError(f"split(color, key) takes integers of 32 bits (MPI's are C ints), got color "
                                    f"{color!r}, key {key!r}")
     return (None if c is None or c < 0 else c), k, None

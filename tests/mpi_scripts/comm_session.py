@@ -340,6 +340,11 @@ def check_agree_against_a_session(c, bad_lines: list) -> None:
             if (isinstance(exc, RemoteRankError) == (c.rank == c.size - 1)
                     or "split(color, key) takes integers" not in str(exc)):
                 bad_lines.append(f"a split color {bad!r} on one rank: {type(exc).__name__}: {exc}")
+    part = c.split(-(2 ** 40) if c.rank == c.size - 1 else 0)  # (any negative color: undefined, never refused)
+    if (part is None) != (c.rank == c.size - 1) or (part is not None and part.size != c.size - 1):
+        bad_lines.append(f"a large negative split color: {part}")
+    if part is not None:
+        part.free()
     part = c.split(c.rank % 2, -c.rank)  # (usable, and a split still splits)
     want = sorted((r for r in range(c.size) if r % 2 == c.rank % 2), reverse=True)
     if part.size != len(want) or part.rank != want.index(c.rank):
