@@ -1091,11 +1091,6 @@ class _SessionComm(Communicator):
 
     @staticmethod
     def _verdict(notes: list):
-        odd = next((r for r, n in enumerate(notes) if not (isinstance(n, tuple) and len(n) == 5)), None)
-        if odd is not None:  # a rank in another protocol's gather (a split's plan) on this tag: no unpacking
-            bad = (f"the collective calls differ between ranks: rank {odd} is in another collective call of the "
-                   "communicator than rank 0; every rank must make the same collective calls in the same order")
-            return [], bad, None, 0, [None] * len(notes)
         failed = [(r, n) for r, (n, *_) in enumerate(notes) if n is not None]
         bad = None if failed else mismatch_message([s for _, s, *_ in notes])  # (never raises)
         common = set(notes[0][2]).intersection(*(set(p) for _, _, p, *_ in notes[1:]))
@@ -1121,13 +1116,7 @@ class _SessionComm(Communicator):
                 failure, share = bad_share, None
         mine = (None if failure is None else _note(failure), signature, tuple(self._pool), next_id,
                 None if failure is not None else share)
-        self._handshaking = True
-        try:
-            notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-            verdict = None if notes is None else self._verdict(notes)
-            failed, bad, reuse, new_id, shares = self._from_root(ch, verdict, Tag.HANDSHAKE)
-        finally:
-            self._handshaking = False
+        failed, bad, reuse, new_id, shares = self._handshake_round(ch, mine)
         self._after_handshake(ch)
         if bad_share is not None:
             raise bad_share
@@ -1135,6 +1124,17 @@ class _SessionComm(Communicator):
             return None
         self._raise_verdict(failed, bad)
         return reuse, new_id, shares
+
+    def _handshake_round(self, ch, mine: tuple) -> tuple:
+        """Every rank's handshake note ``mine`` (failure, signature, pool, next channel id, share) to rank 0
+        on channel ``ch``, and its :meth:`_verdict` back to every rank: what a session's handshake and
+        :meth:`_exchange` both send, so that ranks at either read each other's messages."""
+        self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
+        try:
+            notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
+            return self._from_root(ch, None if notes is None else self._verdict(notes), Tag.HANDSHAKE)
+        finally:
+            self._handshaking = False
 
     def _raise_verdict(self, failed: list, bad: str | None) -> None:
         """Raise what a handshake's verdict says (:meth:`_verdict`): RemoteRankError for the first rank
@@ -1238,13 +1238,7 @@ class _SessionComm(Communicator):
         with a ``failure`` (a bad argument) takes part, then raises it; the others RemoteRankError."""
         ch = self._top
         mine = (None if failure is None else _note(failure), call, (), 0, None if failure is not None else value)
-        self._handshaking = True  # a rank that exited never comes (MPIComm._poll)
-        try:
-            notes = self._gather_to_root(ch, mine, Tag.HANDSHAKE)
-            verdict = None if notes is None else self._verdict(notes)
-            failed, bad, _, _, values = self._from_root(ch, verdict, Tag.HANDSHAKE)
-        finally:
-            self._handshaking = False
+        failed, bad, _, _, values = self._handshake_round(ch, mine)
         self._after_object_sends(ch)
         if failure is not None:
             raise failure

@@ -1032,7 +1032,6 @@ class TorchDistComm(_SessionComm):
         """
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left
         color, key, failure = split_arguments(color, key)
-        undefined = color is None
         # every rank's (color, key, next tag space), exchanged as a handshake is (so that a rank here and
         # one in a session's handshake or in agree both get an error naming both calls); every rank then
         # makes the same plan from them
@@ -1043,7 +1042,7 @@ class TorchDistComm(_SessionComm):
                                                                  key=lambda r: (notes[r][1], r))])
                   for i, c in enumerate(colors)}
         self._g.next_space = max(self._g.next_space, top + len(colors))
-        if undefined:
+        if color is None:
             return None
         space, members = groups[color]
         return TorchDistComm._view(self._g, members, space)
