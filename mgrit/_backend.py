@@ -199,23 +199,28 @@ def shape_of(x) -> tuple:
     return tuple(x.shape)
 
 
-def host_values(x) -> tuple:
-    """``(flat real numpy array on the host, machine epsilon of x's dtype)`` of an array or tensor (complex
-    entries as their real and imaginary parts, a tensor copied to the host where it is not there, bfloat16
-    widened to float32): what :func:`mgrit._inputs.array_sums` reads."""
+def flat_real(x):
+    """``x`` as a flat real array or tensor: complex entries as their real and imaginary parts, in C order
+    whatever the memory layout; a tensor detached, its conjugate or negative views resolved, on its device."""
     if is_torch(x):
         import torch
 
-        eps = torch.finfo(x.dtype).eps
         v = x.detach().resolve_conj().resolve_neg().reshape(-1)
-        if v.is_complex():
-            v = torch.view_as_real(v).reshape(-1)
-        if v.dtype == torch.bfloat16:
-            v = v.float()
-        return v.cpu().numpy(), eps
+        return torch.view_as_real(v).reshape(-1) if v.is_complex() else v
     v = np.asarray(x)
-    eps = float(np.finfo(v.dtype).eps)
-    if v.dtype.kind == "c":  # (real and imaginary parts interleaved in C order, whatever the memory layout)
+    if v.dtype.kind == "c":
         v = np.ascontiguousarray(v)
         v = v.view(v.real.dtype)
-    return v.reshape(-1), eps
+    return v.reshape(-1)
+
+
+def host_values(x) -> tuple:
+    """``(flat real numpy array on the host, machine epsilon of x's dtype)`` of an array or tensor
+    (:func:`flat_real`, copied to the host where it is not there, bfloat16 widened to float32): what
+    :func:`mgrit._inputs.array_sums` reads."""
+    v = flat_real(x)
+    if is_torch(x):
+        import torch
+
+        return (v.float() if v.dtype == torch.bfloat16 else v).cpu().numpy(), torch.finfo(x.dtype).eps
+    return v, float(np.finfo(v.dtype).eps)

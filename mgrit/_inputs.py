@@ -16,7 +16,9 @@ import math
 
 import numpy as np
 
-__all__ = ["array_sums", "spread", "sums_gap", "sums_rtol"]
+from . import _backend as B
+
+__all__ = ["array_sums", "differing_rank", "spread", "sums_gap", "sums_rtol"]
 
 
 def array_sums(v: np.ndarray) -> tuple:
@@ -60,25 +62,45 @@ def sums_rtol(eps: float, spread: float = 1.0) -> float:
     1 for one entry that dominates), other data by about ``2 / sqrt(n)``; they get ``16 eps spread``
     (eight times the first), at least 1e-4 and at most 8 units.
 
+    ``spread`` may be a function that returns it: it is called only for float16 / bfloat16, which need it.
+
     >>> sums_rtol(np.finfo(np.float64).eps) < 1e-13, sums_rtol(2.0 ** -7, 1 / 64), sums_rtol(2.0 ** -7, 1.0)
     (True, 0.001953125, 0.0625)
     """
     eps = float(eps)
     if 100 * eps <= 1e-4:
         return 100 * eps
-    return min(8 * eps, max(1e-4, 16 * eps * float(spread)))
+    return min(8 * eps, max(1e-4, 16 * eps * float(spread() if callable(spread) else spread)))
 
 
-def spread(v: np.ndarray) -> float:
-    """``sqrt(sum x^4) / sum x^2`` of a flat real array (in float64): ``1 / sqrt(n)`` for ``n`` entries of
-    one magnitude, 1 for one entry that dominates (or none: zeros). What rounding moves the sums by.
+def spread(v) -> float:
+    """``sqrt(sum x^4) / sum x^2`` of a flat real array or tensor (in float64, a tensor on its device):
+    ``1 / sqrt(n)`` for ``n`` entries of one magnitude, 1 for one entry that dominates (or none: zeros).
+    What rounding moves the sums by.
 
     >>> spread(np.ones(4)), spread(np.array([100.0, 0.0, 0.0])), spread(np.zeros(3))
     (0.5, 1.0, 1.0)
     """
-    w = np.square(v, dtype=np.float64)
-    s = float(w.sum())
-    return float(np.sqrt(w @ w)) / s if s > 0 and math.isfinite(s) else 1.0
+    if B.is_torch(v):
+        import torch
+
+        w = v.double().square()
+        s, fourth = float(w.sum()), float(torch.linalg.vector_norm(w))
+    else:
+        w = np.square(v, dtype=np.float64)
+        s, fourth = float(w.sum()), float(np.sqrt(w @ w))
+    return fourth / s if s > 0 and math.isfinite(s) else 1.0
+
+
+def differing_rank(sums: list) -> int | None:
+    """The first rank whose sums (``sums``: every rank's :func:`array_sums` followed by its tolerance, in
+    rank order) differ from rank 0's by more than the largest tolerance; None when none does.
+
+    >>> differing_rank([(1.0, 1.0, 1.0, 1.0, 1e-6), (1.0, 1.0, 1.0, 1.0, 1e-6), (2.0, 1.0, 1.0, 1.0, 1e-6)])
+    2
+    """
+    rtol = max(s[4] for s in sums)
+    return next((r for r, s in enumerate(sums) if sums_gap(s, sums[0]) > rtol), None)
 
 
 def sums_gap(s, s0) -> float:

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import _backend as B
-from ._inputs import array_sums, spread, sums_gap, sums_rtol
+from ._inputs import array_sums, differing_rank, spread, sums_rtol
 from .comm import Call, Communicator, InSession, args_signature, as_communicator, warn_if_alone
 from .cycle import DivergenceError, Levels, run
 from .hierarchy import per_level
@@ -310,17 +310,15 @@ def _u0_sums(u0) -> tuple:
     """What the ranks compare of their ``u0``: its sums (:func:`mgrit._inputs.array_sums`) and tolerance."""
     v, eps = B.host_values(u0)
     with np.errstate(all="ignore"):  # (u0 is finite: checked before)
-        return (*array_sums(v), sums_rtol(eps, spread(v) if 100 * eps > 1e-4 else 1.0))
+        return (*array_sums(v), sums_rtol(eps, lambda: spread(v)))
 
 
 def _differing_u0(sums: list) -> ValueError | None:
     """The error when the ranks' ``u0`` differ beyond rounding (``sums``: every rank's :func:`_u0_sums`):
     only rank 0's sets the solution, the others' would enter the first iterate alone."""
-    rtol = max(s[4] for s in sums)
-    odd = [r for r, s in enumerate(sums) if sums_gap(s, sums[0]) > rtol]
-    if not odd:
+    r = differing_rank(sums)
+    if r is None:
         return None
-    r = odd[0]
     return ValueError(
         f"`u0` differs between ranks: rank {r}'s (sum of squares {sums[r][0]:.6g}, sum weighted by position "
         f"{sums[r][3]:.6g}) against rank 0's ({sums[0][0]:.6g}, {sums[0][3]:.6g}); every rank must pass the same "

@@ -30,7 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
-from mgrit._inputs import array_sums as _input_sums_numpy, sums_gap as _input_gap, sums_rtol
+from mgrit import _backend as B
+from mgrit._inputs import array_sums as _input_sums_numpy, differing_rank, spread, sums_gap as _input_gap, sums_rtol
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -429,9 +430,7 @@ def _input_sums(x) -> tuple:
     weights come from the column and row sums of a 61-wide view, ``61 i + j + 1``, and the last
     ``numel % 61`` entries on their own (:func:`mgrit._inputs.array_sums`, the same sums)."""
     with torch.no_grad():
-        v = x.detach().resolve_conj().resolve_neg().reshape(-1)
-        if v.is_complex():
-            v = torch.view_as_real(v).reshape(-1)
+        v = B.flat_real(x)
         if v.device.type == "cpu" and v.dtype in _NUMPY_SUMS:
             with np.errstate(all="ignore"):  # (an Inf or NaN sums to Inf or NaN, compared as such; no warning)
                 return (*_input_sums_numpy(v.numpy()), _input_rtol(x.dtype, v))
@@ -461,27 +460,23 @@ def _input_rtol(dtype, v) -> float:
     """How far the sums of one input (of ``dtype``; ``v`` its flat real values) may differ between ranks:
     rounding in the layers before the block (computed on other hardware), not a different batch
     (:func:`mgrit._inputs.sums_rtol`; float16 / bfloat16 by the spread of the magnitudes)."""
-    eps = torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7
-    if 100 * eps <= 1e-4:
-        return sums_rtol(eps)
-    w = v.double().square()  # (mgrit._inputs.spread, on the input's device)
-    s = float(w.sum())
-    return sums_rtol(eps, float(torch.linalg.vector_norm(w)) / s if s > 0 and math.isfinite(s) else 1.0)
+    return sums_rtol(torch.finfo(dtype).eps if (dtype.is_floating_point or dtype.is_complex) else 1e-7,
+                     lambda: spread(v))
 
 
 def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError | None:
     """The error to raise when the ranks' inputs differ (``sums``: every rank's :func:`_input_sums`);
     not for differences in the last bits (the layers before this block computed on different hardware)."""
-    rtol = max(s[4] for s in sums)
-    for r, s in enumerate(sums):
-        if _input_gap(s, sums[0]) > rtol:
-            return ValueError(
-                f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
-                f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}): "
-                + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
-                   "same output of the layers before this block); seed every rank alike, or broadcast the batch "
-                   "from one rank"))
-    return None
+    r = differing_rank(sums)
+    if r is None:
+        return None
+    s = sums[r]
+    return ValueError(
+        f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
+        f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}): "
+        + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
+           "same output of the layers before this block); seed every rank alike, or broadcast the batch "
+           "from one rank"))
 
 
 def _same_check(a, b, rtol: float = 1e-5) -> bool:
