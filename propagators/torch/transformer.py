@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mgrit.hierarchy import check_integer
 
 from .module import LayerParallel, ODENet
 from .switch import SerialSwitch, Switchable
@@ -335,8 +336,7 @@ def make_vit(n_blocks: int = 8, dim: int = 32, heads: int = 4, *, side: int = 8,
     torch.Size([3, 10])
     >>> vit.blocks.mode = "serial"               # the same parameters, plain autograd through the blocks
     """
-    if isinstance(n_blocks, bool) or not isinstance(n_blocks, numbers.Integral) or n_blocks < 1:
-        raise ValueError(f"`n_blocks` must be a whole number >= 1, got {n_blocks!r}")
+    check_integer(n_blocks, "n_blocks", 1)
     if causal and pool == "cls":
         raise ValueError("causal=True with pool='cls': the class token stands in front of the patches and causal "
                          "attention lets it see only itself, so the classifier would ignore the image; use "
