@@ -34,31 +34,58 @@ class DivergenceError(FloatingPointError):
 
 
 def _transferred(out, U, w: LevelState, method: str, fine_shape=None):
-    """``out``, returned by ``w.transfer.<method>(U)``, checked as a stack of ``U``'s rows: an array (a list
-    or tuple of numpy states becomes one), one row per input row, non-empty states, and for ``interpolate``
-    states that broadcast to the fine states' shape (they are added to them in place). Reads only metadata."""
+    """``out``, returned by ``w.transfer.<method>(U)``, checked as a stack of ``U``'s rows: an array of
+    ``U``'s kind (a list or tuple of numpy states becomes one; tensors for torch states), one row per input
+    row, not tracked by autograd, non-empty states, and for ``interpolate`` states with the fine states'
+    axes that broadcast to their shape (they are added to them in place). Reads only metadata."""
     where = f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}.{method})"
     if isinstance(out, (list, tuple)) and not B.is_torch(U):
         out = np.asarray(out)
-    if out is None or not hasattr(out, "shape") or isinstance(out, (list, tuple)):
+    if out is None or not hasattr(out, "shape") or isinstance(out, (list, tuple)) or B.is_torch(out) != B.is_torch(U):
         raise TypeError(f"{where} returned {B.type_name(out)} for a stack of {B.type_name(U)}; it must return "
                         "a stack of states (numpy arrays for numpy states, tensors for torch states)")
+    if B.requires_grad(out):
+        raise ValueError(f"{where} returned a tensor that requires grad (computed from parameters that require "
+                         "grad): the solver does not differentiate through its transfers; compute it under "
+                         "torch.no_grad() or from detached tensors")
     shape = tuple(out.shape)
     if not shape or shape[0] != U.shape[0]:
         raise ValueError(f"{where} returned shape {shape} for a stack of shape {tuple(U.shape)}: it maps a stack "
                          f"of n states to n states (n = {U.shape[0]}), one row per state")
     if fine_shape is not None:
-        try:
-            fits = np.broadcast_shapes(shape[1:], tuple(fine_shape)) == tuple(fine_shape)
+        fine_shape = tuple(fine_shape)
+        try:  # rows that broadcast onto the fine states (a spatial mean as an (n, 1) stack), with as many axes
+            fits = len(shape) == len(fine_shape) + 1 and np.broadcast_shapes(shape[1:], fine_shape) == fine_shape
         except ValueError:
             fits = False
         if not fits:
             raise ValueError(f"{where} returned states of shape {shape[1:]}; the states of level {w.level.index} "
-                             f"have shape {tuple(fine_shape)}")
+                             f"have shape {fine_shape}: interpolate maps (n, *coarse_shape) to (n, *fine_shape)")
     elif shape[0] and int(np.prod(shape[1:])) == 0:
         raise ValueError(f"{where} restricts states of shape {tuple(U.shape[1:])} to empty states {shape[1:]}: "
                          "the hierarchy has more levels than this spatial coarsening allows; pass fewer "
                          "`max_levels` (the last transfer of a list repeats on every coarser level)")
+    return out
+
+
+def _transfer(w: LevelState, method: str, U):
+    """``w.transfer.<method>(U)`` for ``restrict`` and ``restrict_residual``, whose input is the solver's own
+    storage (the fine C-points, the C-point residuals that the residual norms are read from): the first call
+    of each per solve and level is checked for writing into it (its first and last rows, compared with a copy
+    taken before), as :func:`mgrit.relax` checks ``step``."""
+    fn = getattr(w.transfer, method)
+    if method in w.watched_transfers or U.shape[0] == 0:
+        return _transferred(fn(U), U, w, method)
+    w.watched_transfers.add(method)
+    ends = [0, U.shape[0] - 1]
+    before = U[ends]  # (a copy: fancy indexing, numpy and torch alike)
+    out = _transferred(fn(U), U, w, method)
+    if not B.same_values(before, U[ends]):
+        raise ValueError(
+            f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}.{method}) changed its "
+            "input in place (`U[:, 0] = ...`, `U *= ...`): that input is the solver's own storage (the fine "
+            "C-points, or the residuals whose norms it reports); compute into a new array (`U = U.copy()` "
+            "first) and return it")
     return out
 
 
@@ -72,7 +99,7 @@ def _inject(w: LevelState, wc: LevelState):
     own0 = w.lo - w.g0  # local slot of the first owned point
     ac = own0 if (w.g0 + own0) % m == 0 else w.first(0)
     U = w.u[ac::m]
-    V = _transferred(w.transfer.restrict(U), U, w, "restrict") if w.transfer is not None else U
+    V = _transfer(w, "restrict", U) if w.transfer is not None else U
     if wc.v is None:
         wc.v = B.empty_stack(wc.nloc, V[0])
         wc.u = B.empty_stack(wc.nloc, V[0])
@@ -97,7 +124,7 @@ def restrict(w: LevelState, wc: LevelState, r) -> None:
     # 2. the coarse operator applied to v: Psi(v[k-1]) for every owned k >= 1
     psi = advance(wc, wc.v[:-1], wc.tl[:-1], wc.tl[1:], out=G)
     # 3. restrict the fine residual r_i = g_i + Phi(u_{i-1}) - u_i
-    rc = _transferred(w.transfer.restrict_residual(r), r, w, "restrict_residual") if w.transfer is not None else r
+    rc = _transfer(w, "restrict_residual", r) if w.transfer is not None else r
     if w.transfer is not None and tuple(rc.shape[1:]) != tuple(wc.v.shape[1:]):
         raise ValueError(f"the spatial transfer of level {w.level.index} ({type(w.transfer).__name__}) restricts "
                          f"residuals to shape {tuple(rc.shape[1:])} but states to {tuple(wc.v.shape[1:])}: "

@@ -53,6 +53,7 @@ class LevelState:
     v: object = None
     count: int = 0
     watched: bool = False  # a `step` call on this level was checked for writing into its input
+    watched_transfers: set = field(default_factory=set)  # transfer methods so checked (restrict, ...)
     tl: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):

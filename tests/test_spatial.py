@@ -225,3 +225,75 @@ def test_an_interpolation_that_broadcasts_onto_the_fine_states_is_accepted():
     res = mgrit.solve(Decay(), u0, uniform_grid(16, 1.0), cf=2, max_levels=2, spatial=Broadcasting(), tol=1e-12)
     assert res.status.name == "CONVERGED"
     assert max_err(res.u, sequential(Decay(), u0, uniform_grid(16, 1.0))) < 1e-12
+
+
+class _Writes(HeatTransfer):
+    """A heat transfer that writes into its input first (an "apply the boundary condition" step, a scaling)."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def restrict(self, U):
+        if self.method == "restrict":
+            U[:, 0] = 0.0
+        return super().restrict(U)
+
+    def restrict_residual(self, R):
+        if self.method == "restrict_residual":
+            R *= 0.5  # (the solver reads the residual norms from R afterwards: they would be halved)
+        return super().restrict(R)
+
+
+@pytest.mark.parametrize("method", ["restrict", "restrict_residual"])
+def test_a_spatial_transfer_that_writes_into_its_input_is_named(method):
+    """restrict gets a view of the fine C-points and restrict_residual the residuals whose norms the solve
+    reports: a write into either stalled the solve at a residual of 6e-2 (restrict) or halved the reported
+    residuals (restrict_residual), without a word."""
+    props, _ = heat_hierarchy(33, 3)
+    with pytest.raises(ValueError, match=rf"spatial transfer of level 0 \(_Writes.{method}\) changed its input "
+                                         "in place"):
+        mgrit.solve(props, props[0].initial(), T65, cf=2, max_levels=3, relax="FCF", spatial=_Writes(method),
+                    tol=1e-12, max_iter=30, skip=False)
+
+
+def _torch_cases():
+    torch = pytest.importorskip("torch")
+    from propagators.torch import FeatureMapTransfer
+
+    class Numpy(FeatureMapTransfer):
+        def restrict(self, U):
+            return super().restrict(U).numpy()
+
+    class Tracked(FeatureMapTransfer):
+        scale = torch.ones(1, dtype=torch.float64, requires_grad=True)
+
+        def interpolate(self, E):
+            return super().interpolate(E) * self.scale
+
+    class LosesAxis(FeatureMapTransfer):
+        def interpolate(self, E):
+            return super().interpolate(E)[:, 0]
+
+    return torch, [(Numpy(), TypeError, r"level 0 \(Numpy.restrict\) returned numpy.ndarray for a stack of "
+                                        "torch.Tensor"),
+                   (Tracked(), ValueError, r"\(Tracked.interpolate\) returned a tensor that requires grad"),
+                   (LosesAxis(), ValueError, r"\(LosesAxis.interpolate\) returned states of shape \(3, 4, 4\); the "
+                                             r"states of level 1 have shape \(2, 3, 4, 4\)")]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_what_a_spatial_transfer_of_torch_states_returns_is_checked(case):
+    """A numpy stack for torch states ran the coarse level in numpy until a torch error two levels down; a tracked
+    interpolation was blamed on the propagator one step later; an interpolation that lost the batch axis passed
+    the check (its rows broadcast) and failed in torch's in-place add."""
+    torch, cases = _torch_cases()
+    transfer, error, match = cases[case]
+
+    class Decay(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return u / (1.0 + (t1 - t0))
+
+    u0 = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(error, match=match):
+        mgrit.solve(Decay(), u0, T65, cf=2, max_levels=3, relax="FCF", spatial=transfer, tol=1e-12, max_iter=25)
