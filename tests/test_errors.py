@@ -245,6 +245,29 @@ def test_a_torch_step_that_autograd_tracks_is_a_clear_error(levels):
         mgrit.solve(Linear(), torch.ones(3, dtype=torch.float64), np.linspace(0.0, 1.0, 17), cf=2, max_levels=levels)
 
 
+@pytest.mark.parametrize("levels", [1, 2, 3])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_later_torch_step_that_autograd_tracks_is_a_clear_error(levels, batched):
+    """Layers 5 to 15 trainable, the first ones frozen: only the first result of a sweep was checked, so one level
+    returned states with a grad_fn and two or three levels raised torch's out= error from a subtraction. With
+    a step_batch of the user's that loops over step, every batch is checked (check_batch) alike."""
+    torch = pytest.importorskip("torch")
+    W = [torch.full((4,), 0.5, dtype=torch.float64, requires_grad=i >= 5) for i in range(16)]
+
+    class Partly(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return u + (t1 - t0) * torch.tanh(W[min(int(round(t0 * 16)), 15)] * u)
+
+    class PartlyBatched(Partly):
+        def step_batch(self, U, t0, t1):
+            return torch.stack([self.step(u, a, b) for u, a, b in zip(U, t0.tolist(), t1.tolist())])
+
+    prop = PartlyBatched() if batched else Partly()
+    with pytest.raises(ValueError, match=r"propagator of level \d returned a tensor that requires grad.*no_grad"):
+        mgrit.solve(prop, torch.ones(4, dtype=torch.float64), np.linspace(0.0, 1.0, 17), cf=2, max_levels=levels,
+                    tol=1e-10)
+
+
 # --------------------------------------------------------------------------- divergence
 class NaNAfter(mgrit.Propagator):
     """Backward Euler for u' = -u that returns NaN on steps ending after ``t_bad``."""
