@@ -183,6 +183,23 @@ def test_lowering_the_cycles_never_raises_them():
     assert ctl.update(x, y)["lowered"] and (lp.fwd_iters, lp.bwd_iters) == (5, 4)
 
 
+def test_adapting_leaves_the_cap_of_a_solve_with_a_tolerance():
+    """A block that solves to a tolerance has an error of 1e-16, always "below": the switch dropped its caps by one
+    per measurement until the tolerance was out of reach (12 to 1 in 11 steps, the error growing to 0.58), while
+    every pass warned to raise them. A direction at fixed cycles next to it is still lowered."""
+    model = network()
+    lp = model[1].lp
+    lp.fwd_tol, lp.fwd_iters, lp.bwd_iters = 1e-10, 12, 6
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(32, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (32,), generator=gen)
+    ctl = SerialSwitch(model, nn.functional.cross_entropy, every=1, action="adapt", window=1, hold=0, ratio=1e6)
+    for _ in range(3):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert ctl.update(x, y)["lowered"]
+    assert (lp.fwd_iters, lp.bwd_iters) == (12, 3)
+
+
 def test_exact_iterations_with_one_coarsening_factor_per_level():
     """A per-level cf (which LayerParallel accepts) raised TypeError in int(); "tighten" failed with it."""
     torch.manual_seed(0)

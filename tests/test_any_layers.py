@@ -8,6 +8,7 @@ import math
 import io
 import pickle
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -345,6 +346,62 @@ def test_warm_start_reuses_the_previous_trajectory():
     assert errs_warm[-1] < 1e-3 * errs_cold[-1]
     # a different input shape starts cold again
     assert warm(torch.randn(5, 4)).shape == (5, 4)
+
+
+def test_a_warm_solve_with_a_relative_tolerance_is_relative_to_the_last_cold_one():
+    """The same batch again: the warm guess's own residual is 1e-10, and a bound relative to it was out of reach:
+    every such pass ran the 100-cycle cap and warned that its output was not the serial network's, while it was to
+    1e-16. A pass of an exact evaluation in between keeps the reference."""
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(5, 5), nn.LayerNorm(5), nn.GELU()) for _ in range(64)], T=2.0, cf=4,
+                       max_levels=3, fwd_tol=1e-8, bwd_tol=1e-8, tol_type="rel", warm_start=True).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ConvergenceWarning
+        lp(x)
+        cold = lp.last_forward.iterations
+        first = next(r for r in lp.forward_residuals if r is not None)
+        for _ in range(2):
+            y = lp(x)
+            assert lp.last_forward.iterations < cold and lp.last_forward.final_residual <= 1e-8 * first
+            assert rel(y.detach(), lp.serial(x).detach()) < 1e-9
+        lp.eval()
+        lp(x)  # exact: a serial sweep
+        lp.train()
+        lp(x)
+        assert lp.last_forward.iterations < cold
+
+
+def test_a_warm_start_at_the_rounding_of_the_states_is_no_lack_of_progress():
+    """A frozen block evaluated on the same batch at fixed cycles: once the warm start has converged to rounding,
+    each pass warned that the solve "made no progress" (residual 2.9e-17 to 2.9e-17) and that its output may be far
+    from the serial network's."""
+    torch.manual_seed(1)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(32)], cf=4, max_levels=3,
+                       fwd_iters=1, bwd_iters=1, skip=False, warm_start=True).double().requires_grad_(False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for _ in range(12):
+        y = lp(x)
+    assert rel(y, lp.serial(x)) < 1e-13  # converged over the passes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            lp(x)
+
+
+def test_a_to_that_changes_nothing_keeps_the_warm_start():
+    """`model.to(device)` every epoch dropped the trajectory: the next pass started cold (outputs 0.13 apart)."""
+    torch.manual_seed(2)
+    make = lambda: LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(32)], cf=4,  # noqa: E731
+                                 max_levels=3, fwd_iters=1, warm_start=True)
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 4)
+    a(x), b(x)
+    b.to("cpu").to(x.dtype)
+    assert torch.equal(a(x), b(x))
+    b.to(torch.float32 if x.dtype == torch.float64 else torch.float64)  # another dtype: the trajectory goes
+    assert b._warm is None
 
 
 def test_checkpoint_round_trip_on_one_rank():

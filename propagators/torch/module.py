@@ -625,7 +625,10 @@ class LayerParallel(nn.Module):
         Residual tolerances (None: run the given number of cycles). A solve that
         stops short of its tolerance warns (:class:`ConvergenceWarning`).
     tol_type : {"abs", "rel"}
-        Tolerances absolute, or relative to each solve's first residual.
+        Tolerances absolute, or relative to each solve's first residual (with
+        ``warm_start``, a warm forward solve's relative to the first residual of
+        the last forward solve that started cold: the warm guess's own can be at
+        the rounding of the states).
     skip : bool
         XBraid's and TorchBraid's skip (default on): the first cycle of each
         solve does no fine relaxation on the way down.
@@ -877,11 +880,17 @@ class LayerParallel(nn.Module):
                         "layer its own parameters, or run on one rank")
 
     def _apply(self, fn, *args, **kwargs):
+        before = [(t.dtype, t.device) for t in self._tensors()]
         out = super()._apply(fn, *args, **kwargs)
         for m in self._halo.values():  # halo layers are not submodules (no stale copies in state_dict)
             m._apply(fn, *args, **kwargs)
-        self._warm = None
+        if [(t.dtype, t.device) for t in self._tensors()] != before:  # (a .to() that changes nothing keeps it)
+            self._warm = None
         return out
+
+    def _tensors(self) -> list:
+        """The parameters and buffers of the block (its own layers and its halo copies)."""
+        return [t for m in (self, *self._halo.values()) for t in (*m.parameters(), *m.buffers())]
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -1139,7 +1148,7 @@ class LayerParallel(nn.Module):
         key = (tuple(x.shape), x.dtype, x.device)
         if not self.warm_start or self._warm is None or self._warm[0] != key:
             return None
-        U, g0, x_prev = self._warm[1:]
+        U, g0, x_prev = self._warm[1:4]
         shift = x.detach() - x_prev
         h = self.h
 
@@ -1201,6 +1210,10 @@ class LayerParallel(nn.Module):
             self._check_input(x)
             self._check_layers()
             guess = None if exact else self._initial_guess(x)
+            # a relative tolerance of a warm solve is relative to the first residual of the last cold one: the
+            # warm guess's own residual may be at the rounding of the states (the same batch again), and a
+            # bound relative to it would be out of reach
+            ref = self._warm[4] if guess is not None and self.fwd_tol is not None and self.tol_type == "rel" else None
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
             # the lent layers are checked when a rank rebuilt its kernel or registered a hook, and in every
@@ -1268,8 +1281,9 @@ class LayerParallel(nn.Module):
                                       final_residual=True)
                 else:
                     props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
-                    res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
-                                      tol_type=self.tol_type, max_iter=self.fwd_iters,
+                    res = mgrit.solve(props, x.detach(), self.t, **self.options,
+                                      tol=self.fwd_tol if ref is None else self.fwd_tol * ref,
+                                      tol_type=self.tol_type if ref is None else "abs", max_iter=self.fwd_iters,
                                       skip=self.skip and guess is None, initial_guess=guess, comm=self._solve_comm(),
                                       callback=callback, final_residual=True, spatial=transfers)
             self.last_forward = res.without_states()
@@ -1291,9 +1305,13 @@ class LayerParallel(nn.Module):
             if fmt is not None:  # (the serial network's convolutions keep such an input's memory format)
                 y = y.contiguous(memory_format=fmt)
         # after the checks: an error comes first
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype)
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype, ref)
         if self.warm_start:
-            self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
+            if exact:  # (a serial sweep measures no residual: the reference of the last cold solve stays)
+                ref = None if self._warm is None else self._warm[4]
+            elif guess is None:  # a cold solve: the reference of the relative tolerances of the warm ones after it
+                ref = next((r for r in res.residuals if r is not None), None)
+            self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone(), ref)
         return y, (prop, U, g0, x.shape)
 
     @staticmethod
@@ -1798,14 +1816,17 @@ def _rounding_floor(res, seen: list, dtype) -> float:
     return min(1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps, 0.1) * scale
 
 
-def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None) -> None:
+def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None, reference=None) -> None:
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, or when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
-    stalling solve: its gradients are not worth much). ``dtype``: the states' (named in the advice)."""
+    stalling solve: its gradients are not worth much), unless it is at the rounding of the states.
+    ``dtype``: the states' (named in the advice); ``reference``: what a relative tolerance is relative
+    to, when not the solve's first residual (a warm start's: the last cold solve's)."""
     first = next((r for r in res.residuals if r is not None), None)
     last = res.final_residual
     if tol is not None and not res.converged:
-        bound = tol if tol_type == "abs" else None if first is None else tol * first
+        rel_to = first if reference is None else reference
+        bound = tol if tol_type == "abs" else None if rel_to is None else tol * rel_to
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
             seen = [r for r in res.residuals if r is not None]
@@ -1829,6 +1850,8 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             return
     if res.converged or first is None or last is None or not first > 0 or last < first:
         return
+    if last <= _rounding_floor(res, [r for r in res.residuals if r is not None], dtype):
+        return  # at the rounding of the states (a warm start on the same batch): no progress left to make
     warnings.warn(
         f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "
         f"{res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "

@@ -298,7 +298,8 @@ class SerialSwitch:
         of the whole batch: each of the ``D`` data ranks splits its shard into ``ceil(groups / D)``.
     action : {"serial", "tighten", "adapt"}
     lower : float
-        With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise.
+        With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise
+        (of solves at fixed cycles: a solve with a tolerance, ``fwd_tol`` / ``bwd_tol``, keeps its cap).
     min_iters : int
         With ``action="adapt"``: the fewest forward and adjoint cycles.
     hold : int
@@ -597,8 +598,11 @@ class SerialSwitch:
     def _lower(self) -> bool:
         changed = False
         for s in self.switchables:
-            # one fewer, down to min_iters; never more (a block that starts below min_iters stays there)
-            f, b = (max(n - 1, min(n, self.min_iters)) for n in (s.lp.fwd_iters, s.lp.bwd_iters))
+            # one fewer, down to min_iters; never more (a block that starts below min_iters stays there); the
+            # cap of a solve with a tolerance stays (it runs until the tolerance: fewer cycles than it needs
+            # would only stop it short, with a ConvergenceWarning that asks for more)
+            f, b = (n if tol is not None else max(n - 1, min(n, self.min_iters))
+                    for n, tol in ((s.lp.fwd_iters, s.lp.fwd_tol), (s.lp.bwd_iters, s.lp.bwd_tol)))
             changed |= (f, b) != (s.lp.fwd_iters, s.lp.bwd_iters)
             s.lp.fwd_iters, s.lp.bwd_iters = f, b
         return changed
