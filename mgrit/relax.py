@@ -102,6 +102,13 @@ def _tracked(level: int) -> ValueError:
     )
 
 
+def _untracked(stack, level: int) -> None:
+    """Raise :func:`_tracked` when ``stack``, into which a sweep stored the results of ``step`` (only the first is
+    checked call by call), requires grad: a later result did (storing it made the stack require grad)."""
+    if B.requires_grad(stack):
+        raise _tracked(level)
+
+
 def check_batch(out, U, level: int, call: str = "step_batch") -> None:
     """Raise unless ``out``, returned by ``step_batch(U, ...)``, is a stack like ``U``.
 
@@ -198,8 +205,7 @@ def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
     for k in range(1, U.shape[0]):  # None, a float, another shape or complex is named, not stored
         x = step(U[k], a[k], b[k])
         out[k] = x if type(x) is row and x.shape == shape and x.dtype is dtype else checked_state(x, U, level)
-    if B.requires_grad(out):  # a later result that requires grad (storing it made the stack require grad)
-        raise _tracked(level)
+    _untracked(out, level)
     return out
 
 
@@ -306,8 +312,7 @@ def _f_relax_by_interval(w: LevelState) -> None:
         sweep(head)
         if not starts and w.right is not None and w.hi % m != 0:
             send_last(w, u)
-    if B.requires_grad(u):  # a later result that requires grad (storing it made the stack require grad)
-        raise _tracked(level)
+    _untracked(u, level)
 
 
 def f_relax(w: LevelState) -> None:
@@ -398,8 +403,7 @@ def sequential_solve(w: LevelState) -> None:
                 row, shape, dtype = _like(x)
             x = checked_state(x, u, level)
         u[a] = x if g is None else x + g[a]
-    if B.requires_grad(u):  # a later result that requires grad (storing it made the stack require grad)
-        raise _tracked(level)
+    _untracked(u, level)
     w.count += max(w.nloc - 1, 0)
     send_last(w, w.u)
 
