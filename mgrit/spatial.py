@@ -22,11 +22,11 @@ class SpatialTransfer(ABC):
     """Abstract restriction / interpolation pair acting on stacked states.
 
     All methods take and return stacks: arrays of shape ``(n, *state_shape)``,
-new ones of the input's kind (numpy arrays for numpy states, tensors not
-tracked by autograd for torch states). They must not write into their input:
-``restrict`` gets a view of the solver's fine C-points and ``restrict_residual``
-the residuals whose norms the solve reports (the first call of each per level
-and solve is checked, and a change is a ``ValueError``).
+    new ones of the input's kind (numpy arrays for numpy states, tensors not
+    tracked by autograd for torch states). They must not write into their input:
+    ``restrict`` gets a view of the solver's fine C-points and ``restrict_residual``
+    the residuals whose norms the solve reports (the first call of each per level
+    and solve is checked, and a change is a ``ValueError``).
 
     Examples
     --------

@@ -140,6 +140,13 @@ class _LayerParallelFunction(torch.autograd.Function):
         return _adjoint_pass(ctx, gy)
 
 
+#: why a warm start and a relative forward tolerance do not go together
+_WARM_REL = ("warm_start=True with a relative forward tolerance (fwd_tol with tol_type='rel'): a warm solve's first "
+             "residual, the reference of a relative tolerance, can be at the rounding of the states (the same batch "
+             "again) and a bound relative to it out of reach (every such solve would run to fwd_iters); use "
+             "tol_type='abs' with warm_start, or warm_start=False")
+
+
 #: what the ranks of a pass must agree on (named by the handshake's error when they do not)
 _FORWARD_AGREE = ("input shapes or dtypes, or settings of the forward solve (fwd_iters, fwd_tol, tol_type, skip, "
                   "the MGRIT options: set them alike on every rank)")
@@ -625,10 +632,10 @@ class LayerParallel(nn.Module):
         Residual tolerances (None: run the given number of cycles). A solve that
         stops short of its tolerance warns (:class:`ConvergenceWarning`).
     tol_type : {"abs", "rel"}
-        Tolerances absolute, or relative to each solve's first residual (with
-        ``warm_start``, a warm forward solve's relative to the first residual of
-        the last forward solve that started cold: the warm guess's own can be at
-        the rounding of the states).
+        Tolerances absolute, or relative to each solve's first residual (not with
+        ``warm_start`` and ``fwd_tol``: the first residual of a warm guess can be
+        at the rounding of the states, the same batch again, and a bound relative
+        to it out of reach; a ValueError says to use ``tol_type="abs"``).
     skip : bool
         XBraid's and TorchBraid's skip (default on): the first cycle of each
         solve does no fine relaxation on the way down.
@@ -719,6 +726,8 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
             self.tol_type = tol_type
             self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
+            if self.warm_start and self.fwd_tol is not None and tol_type == "rel":
+                raise ValueError(_WARM_REL)
             self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
             for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
                 if fn is not None and not callable(fn) or fn is None and name == "scheme":
@@ -880,17 +889,16 @@ class LayerParallel(nn.Module):
                         "layer its own parameters, or run on one rank")
 
     def _apply(self, fn, *args, **kwargs):
-        before = [(t.dtype, t.device) for t in self._tensors()]
         out = super()._apply(fn, *args, **kwargs)
         for m in self._halo.values():  # halo layers are not submodules (no stale copies in state_dict)
             m._apply(fn, *args, **kwargs)
-        if [(t.dtype, t.device) for t in self._tensors()] != before:  # (a .to() that changes nothing keeps it)
-            self._warm = None
+        # (the warm-start trajectory stays: it is used only for an input of its shape, dtype and device, which a
+        # conversion of the block to another dtype or device changes alike on every rank)
         return out
 
-    def _tensors(self) -> list:
-        """The parameters and buffers of the block (its own layers and its halo copies)."""
-        return [t for m in (self, *self._halo.values()) for t in (*m.parameters(), *m.buffers())]
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -1148,7 +1156,7 @@ class LayerParallel(nn.Module):
         key = (tuple(x.shape), x.dtype, x.device)
         if not self.warm_start or self._warm is None or self._warm[0] != key:
             return None
-        U, g0, x_prev = self._warm[1:4]
+        U, g0, x_prev = self._warm[1:]
         shift = x.detach() - x_prev
         h = self.h
 
@@ -1209,11 +1217,9 @@ class LayerParallel(nn.Module):
         with _announced(self._comm):  # the local checks first: a rank that fails tells the others
             self._check_input(x)
             self._check_layers()
+            if self.warm_start and self.fwd_tol is not None and self.tol_type == "rel" and not exact:
+                raise ValueError(_WARM_REL)
             guess = None if exact else self._initial_guess(x)
-            # a relative tolerance of a warm solve is relative to the first residual of the last cold one: the
-            # warm guess's own residual may be at the rounding of the states (the same batch again), and a
-            # bound relative to it would be out of reach
-            ref = self._warm[4] if guess is not None and self.fwd_tol is not None and self.tol_type == "rel" else None
             sig = self._pass_signature(x, exact=exact, cold=guess is None)
             key, note = self._dropout_note(x)
             # the lent layers are checked when a rank rebuilt its kernel or registered a hook, and in every
@@ -1281,9 +1287,8 @@ class LayerParallel(nn.Module):
                                       final_residual=True)
                 else:
                     props, transfers = self._spatial_forward(prop, x)  # (prop, None) without spatial coarsening
-                    res = mgrit.solve(props, x.detach(), self.t, **self.options,
-                                      tol=self.fwd_tol if ref is None else self.fwd_tol * ref,
-                                      tol_type=self.tol_type if ref is None else "abs", max_iter=self.fwd_iters,
+                    res = mgrit.solve(props, x.detach(), self.t, **self.options, tol=self.fwd_tol,
+                                      tol_type=self.tol_type, max_iter=self.fwd_iters,
                                       skip=self.skip and guess is None, initial_guess=guess, comm=self._solve_comm(),
                                       callback=callback, final_residual=True, spatial=transfers)
             self.last_forward = res.without_states()
@@ -1305,13 +1310,9 @@ class LayerParallel(nn.Module):
             if fmt is not None:  # (the serial network's convolutions keep such an input's memory format)
                 y = y.contiguous(memory_format=fmt)
         # after the checks: an error comes first
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype, ref)
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype, (x, y))
         if self.warm_start:
-            if exact:  # (a serial sweep measures no residual: the reference of the last cold solve stays)
-                ref = None if self._warm is None else self._warm[4]
-            elif guess is None:  # a cold solve: the reference of the relative tolerances of the warm ones after it
-                ref = next((r for r in res.residuals if r is not None), None)
-            self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone(), ref)
+            self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
 
     @staticmethod
@@ -1512,7 +1513,7 @@ class LayerParallel(nn.Module):
                               partition=self.plan.adj_partition if P > 1 else None, initial_guess=0.0,
                               final_residual=True, spatial=transfers)
         self.last_backward = res.without_states()
-        _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type, res.u.dtype)
+        _warn_solve(res, "adjoint", "bwd_iters", self.bwd_tol, self.tol_type, res.u.dtype, (gy,))
         A = res.u  # A[s]: the adjoint at forward point hi - s
         # what the gradients below no longer need, freed before they allocate theirs: the adjoint
         # solve's coarse levels and what its sweeps bound
@@ -1804,34 +1805,33 @@ def _rounding(dtype) -> str:
     return f"{str(dtype).replace('torch.', '')} rounds at about {eps:.0e} of the states"
 
 
-def _rounding_floor(res, seen: list, dtype) -> float:
+def _rounding_floor(seen: list, dtype, like=()) -> float:
     """The residual below which a stall is the rounding of the states: 1e4 units in the last place (at most
-    a tenth: in float16 / bfloat16 a stall near the largest residual is no rounding floor) of the larger of
-    the largest residual seen and the size of a state (its largest entry times the square root of its
-    entries; ``res.u`` when the result holds its states)."""
-    scale = max(seen)
-    u = getattr(res, "u", None)
-    if isinstance(u, torch.Tensor) and u.dim() > 0 and u.numel():
-        scale = max(scale, float(u.detach().abs().max()) * math.sqrt(u[0].numel()))
+    a tenth: in float16 / bfloat16 a stall near the largest residual is no rounding floor) of the largest of
+    the residuals seen and the sizes of the states ``like`` (each: its largest entry times the square root of
+    its entries). All are the same on every rank (the residual norms are reduced over them)."""
+    scale = max(seen, default=0.0)
+    for v in like:
+        if v.numel():
+            scale = max(scale, float(v.detach().abs().max()) * math.sqrt(v.numel()))
     return min(1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps, 0.1) * scale
 
 
-def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None, reference=None) -> None:
+def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None, like=()) -> None:
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, or when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
-    stalling solve: its gradients are not worth much), unless it is at the rounding of the states.
-    ``dtype``: the states' (named in the advice); ``reference``: what a relative tolerance is relative
-    to, when not the solve's first residual (a warm start's: the last cold solve's)."""
+    stalling solve: its gradients are not worth much), unless both are at the rounding of the states.
+    ``dtype``: the states' (named in the advice); ``like``: states that every rank holds alike (the block's
+    input and output, the output gradient), whose sizes set the rounding: every rank decides alike."""
     first = next((r for r in res.residuals if r is not None), None)
     last = res.final_residual
+    seen = [r for r in res.residuals if r is not None]
     if tol is not None and not res.converged:
-        rel_to = first if reference is None else reference
-        bound = tol if tol_type == "abs" else None if rel_to is None else tol * rel_to
+        bound = tol if tol_type == "abs" else None if first is None else tol * first
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
-            seen = [r for r in res.residuals if r is not None]
             stalled = len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]  # three cycles that did not halve it
-            if stalled and seen[-1] <= _rounding_floor(res, seen, dtype):  # ... near the rounding of the states
+            if stalled and seen[-1] <= _rounding_floor(seen, dtype, like):  # ... near the rounding of the states
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
                         f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance"
                         + ("" if dtype in (torch.float64, torch.complex128) else " or compute in float64"))
@@ -1850,8 +1850,8 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             return
     if res.converged or first is None or last is None or not first > 0 or last < first:
         return
-    if last <= _rounding_floor(res, [r for r in res.residuals if r is not None], dtype):
-        return  # at the rounding of the states (a warm start on the same batch): no progress left to make
+    if max(first, last) <= _rounding_floor(seen, dtype, like):
+        return  # from and to the rounding of the states (a warm start on the same batch): no progress to make
     warnings.warn(
         f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "
         f"{res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "

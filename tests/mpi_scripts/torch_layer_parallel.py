@@ -382,6 +382,35 @@ def grid_batch_norm_buffers(layer_comm, data_comm):
                 fail(f"grid {name} of layer {j} differs between the data replicas")
 
 
+def warm_start_warns_alike(comm):
+    """Strongly decaying states, warm start on the same batch, fixed cycles: once the solves converge to rounding
+    the "made no progress" warning is left out, and every rank decides alike (the rounding floor came from each
+    rank's own states: the rank of the small late states warned alone, and with warnings as errors it left the
+    pass while the others went on to the backward pass)."""
+    import warnings
+
+    torch.manual_seed(1)
+    layers = [nn.Linear(4, 4) for _ in range(32)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(-12.0 * torch.eye(4) + 0.1 * torch.randn(4, 4))
+            layer.bias.zero_()
+    lp = LayerParallel(layers, T=2.0, cf=4, max_levels=3, fwd_iters=1, bwd_iters=1, skip=False, warm_start=True,
+                       comm=comm).requires_grad_(False)
+    x = torch.randn(3, 4)
+    counts = []
+    for _ in range(12):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lp(x)
+        counts.append(sum("made no progress" in str(w.message) for w in caught))
+    every = comm.allgather(counts)
+    if any(c != every[0] for c in every):
+        fail(f"the ranks warn differently, pass by pass: {every}")
+    if sum(counts[-4:]):
+        fail(f"warnings once the solves converged to rounding: {counts}")
+
+
 def cuda_ranks():
     """The same comparison with the states and layers on the GPU (staged or CUDA-aware sends)."""
     layers = make(16, 5, seed=3)
@@ -412,6 +441,7 @@ try:
         for n_layers, cf, levels, relax, rows in [(31, 3, 2, "F", 9), (31, 2, 4, "FCF", 3), (50, 4, 3, "F", 7)]:
             unconverged_equals_one_process(n_layers, cf, levels, relax, rows)
         switch_beside_other_blocks(world)
+        warm_start_warns_alike(world)
 except SystemExit:
     raise
 except BaseException as exc:  # report, then fail this rank
