@@ -364,6 +364,9 @@ def test_a_warm_start_with_a_relative_forward_tolerance_is_refused():
     lp.tol_type, lp.fwd_tol = "abs", 1e-10
     lp(x), lp(x)
     assert lp.last_forward.iterations <= 2
+    lp.tol_type, lp.fwd_tol, lp.fwd_iters = "rel", 0.0, 3  # a tolerance of 0 runs the cap, relative or not
+    lp(x)
+    assert lp.last_forward.iterations == 3
 
 
 def test_a_warm_start_at_the_rounding_of_the_states_is_no_lack_of_progress():

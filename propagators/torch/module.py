@@ -726,7 +726,7 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
             self.tol_type = tol_type
             self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
-            if self.warm_start and self.fwd_tol is not None and tol_type == "rel":
+            if self.warm_start and self.fwd_tol and tol_type == "rel":
                 raise ValueError(_WARM_REL)
             self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
             for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
@@ -1110,18 +1110,18 @@ class LayerParallel(nn.Module):
                                      ("bwd_tol", self.bwd_tol), ("tol_type", self.tol_type), ("skip", self.skip),
                                      ("warm_start", self.warm_start), ("exact_eval", self.exact_eval))
 
-    def _pass_signature(self, x, exact: bool, cold: bool):
+    def _pass_signature(self, x, exact: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares
         it, in place of the solve's own check): the input's shape and dtype, the time grid, and the
-        solve's settings (exact inference, or the cycles, tolerance, hierarchy and whether a warm
-        start replaces the skip). None on one process (no handshake)."""
+        solve's settings (exact inference, or the cycles, tolerance, hierarchy and skip; whether a warm
+        start replaces the skip the ranks agree on in the handshake). None on one process (no handshake)."""
         if self._comm.size == 1:
             return None
         common = (exact, tuple(x.shape), str(x.dtype), self.t.tobytes())
         if exact:
             return args_signature(*common)
         return args_signature(*common, tuple(self.options.items()), self.fwd_iters, self.fwd_tol, self.tol_type,
-                              self.skip and cold, self.spatial is None)
+                              self.skip, self.warm_start, self.spatial is None)
 
     def _solve_comm(self):
         """The communicator the forward solve runs on: inside the pass's session (InSession), so that
@@ -1217,10 +1217,11 @@ class LayerParallel(nn.Module):
         with _announced(self._comm):  # the local checks first: a rank that fails tells the others
             self._check_input(x)
             self._check_layers()
-            if self.warm_start and self.fwd_tol is not None and self.tol_type == "rel" and not exact:
+            if self.warm_start and self.fwd_tol and self.tol_type == "rel" and not exact:  # (a tolerance of 0: the
+                # cap, relative or not)
                 raise ValueError(_WARM_REL)
             guess = None if exact else self._initial_guess(x)
-            sig = self._pass_signature(x, exact=exact, cold=guess is None)
+            sig = self._pass_signature(x, exact=exact)
             key, note = self._dropout_note(x)
             # the lent layers are checked when a rank rebuilt its kernel or registered a hook, and in every
             # pass when some rank holds layers it calls (looped or vmapped: an attribute change shows at once)
@@ -1228,7 +1229,8 @@ class LayerParallel(nn.Module):
                        or any(c.mode != "dense" for c in kp.k.classes))
             pairs = self._halo_pairs(kp) if P > 1 else None
             share = (note, self._halo_flags(), _input_sums(x), changed,
-                     {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id) if P > 1 else None
+                     {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id,
+                     guess is None) if P > 1 else None
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
@@ -1236,7 +1238,9 @@ class LayerParallel(nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, sums, changed, nbytes, ids = zip(*session.shared)
+                notes, flags, sums, changed, nbytes, ids, cold = zip(*session.shared)
+                if any(cold):  # a warm start on every rank or on none (a state dict loaded on some ranks only)
+                    guess = None
                 # this pass's id, the same on every rank (after a pass that failed on some rank before its
                 # handshake the ranks' counts differ: the largest goes on), compared by the backward pass
                 self._pass_id = max(ids) + 1
@@ -1856,7 +1860,9 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
         f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "
         f"{res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "
         f"`{iters}`, set a tolerance, use relax='FCF' or fewer levels (mgrit.choose_settings picks them), "
-        "or let propagators.torch.SerialSwitch manage the cycles", ConvergenceWarning, stacklevel=4)
+        "or let propagators.torch.SerialSwitch manage the cycles; a residual that stays where it started can "
+        "also be the rounding of much larger states between the input and the output (then compute in "
+        "float64)", ConvergenceWarning, stacklevel=4)
 
 
 def _foreign_leaves(out, allowed: set) -> list:

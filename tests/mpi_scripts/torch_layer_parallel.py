@@ -411,6 +411,24 @@ def warm_start_warns_alike(comm):
         fail(f"warnings once the solves converged to rounding: {counts}")
 
 
+def warm_start_after_a_load_on_some_ranks(comm):
+    """Weights loaded on rank 0 only (the same weights: only its warm trajectory goes): with skip the ranks'
+    settings "differed" (an error naming fwd_iters, skip, ...), without it they mixed a warm and a cold guess (the
+    output matched neither one-process run). Every rank now starts cold when one does."""
+    for skip in (True, False):
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)]
+        kw = dict(T=1.0, cf=4, max_levels=2, fwd_iters=1, warm_start=True, skip=skip)
+        x = torch.randn(3, 4)
+        lp = LayerParallel(copy.deepcopy(layers), comm=comm, **kw).requires_grad_(False)
+        cold = LayerParallel(copy.deepcopy(layers), **kw).requires_grad_(False)
+        lp(x)
+        if comm.Get_rank() == 0:
+            lp.load_state_dict(lp.state_dict())
+        check(f"a pass after a load on rank 0 only (skip {skip}) against one process's cold pass", lp(x + 0.1),
+              cold(x + 0.1), 1e-15)
+
+
 def cuda_ranks():
     """The same comparison with the states and layers on the GPU (staged or CUDA-aware sends)."""
     layers = make(16, 5, seed=3)
@@ -442,6 +460,7 @@ try:
             unconverged_equals_one_process(n_layers, cf, levels, relax, rows)
         switch_beside_other_blocks(world)
         warm_start_warns_alike(world)
+        warm_start_after_a_load_on_some_ranks(world)
 except SystemExit:
     raise
 except BaseException as exc:  # report, then fail this rank
