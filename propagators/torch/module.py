@@ -140,11 +140,14 @@ class _LayerParallelFunction(torch.autograd.Function):
         return _adjoint_pass(ctx, gy)
 
 
-#: why a warm start and a relative forward tolerance do not go together
-_WARM_REL = ("warm_start=True with a relative forward tolerance (fwd_tol with tol_type='rel'): a warm solve's first "
-             "residual, the reference of a relative tolerance, can be at the rounding of the states (the same batch "
-             "again) and a bound relative to it out of reach (every such solve would run to fwd_iters); use "
-             "tol_type='abs' with warm_start, or warm_start=False")
+def _check_warm_tolerance(warm_start: bool, fwd_tol, tol_type: str) -> None:
+    """Refuse a warm start with a relative forward tolerance (of 0 it is the cap, relative or not)."""
+    if warm_start and fwd_tol and tol_type == "rel":
+        raise ValueError(
+            "warm_start=True with a relative forward tolerance (fwd_tol with tol_type='rel'): a warm solve's first "
+            "residual, the reference of a relative tolerance, can be at the rounding of the states (the same batch "
+            "again) and a bound relative to it out of reach (every such solve would run to fwd_iters); use "
+            "tol_type='abs' with warm_start, or warm_start=False")
 
 
 #: what the ranks of a pass must agree on (named by the handshake's error when they do not)
@@ -726,8 +729,7 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
             self.tol_type = tol_type
             self.skip, self.warm_start = check_flag(skip, "skip"), check_flag(warm_start, "warm_start")
-            if self.warm_start and self.fwd_tol and tol_type == "rel":
-                raise ValueError(_WARM_REL)
+            _check_warm_tolerance(self.warm_start, self.fwd_tol, tol_type)
             self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
             for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
                 if fn is not None and not callable(fn) or fn is None and name == "scheme":
@@ -1217,9 +1219,8 @@ class LayerParallel(nn.Module):
         with _announced(self._comm):  # the local checks first: a rank that fails tells the others
             self._check_input(x)
             self._check_layers()
-            if self.warm_start and self.fwd_tol and self.tol_type == "rel" and not exact:  # (a tolerance of 0: the
-                # cap, relative or not)
-                raise ValueError(_WARM_REL)
+            if not exact:  # (the settings may have changed since the block was built)
+                _check_warm_tolerance(self.warm_start, self.fwd_tol, self.tol_type)
             guess = None if exact else self._initial_guess(x)
             sig = self._pass_signature(x, exact=exact)
             key, note = self._dropout_note(x)
