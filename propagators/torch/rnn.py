@@ -799,7 +799,7 @@ class _ParallelRNN(nn.Module):
                 hL = self._comm.bcast_state(U[-1].clone() if r == root else None, h0, root=root)
         self.last_forward[k] = res.without_states()  # (statistics only: no trajectory held between passes)
         _warn_solve(res, f"forward ({self._cell} {self._unit(k)})", "fwd_iters", None if exact else self.fwd_tol,
-                    self.tol_type, x.dtype)
+                    self.tol_type, x.dtype, (h0, hL))
         saved = (prop, U, g0, L, B, exact) if keep else None
         return out, hL, saved
 
@@ -862,7 +862,7 @@ class _ParallelRNN(nn.Module):
                                   partition=lay.plan.adj_partition if P > 1 else None, final_residual=True)
             self.last_backward[k] = res.without_states()
             _warn_solve(res, f"adjoint ({self._cell} {self._unit(k)})", "bwd_iters", self.bwd_tol, self.tol_type,
-                        res.u.dtype)
+                        res.u.dtype, (terminal,))
             lam = torch.flip(res.u, dims=[0])  # adjoints at the points lo..hi
             gw, gx_piece = self._step_gradients(prop, U, GH, g0, lam, lay, x.detach(), w_ih, need_x)
             if P == 1:
