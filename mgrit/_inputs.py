@@ -1,6 +1,6 @@
 """Whether the ranks of a solve hold the same array, up to rounding.
 
-Each rank reduces its array to four sums (:func:`array_sums`); the ranks
+Each rank reduces its array to five sums (:func:`array_sums`); the ranks
 exchange them in a handshake and compare them with a tolerance
 (:func:`sums_gap`). Sums cannot see every difference: a change far below the
 largest entries (``[3, 1e20]`` against ``[4, 1e20]``) is within the rounding
@@ -12,35 +12,62 @@ last bits may differ).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from . import _backend as B
 
-__all__ = ["array_sums", "differing_rank", "spread", "sums_gap", "sums_rtol"]
+__all__ = ["array_sums", "differing_rank", "signs", "spread", "sums_gap", "sums_rtol"]
+
+WIDTH = 61  #: the width of the view that large arrays are summed in (a prime: rows and columns mix)
+
+
+@functools.lru_cache(maxsize=64)
+def signs(n: int, kind: int) -> np.ndarray:
+    """``n`` pseudo-random signs (+1.0 or -1.0, float64), the same on every rank and in every run: ``kind`` 1
+    for the rows and 2 for the columns of an array's 61-wide view, 3 for its last ``size % 61`` entries, 0 for
+    all of a small array's entries in flat order (:func:`flat_signs`). Read only (cached).
+
+    >>> signs(4, 1).tolist() == signs(4, 1).tolist() and set(signs(100, 2).tolist()) == {-1.0, 1.0}
+    True
+    """
+    if kind == 0:
+        rows = n // WIDTH
+        out = np.concatenate([np.outer(signs(rows, 1), signs(WIDTH, 2)).reshape(-1), signs(n - rows * WIDTH, 3)])
+    else:
+        out = np.random.default_rng((0x5EED, kind)).integers(0, 2, n).astype(np.float64) * 2.0 - 1.0
+    out.flags.writeable = False
+    return out
 
 
 def array_sums(v: np.ndarray) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
-    weighted by flat position) of a flat real array, summed in float64. The weighted sums tell a
-    shuffled array, the last one a sign (every entry's: the weights ``k + 1`` of entry ``k`` start at
-    1). Above 4,096 entries the weights ``61 i + j + 1`` come from the column and row sums of a
-    61-wide view, and the last ``size % 61`` entries on their own.
+    weighted by flat position, sum of values with pseudo-random signs) of a flat real array, summed in
+    float64. The weighted sums tell a shuffled array, the fourth a sign (every entry's: the weights
+    ``k + 1`` of entry ``k`` start at 1); the signed sum, about ``sqrt(n)`` times an entry, moves by about
+    ``sqrt(m)`` times one when ``m`` entries change (another sample, two neighbouring samples swapped), which
+    the others, about ``n`` times an entry, do not see in a large array. Above 4,096 entries the weights
+    ``61 i + j + 1`` come from the column and row sums of a 61-wide view, the signs ``r_i c_j`` from its rows
+    and columns (:func:`signs`), and the last ``size % 61`` entries are summed on their own (with the same
+    weights and signs as the entries of a small array in flat order).
 
-    >>> array_sums(np.array([1.0, -2.0, 3.0]))
+    >>> array_sums(np.array([1.0, -2.0, 3.0]))[:4]
     (14.0, 6.0, 14.0, 6.0)
     >>> array_sums(np.array([-1.0]))[3] != array_sums(np.array([1.0]))[3]
     True
     """
     n = v.size
-    if n <= 4096 or v.dtype.kind not in "f":  # (integers: no wrap-around in abs)
+    if v.dtype.kind not in "f":  # (integers: no wrap-around in abs)
+        v = v.astype(np.float64)
+    if n <= 4096:
         w = v.astype(np.float64)
         k, a = np.arange(1, n + 1, dtype=np.float64), np.abs(w)
-        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k)
-    body, tail = v[: n - n % 61].reshape(-1, 61), v[n - n % 61:]
-    cols, rows = np.arange(1.0, 62.0), np.arange(body.shape[0]) * 61.0
-    last = np.arange(n - n % 61 + 1, n + 1, dtype=np.float64)
+        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k), float(w @ signs(n, 0))
+    body, tail = v[: n - n % WIDTH].reshape(-1, WIDTH), v[n - n % WIDTH:]
+    cols, rows = np.arange(1.0, WIDTH + 1.0), np.arange(body.shape[0]) * float(WIDTH)
+    last = np.arange(n - n % WIDTH + 1, n + 1, dtype=np.float64)
 
     def weighted(b, t):
         return float(b.sum(0, dtype=np.float64) @ cols + b.sum(1, dtype=np.float64) @ rows
@@ -49,7 +76,9 @@ def array_sums(v: np.ndarray) -> tuple:
     mags, tmags = np.abs(body), np.abs(tail)
     squares = float(np.dot(v, v) if v.dtype == np.float64 else np.square(v, dtype=np.float64).sum())
     total = float(mags.sum(dtype=np.float64) + tmags.sum(dtype=np.float64))
-    return squares, total, weighted(mags, tmags), weighted(body, tail)
+    flipped = body * signs(body.shape[0], 1).astype(v.dtype)[:, None]  # (exact: a change of sign)
+    signed = float(flipped.sum(0, dtype=np.float64) @ signs(WIDTH, 2) + tail.astype(np.float64) @ signs(len(tail), 3))
+    return squares, total, weighted(mags, tmags), weighted(body, tail), signed
 
 
 def sums_rtol(eps: float, spread: float = 1.0) -> float:
@@ -96,24 +125,28 @@ def differing_rank(sums: list) -> int | None:
     """The first rank whose sums (``sums``: every rank's :func:`array_sums` followed by its tolerance, in
     rank order) differ from rank 0's by more than the largest tolerance; None when none does.
 
-    >>> differing_rank([(1.0, 1.0, 1.0, 1.0, 1e-6), (1.0, 1.0, 1.0, 1.0, 1e-6), (2.0, 1.0, 1.0, 1.0, 1e-6)])
+    >>> same = (1.0, 1.0, 1.0, 1.0, 1.0, 1e-6)
+    >>> differing_rank([same, same, (2.0, 1.0, 1.0, 1.0, 1.0, 1e-6)])
     2
     """
-    rtol = max(s[4] for s in sums)
+    rtol = max(s[5] for s in sums)
     return next((r for r, s in enumerate(sums) if sums_gap(s, sums[0]) > rtol), None)
 
 
 def sums_gap(s, s0) -> float:
-    """Largest relative difference between one rank's sums ``s`` and rank 0's ``s0`` (the first four
+    """Largest relative difference between one rank's sums ``s`` and rank 0's ``s0`` (the first five
     entries, as :func:`array_sums` makes them; NaN and Inf left out, but NaN or Inf on one side only
-    is an infinite gap).
+    is an infinite gap). The sums with signs are relative to the matching sums of magnitudes (rounding
+    moves them by a unit of those at most).
 
-    >>> sums_gap((14.0, 6.0, 8.0, 4.0), (14.0, 6.0, 8.0, 4.0)), sums_gap((1.0, 1.0, 0.0, 0.0), (1.0, 1.0, 1.0, 1.0))
-    (0.0, 1.0)
+    >>> sums_gap((14.0, 6.0, 8.0, 4.0, 2.0), (14.0, 6.0, 8.0, 4.0, 2.0))
+    0.0
+    >>> sums_gap((1.0, 1.0, 1.0, 1.0, 0.0), (1.0, 1.0, 1.0, 1.0, 1.0))
+    1.0
     """
     scales = (max(abs(s[0]), abs(s0[0])), max(abs(s[1]), abs(s0[1])), max(abs(s[2]), abs(s0[2])),
-              max(abs(s[2]), abs(s0[2])))  # (the signed sum relative to the weighted magnitudes)
-    if any(math.isfinite(a) != math.isfinite(b) for a, b in zip(s[:4], s0[:4])):
+              max(abs(s[2]), abs(s0[2])), max(abs(s[1]), abs(s0[1])))
+    if any(math.isfinite(a) != math.isfinite(b) for a, b in zip(s[:5], s0[:5])):
         return math.inf  # NaN or Inf on some ranks only: different arrays
-    return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:4], s0[:4], scales)
+    return max((abs(a - b) / max(m, 1e-300) for a, b, m in zip(s[:5], s0[:5], scales)
                 if math.isfinite(a) and math.isfinite(b)), default=0.0)

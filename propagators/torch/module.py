@@ -31,7 +31,8 @@ from torch.utils.hooks import RemovableHandle
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
 from mgrit import _backend as B
-from mgrit._inputs import array_sums as _input_sums_numpy, differing_rank, spread, sums_gap as _input_gap, sums_rtol
+from mgrit._inputs import WIDTH, array_sums as _input_sums_numpy, differing_rank, signs, spread, sums_gap as _input_gap, \
+    sums_rtol
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -435,10 +436,11 @@ def _same_values(a, b) -> bool:
 
 def _input_sums(x) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
-    weighted by flat position, relative tolerance of the dtype) of a tensor, summed in float64:
-    compared between the ranks (the weighted sums tell a shuffled batch, the last one signs). The
-    weights come from the column and row sums of a 61-wide view, ``61 i + j + 1``, and the last
-    ``numel % 61`` entries on their own (:func:`mgrit._inputs.array_sums`, the same sums)."""
+    weighted by flat position, sum of values with pseudo-random signs, relative tolerance of the dtype) of
+    a tensor, summed in float64: compared between the ranks (the weighted sums tell a shuffled batch, the
+    fourth signs, the signed one another sample or two swapped in a large batch). The weights and signs
+    come from the rows and columns of a 61-wide view, and the last ``numel % 61`` entries are summed on
+    their own (:func:`mgrit._inputs.array_sums`, the same sums)."""
     with torch.no_grad():
         v = B.flat_real(x)
         if v.device.type == "cpu" and v.dtype in _NUMPY_SUMS:
@@ -447,19 +449,25 @@ def _input_sums(x) -> tuple:
         if not v.is_floating_point():  # (integer and bool inputs off the CPU: abs and norms need floats)
             v = v.double()
         n = v.numel()
-        body, tail = v[: n - n % 61].view(-1, 61), v[n - n % 61:]
+        body, tail = v[: n - n % WIDTH].view(-1, WIDTH), v[n - n % WIDTH:]
         f64 = dict(dtype=torch.float64, device=v.device)
-        cols, rows = torch.arange(1, 62, **f64), torch.arange(body.shape[0], **f64).mul_(61)
-        last = torch.arange(n - n % 61 + 1, n + 1, **f64)
+        cols, rows = torch.arange(1, WIDTH + 1, **f64), torch.arange(body.shape[0], **f64).mul_(WIDTH)
+        last = torch.arange(n - n % WIDTH + 1, n + 1, **f64)
 
         def weighted(b, t):
             return float(b.sum(0, dtype=torch.float64) @ cols + b.sum(1, dtype=torch.float64) @ rows
                          + t.to(torch.float64) @ last)
 
+        def signed(kind, m):
+            return torch.from_numpy(signs(m, kind)).to(v.device)
+
         mags = body.abs()
         squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
         total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
-        return squares, total, weighted(mags, tail.abs()), weighted(body, tail), _input_rtol(x.dtype, v)
+        flipped = body * signed(1, body.shape[0]).to(v.dtype)[:, None]  # (exact: a change of sign)
+        return (squares, total, weighted(mags, tail.abs()), weighted(body, tail),
+                float(flipped.sum(0, dtype=torch.float64) @ signed(2, WIDTH) + tail.to(torch.float64) @ signed(3, len(tail))),
+                _input_rtol(x.dtype, v))
 
 
 _NUMPY_SUMS = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,

@@ -429,6 +429,18 @@ def warm_start_after_a_load_on_some_ranks(comm):
               cold(x + 0.1), 1e-15)
 
 
+def swapped_samples_are_another_input(comm):
+    """The last rank's batch of 256 samples of 64 in float32 with two neighbouring samples swapped: the sums of
+    magnitudes and positions moved by less than their tolerance and the pass went on with rank 0's batch; the
+    sum with pseudo-random signs tells it (ValueError on every rank)."""
+    torch.manual_seed(4)
+    lp = LayerParallel([nn.Sequential(nn.Linear(64, 64), nn.Tanh()).float() for _ in range(8)], cf=2, comm=comm)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+    if comm.Get_rank() == comm.Get_size() - 1:
+        x[[100, 101]] = x[[101, 100]]
+    value_error_everywhere(lambda: lp(x), "the input of rank", "two neighbouring samples swapped on one rank")
+
+
 def cuda_ranks():
     """The same comparison with the states and layers on the GPU (staged or CUDA-aware sends)."""
     layers = make(16, 5, seed=3)
@@ -461,6 +473,7 @@ try:
         switch_beside_other_blocks(world)
         warm_start_warns_alike(world)
         warm_start_after_a_load_on_some_ranks(world)
+        swapped_samples_are_another_input(world)
 except SystemExit:
     raise
 except BaseException as exc:  # report, then fail this rank
