@@ -19,27 +19,59 @@ import numpy as np
 
 from . import _backend as B
 
-__all__ = ["array_sums", "differing_rank", "signs", "spread", "sums_gap", "sums_rtol"]
+__all__ = ["array_sums", "differing_rank", "flat_signs", "signs", "spread", "sums_gap", "sums_rtol"]
 
 WIDTH = 61  #: the width of the view that large arrays are summed in (a prime: rows and columns mix)
+SIGN_WIDTHS = (61, 64)  #: the widths of the two views whose row and column signs the signed sum uses
+_CACHED = 1 << 16  # sign vectors up to this length are kept (longer ones, the rows of a large array, are drawn)
+
+
+def signs(n: int, key: tuple) -> np.ndarray:
+    """``n`` pseudo-random signs (+1.0 or -1.0, float64), the same on every rank and in every run with one
+    numpy (its ``default_rng`` streams): ``key`` ``(width, part)`` names the rows (part 1) or columns (2) of
+    an array's view of that width or its last ``size % width`` entries (3). Read only.
+
+    >>> signs(4, (61, 1)).tolist() == signs(4, (61, 1)).tolist(), set(signs(100, (64, 2)).tolist())
+    (True, {1.0, -1.0})
+    """
+    return _cached_signs(n, key) if n <= _CACHED else _draw_signs(n, key)
+
+
+def _draw_signs(n: int, key: tuple) -> np.ndarray:
+    out = np.random.default_rng((0x5EED, *key)).integers(0, 2, n).astype(np.float64) * 2.0 - 1.0
+    out.flags.writeable = False
+    return out
+
+
+_cached_signs = functools.lru_cache(maxsize=64)(_draw_signs)
 
 
 @functools.lru_cache(maxsize=64)
-def signs(n: int, kind: int) -> np.ndarray:
-    """``n`` pseudo-random signs (+1.0 or -1.0, float64), the same on every rank and in every run: ``kind`` 1
-    for the rows and 2 for the columns of an array's 61-wide view, 3 for its last ``size % 61`` entries, 0 for
-    all of a small array's entries in flat order (:func:`flat_signs`). Read only (cached).
-
-    >>> signs(4, 1).tolist() == signs(4, 1).tolist() and set(signs(100, 2).tolist()) == {-1.0, 1.0}
-    True
-    """
-    if kind == 0:
-        rows = n // WIDTH
-        out = np.concatenate([np.outer(signs(rows, 1), signs(WIDTH, 2)).reshape(-1), signs(n - rows * WIDTH, 3)])
-    else:
-        out = np.random.default_rng((0x5EED, kind)).integers(0, 2, n).astype(np.float64) * 2.0 - 1.0
+def flat_signs(n: int) -> np.ndarray:
+    """The weights of the signed sum of an array of ``n`` entries in flat order (``n`` up to 4,096): the
+    signs of its view of each width in :data:`SIGN_WIDTHS`, ``r_i c_j`` for the entry in row ``i`` and column
+    ``j`` and their own for the last ``n % width`` entries, added (so -2, 0 or 2). Two widths, so that samples
+    of a multiple of one width, which fill whole rows of its view, still move the sum when two swap."""
+    out = np.zeros(n)
+    for width in SIGN_WIDTHS:
+        rows = n // width
+        out += np.concatenate([np.outer(signs(rows, (width, 1)), signs(width, (width, 2))).reshape(-1),
+                               signs(n - rows * width, (width, 3))])
     out.flags.writeable = False
     return out
+
+
+def _signed_sum(v: np.ndarray) -> float:
+    """The signed sum (:func:`flat_signs`) of a flat array, from its views: exact sign changes in its dtype,
+    summed in float64."""
+    n, total = v.size, 0.0
+    for width in SIGN_WIDTHS:
+        body, tail = v[: n - n % width].reshape(-1, width), v[n - n % width:]
+        rows = signs(body.shape[0], (width, 1))
+        # (float64: a matrix-vector product; narrower types: exact sign changes, summed in float64)
+        cols = rows @ body if v.dtype == np.float64 else (body * rows.astype(v.dtype)[:, None]).sum(0, dtype=np.float64)
+        total += float(cols @ signs(width, (width, 2)) + tail.astype(np.float64) @ signs(len(tail), (width, 3)))
+    return total
 
 
 def array_sums(v: np.ndarray) -> tuple:
@@ -49,9 +81,9 @@ def array_sums(v: np.ndarray) -> tuple:
     ``k + 1`` of entry ``k`` start at 1); the signed sum, about ``sqrt(n)`` times an entry, moves by about
     ``sqrt(m)`` times one when ``m`` entries change (another sample, two neighbouring samples swapped), which
     the others, about ``n`` times an entry, do not see in a large array. Above 4,096 entries the weights
-    ``61 i + j + 1`` come from the column and row sums of a 61-wide view, the signs ``r_i c_j`` from its rows
-    and columns (:func:`signs`), and the last ``size % 61`` entries are summed on their own (with the same
-    weights and signs as the entries of a small array in flat order).
+    ``61 i + j + 1`` come from the column and row sums of a 61-wide view, the signs from the rows and columns
+    of two views (:func:`flat_signs`), and the last entries are summed on their own (with the same weights and
+    signs as the entries of a small array in flat order).
 
     >>> array_sums(np.array([1.0, -2.0, 3.0]))[:4]
     (14.0, 6.0, 14.0, 6.0)
@@ -64,7 +96,7 @@ def array_sums(v: np.ndarray) -> tuple:
     if n <= 4096:
         w = v.astype(np.float64)
         k, a = np.arange(1, n + 1, dtype=np.float64), np.abs(w)
-        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k), float(w @ signs(n, 0))
+        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k), float(w @ flat_signs(n))
     body, tail = v[: n - n % WIDTH].reshape(-1, WIDTH), v[n - n % WIDTH:]
     cols, rows = np.arange(1.0, WIDTH + 1.0), np.arange(body.shape[0]) * float(WIDTH)
     last = np.arange(n - n % WIDTH + 1, n + 1, dtype=np.float64)
@@ -76,9 +108,7 @@ def array_sums(v: np.ndarray) -> tuple:
     mags, tmags = np.abs(body), np.abs(tail)
     squares = float(np.dot(v, v) if v.dtype == np.float64 else np.square(v, dtype=np.float64).sum())
     total = float(mags.sum(dtype=np.float64) + tmags.sum(dtype=np.float64))
-    flipped = body * signs(body.shape[0], 1).astype(v.dtype)[:, None]  # (exact: a change of sign)
-    signed = float(flipped.sum(0, dtype=np.float64) @ signs(WIDTH, 2) + tail.astype(np.float64) @ signs(len(tail), 3))
-    return squares, total, weighted(mags, tmags), weighted(body, tail), signed
+    return squares, total, weighted(mags, tmags), weighted(body, tail), _signed_sum(v)
 
 
 def sums_rtol(eps: float, spread: float = 1.0) -> float:

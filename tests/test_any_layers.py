@@ -1720,6 +1720,18 @@ def test_input_sums_with_numpy_on_the_cpu_equal_torchs(shape, dtype, monkeypatch
     assert not M._differing_inputs([fast, ref])
 
 
+def test_input_sums_on_the_torch_path_warn_nothing(monkeypatch):
+    """The path of CUDA tensors and bfloat16 (here on the CPU) made tensors of the cached, read-only sign vectors:
+    torch warned that the array was not writable, and with warnings as errors every rank's pass failed."""
+    import propagators.torch.module as M
+
+    monkeypatch.setattr(M, "_NUMPY_SUMS", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in (torch.randn(5000), torch.randn(300).bfloat16(), torch.randn(7, 61, dtype=torch.float64)):
+            M._input_sums(x)
+
+
 @pytest.mark.parametrize("n", [35, 5000])  # (both numpy paths: direct and 61-wide)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_input_sums_of_a_non_finite_tensor_warn_nothing_and_differ_from_finite(bad, n):

@@ -31,8 +31,8 @@ from torch.utils.hooks import RemovableHandle
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
 from mgrit import _backend as B
-from mgrit._inputs import WIDTH, array_sums as _input_sums_numpy, differing_rank, signs, spread, sums_gap as _input_gap, \
-    sums_rtol
+from mgrit._inputs import SIGN_WIDTHS, WIDTH, array_sums as _input_sums_numpy, differing_rank, signs, spread, \
+    sums_gap as _input_gap, sums_rtol
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -458,15 +458,20 @@ def _input_sums(x) -> tuple:
             return float(b.sum(0, dtype=torch.float64) @ cols + b.sum(1, dtype=torch.float64) @ rows
                          + t.to(torch.float64) @ last)
 
-        def signed(kind, m):
-            return torch.from_numpy(signs(m, kind)).to(v.device)
+        def signed_sum():  # (mgrit._inputs._signed_sum on the tensor's device: the same signs)
+            total = 0.0
+            for width in SIGN_WIDTHS:
+                b, t = v[: n - n % width].view(-1, width), v[n - n % width:]
+                rows, cols, last = (torch.tensor(signs(m, (width, part)), **f64)
+                                    for m, part in ((b.shape[0], 1), (width, 2), (len(t), 3)))
+                sums = rows @ b if v.dtype == torch.float64 else (b * rows.to(v.dtype)[:, None]).sum(0, dtype=torch.float64)
+                total += float(sums @ cols + t.to(torch.float64) @ last)  # (narrower types: exact sign changes)
+            return total
 
         mags = body.abs()
         squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
         total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
-        flipped = body * signed(1, body.shape[0]).to(v.dtype)[:, None]  # (exact: a change of sign)
-        return (squares, total, weighted(mags, tail.abs()), weighted(body, tail),
-                float(flipped.sum(0, dtype=torch.float64) @ signed(2, WIDTH) + tail.to(torch.float64) @ signed(3, len(tail))),
+        return (squares, total, weighted(mags, tail.abs()), weighted(body, tail), signed_sum(),
                 _input_rtol(x.dtype, v))
 
 
@@ -491,7 +496,8 @@ def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError |
     s = sums[r]
     return ValueError(
         f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
-        f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}): "
+        f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}, sums with "
+        f"pseudo-random signs {s[4]:.6g} against {sums[0][4]:.6g}): "
         + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
            "same output of the layers before this block); seed every rank alike, or broadcast the batch "
            "from one rank"))
