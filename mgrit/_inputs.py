@@ -19,71 +19,77 @@ import numpy as np
 
 from . import _backend as B
 
-__all__ = ["array_sums", "differing_rank", "flat_signs", "signs", "spread", "sums_gap", "sums_rtol"]
+__all__ = ["array_sums", "differing_rank", "flat_weights", "spread", "sums_gap", "sums_rtol", "weights"]
 
 WIDTH = 61  #: the width of the view that large arrays are summed in (a prime: rows and columns mix)
-SIGN_WIDTHS = (61, 64)  #: the widths of the two views whose row and column signs the signed sum uses
-_CACHED = 1 << 16  # sign vectors up to this length are kept (longer ones, the rows of a large array, are drawn)
+WEIGHT_WIDTHS = (61, 64)  #: the widths of the two views whose row and column weights the random sum uses
+_CACHED = 1 << 16  # weight vectors up to this length are kept (longer ones, the rows of a large array, are drawn)
 
 
-def signs(n: int, key: tuple) -> np.ndarray:
-    """``n`` pseudo-random signs (+1.0 or -1.0, float64), the same on every rank and in every run with one
-    numpy (its ``default_rng`` streams): ``key`` ``(width, part)`` names the rows (part 1) or columns (2) of
-    an array's view of that width or its last ``size % width`` entries (3). Read only.
+def weights(n: int, key: tuple) -> np.ndarray:
+    """``n`` pseudo-random weights (float64), the same on every rank and in every run with one numpy (its
+    ``default_rng`` streams). ``key`` ``(width, part)`` names the rows (part 1) or columns (2) of an array's
+    view of that width or its last ``size % width`` entries (3). Row weights are +-1 or +-1/2, which scale
+    an entry exactly in its own dtype; the others, applied in float64, are drawn from +-[1/2, 3/2], so that
+    no two are equal (neighbouring entries whose weights tie would swap unseen). Read only.
 
-    >>> signs(4, (61, 1)).tolist() == signs(4, (61, 1)).tolist(), set(signs(100, (64, 2)).tolist())
-    (True, {1.0, -1.0})
+    >>> r, c = weights(1000, (61, 1)), weights(1000, (64, 2))
+    >>> sorted(set(np.abs(r).tolist())), bool(np.all((np.abs(c) >= 0.5) & (np.abs(c) <= 1.5))), len(set(c))
+    ([0.5, 1.0], True, 1000)
     """
-    return _cached_signs(n, key) if n <= _CACHED else _draw_signs(n, key)
+    return _cached_weights(n, key) if n <= _CACHED else _draw_weights(n, key)
 
 
-def _draw_signs(n: int, key: tuple) -> np.ndarray:
-    out = np.random.default_rng((0x5EED, *key)).integers(0, 2, n).astype(np.float64) * 2.0 - 1.0
+def _draw_weights(n: int, key: tuple) -> np.ndarray:
+    rng = np.random.default_rng((0x5EED, *key))
+    sign = rng.integers(0, 2, n).astype(np.float64) * 2.0 - 1.0
+    size = np.where(rng.integers(0, 2, n) == 1, 1.0, 0.5) if key[1] == 1 else 0.5 + rng.random(n)
+    out = sign * size
     out.flags.writeable = False
     return out
 
 
-_cached_signs = functools.lru_cache(maxsize=64)(_draw_signs)
+_cached_weights = functools.lru_cache(maxsize=64)(_draw_weights)
 
 
 @functools.lru_cache(maxsize=64)
-def flat_signs(n: int) -> np.ndarray:
-    """The weights of the signed sum of an array of ``n`` entries in flat order (``n`` up to 4,096): the
-    signs of its view of each width in :data:`SIGN_WIDTHS`, ``r_i c_j`` for the entry in row ``i`` and column
-    ``j`` and their own for the last ``n % width`` entries, added (so -2, 0 or 2). Two widths, so that samples
-    of a multiple of one width, which fill whole rows of its view, still move the sum when two swap."""
+def flat_weights(n: int) -> np.ndarray:
+    """The weights of the random sum of an array of ``n`` entries in flat order (``n`` up to 4,096): for its
+    view of each width in :data:`WEIGHT_WIDTHS`, ``r_i c_j`` for the entry in row ``i`` and column ``j`` and
+    their own for the last ``n % width`` entries, added. Two widths, so that samples of a multiple of one
+    width, which fill whole rows of its view, still move the sum when two swap."""
     out = np.zeros(n)
-    for width in SIGN_WIDTHS:
+    for width in WEIGHT_WIDTHS:
         rows = n // width
-        out += np.concatenate([np.outer(signs(rows, (width, 1)), signs(width, (width, 2))).reshape(-1),
-                               signs(n - rows * width, (width, 3))])
+        out += np.concatenate([np.outer(weights(rows, (width, 1)), weights(width, (width, 2))).reshape(-1),
+                               weights(n - rows * width, (width, 3))])
     out.flags.writeable = False
     return out
 
 
-def _signed_sum(v: np.ndarray) -> float:
-    """The signed sum (:func:`flat_signs`) of a flat array, from its views: exact sign changes in its dtype,
-    summed in float64."""
+def _random_sum(v: np.ndarray) -> float:
+    """The random sum (:func:`flat_weights`) of a flat array, from its views: the row weights applied exactly
+    in its dtype, the rest in float64."""
     n, total = v.size, 0.0
-    for width in SIGN_WIDTHS:
+    for width in WEIGHT_WIDTHS:
         body, tail = v[: n - n % width].reshape(-1, width), v[n - n % width:]
-        rows = signs(body.shape[0], (width, 1))
-        # (float64: a matrix-vector product; narrower types: exact sign changes, summed in float64)
+        rows = weights(body.shape[0], (width, 1))
+        # (float64: a matrix-vector product; narrower types: exact scalings by +-1 or +-1/2, summed in float64)
         cols = rows @ body if v.dtype == np.float64 else (body * rows.astype(v.dtype)[:, None]).sum(0, dtype=np.float64)
-        total += float(cols @ signs(width, (width, 2)) + tail.astype(np.float64) @ signs(len(tail), (width, 3)))
+        total += float(cols @ weights(width, (width, 2)) + tail.astype(np.float64) @ weights(len(tail), (width, 3)))
     return total
 
 
 def array_sums(v: np.ndarray) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
-    weighted by flat position, sum of values with pseudo-random signs) of a flat real array, summed in
+    weighted by flat position, sum of values with pseudo-random weights) of a flat real array, summed in
     float64. The weighted sums tell a shuffled array, the fourth a sign (every entry's: the weights
-    ``k + 1`` of entry ``k`` start at 1); the signed sum, about ``sqrt(n)`` times an entry, moves by about
+    ``k + 1`` of entry ``k`` start at 1); the random sum, about ``sqrt(n)`` times an entry, moves by about
     ``sqrt(m)`` times one when ``m`` entries change (another sample, two neighbouring samples swapped), which
     the others, about ``n`` times an entry, do not see in a large array. Above 4,096 entries the weights
-    ``61 i + j + 1`` come from the column and row sums of a 61-wide view, the signs from the rows and columns
-    of two views (:func:`flat_signs`), and the last entries are summed on their own (with the same weights and
-    signs as the entries of a small array in flat order).
+    ``61 i + j + 1`` come from the column and row sums of a 61-wide view, the random ones from the rows and
+    columns of two views (:func:`flat_weights`), and the last entries are summed on their own (with the same
+    weights as the entries of a small array in flat order).
 
     >>> array_sums(np.array([1.0, -2.0, 3.0]))[:4]
     (14.0, 6.0, 14.0, 6.0)
@@ -96,7 +102,7 @@ def array_sums(v: np.ndarray) -> tuple:
     if n <= 4096:
         w = v.astype(np.float64)
         k, a = np.arange(1, n + 1, dtype=np.float64), np.abs(w)
-        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k), float(w @ flat_signs(n))
+        return float(w @ w), float(a.sum()), float(a @ k), float(w @ k), float(w @ flat_weights(n))
     body, tail = v[: n - n % WIDTH].reshape(-1, WIDTH), v[n - n % WIDTH:]
     cols, rows = np.arange(1.0, WIDTH + 1.0), np.arange(body.shape[0]) * float(WIDTH)
     last = np.arange(n - n % WIDTH + 1, n + 1, dtype=np.float64)
@@ -108,7 +114,7 @@ def array_sums(v: np.ndarray) -> tuple:
     mags, tmags = np.abs(body), np.abs(tail)
     squares = float(np.dot(v, v) if v.dtype == np.float64 else np.square(v, dtype=np.float64).sum())
     total = float(mags.sum(dtype=np.float64) + tmags.sum(dtype=np.float64))
-    return squares, total, weighted(mags, tmags), weighted(body, tail), _signed_sum(v)
+    return squares, total, weighted(mags, tmags), weighted(body, tail), _random_sum(v)
 
 
 def sums_rtol(eps: float, spread: float = 1.0) -> float:
@@ -166,8 +172,8 @@ def differing_rank(sums: list) -> int | None:
 def sums_gap(s, s0) -> float:
     """Largest relative difference between one rank's sums ``s`` and rank 0's ``s0`` (the first five
     entries, as :func:`array_sums` makes them; NaN and Inf left out, but NaN or Inf on one side only
-    is an infinite gap). The sums with signs are relative to the matching sums of magnitudes (rounding
-    moves them by a unit of those at most).
+    is an infinite gap). The sums with signs and random weights are relative to the matching sums of
+    magnitudes (rounding moves them by a few units of those at most).
 
     >>> sums_gap((14.0, 6.0, 8.0, 4.0, 2.0), (14.0, 6.0, 8.0, 4.0, 2.0))
     0.0

@@ -321,7 +321,7 @@ def _differing_u0(sums: list) -> ValueError | None:
         return None
     return ValueError(
         f"`u0` differs between ranks: rank {r}'s (sum of squares {sums[r][0]:.6g}, sum weighted by position "
-        f"{sums[r][3]:.6g}, sum with pseudo-random signs {sums[r][4]:.6g}) against rank 0's ({sums[0][0]:.6g}, "
+        f"{sums[r][3]:.6g}, sum with pseudo-random weights {sums[r][4]:.6g}) against rank 0's ({sums[0][0]:.6g}, "
         f"{sums[0][3]:.6g}, {sums[0][4]:.6g}); every rank must pass the same "
         "initial state: make it alike on every rank (the same data and seed), or broadcast rank 0's")
 

@@ -7,6 +7,7 @@ import copy
 import math
 import io
 import pickle
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -1720,16 +1721,17 @@ def test_input_sums_with_numpy_on_the_cpu_equal_torchs(shape, dtype, monkeypatch
     assert not M._differing_inputs([fast, ref])
 
 
-def test_input_sums_on_the_torch_path_warn_nothing(monkeypatch):
-    """The path of CUDA tensors and bfloat16 (here on the CPU) made tensors of the cached, read-only sign vectors:
-    torch warned that the array was not writable, and with warnings as errors every rank's pass failed."""
-    import propagators.torch.module as M
-
-    monkeypatch.setattr(M, "_NUMPY_SUMS", set())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for x in (torch.randn(5000), torch.randn(300).bfloat16(), torch.randn(7, 61, dtype=torch.float64)):
-            M._input_sums(x)
+def test_input_sums_on_the_torch_path_warn_nothing():
+    """The path of CUDA tensors and bfloat16 (here on the CPU) made tensors of the cached, read-only weight
+    vectors: torch warned that the array was not writable, and with warnings as errors every rank's pass failed.
+    (In a process of its own: torch gives that warning once per process.)"""
+    code = ("import warnings, torch; import propagators.torch.module as M; M._NUMPY_SUMS = set(); "
+            "warnings.simplefilter('error'); "
+            "[M._input_sums(x) for x in (torch.randn(5000), torch.randn(300).bfloat16(), "
+            "torch.randn(7, 61, dtype=torch.float64))]; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("n", [35, 5000])  # (both numpy paths: direct and 61-wide)

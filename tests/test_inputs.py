@@ -85,34 +85,40 @@ def test_the_float32_and_float64_tolerance_is_100_units_whatever_the_spread():
 
 @pytest.mark.parametrize("dtype, batch, width", [(torch.float64, 4096, 256), (torch.float32, 16, 16),
                                                  (torch.float32, 256, 64), (torch.float32, 256, 61),
-                                                 (torch.float32, 256, 122), (torch.float16, 16, 16)])
+                                                 (torch.float32, 256, 122), (torch.float32, 1024, 1),
+                                                 (torch.float32, 1024, 2), (torch.float16, 16, 16)])
 def test_another_sample_or_two_neighbours_swapped_in_a_batch_is_told(dtype, batch, width):
     """The four sums of magnitudes and positions move by about 1 / batch of themselves when one sample changes,
     and two neighbouring samples swapped moved the weighted ones by less: below the tolerance in float32 from
     256 samples of 64 on (0 of 10 swaps caught), and in float16 at 16 of 16 (7 of 10). The sum with pseudo-random
-    signs, about sqrt(n) entries, moves by about sqrt(width) entries (not enough in float16 from about 256 x 64,
-    whose tolerance is wider). Samples of 61 or 122 fill whole rows of the 61-wide view, whose signs alone missed
-    half and a quarter of such swaps: the signs of a 64-wide view are added. Their rounding, one unit in every
-    entry, passes."""
-    for seed in range(10):
+    weights, about sqrt(n) entries, moves by about sqrt(width) entries (not enough in float16 from about 256 x 64,
+    whose tolerance is wider). Samples of 61 or 122 fill whole rows of a 61-wide view, whose weights alone missed
+    half and a quarter of such swaps: those of a 64-wide view are added. Samples of one or two entries swapped
+    unseen wherever the two had equal weights (+-1 signs: 3 in 8 neighbouring pairs): the column weights are
+    drawn from a continuum. Their rounding, one unit in every entry, passes."""
+    caught = np.zeros(2, dtype=int)
+    for seed in range(20):
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, width, generator=gen).to(dtype)
         k = (seed * 37) % (batch - 1)
         swapped, other = x.clone(), x.clone()
         swapped[[k, k + 1]] = x[[k + 1, k]]
         other[k] = torch.randn(width, generator=gen).to(dtype)
-        assert gap(x, swapped) > rtol(x) and gap(x, other) > rtol(x), (seed, gap(x, swapped), rtol(x))
+        caught += [gap(x, swapped) > rtol(x), gap(x, other) > rtol(x)]
         if dtype in (torch.float16, torch.bfloat16):
             assert gap(x, one_unit_apart(x, seed)) <= rtol(x)
+    # (a swap moves the random sum by about sqrt(width) entries against a tolerance of about n entries' rounding:
+    # near the limit a few in a hundred pass, at random; a structural blind spot passes many)
+    assert caught.min() >= 18, caught
 
 
 @pytest.mark.parametrize("n", [5, 61, 4096, 4097, 70001])
-def test_the_signed_sum_is_the_same_in_both_layouts(n):
-    """Small arrays are summed in flat order, large ones in a 61-wide view: the same signs at the same places
-    (ranks whose arrays take different paths, an integer array and a float one, compare alike)."""
-    from mgrit._inputs import flat_signs
+def test_the_random_sum_is_the_same_in_both_layouts(n):
+    """Small arrays are summed in flat order, large ones in views: the same weights at the same places (ranks
+    whose arrays take different paths, an integer array and a float one, compare alike)."""
+    from mgrit._inputs import flat_weights
 
     a = np.random.default_rng(n).standard_normal(n)
-    assert np.isclose(array_sums(a)[4], a @ flat_signs(n), rtol=0, atol=1e-12 * np.abs(a).sum())
+    assert np.isclose(array_sums(a)[4], a @ flat_weights(n), rtol=0, atol=1e-12 * np.abs(a).sum())
     ints = np.arange(n) % 7 - 3
-    assert np.isclose(array_sums(ints)[4], ints @ flat_signs(n), rtol=0, atol=1e-12 * np.abs(ints).sum())
+    assert np.isclose(array_sums(ints)[4], ints @ flat_weights(n), rtol=0, atol=1e-12 * np.abs(ints).sum())

@@ -31,8 +31,8 @@ from torch.utils.hooks import RemovableHandle
 import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, as_communicator, warn_if_alone
 from mgrit import _backend as B
-from mgrit._inputs import SIGN_WIDTHS, WIDTH, array_sums as _input_sums_numpy, differing_rank, signs, spread, \
-    sums_gap as _input_gap, sums_rtol
+from mgrit._inputs import WEIGHT_WIDTHS, WIDTH, array_sums as _input_sums_numpy, differing_rank, spread, \
+    sums_gap as _input_gap, sums_rtol, weights
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -436,11 +436,12 @@ def _same_values(a, b) -> bool:
 
 def _input_sums(x) -> tuple:
     """(sum of squares, sum of magnitudes, sum of magnitudes weighted by flat position, sum of values
-    weighted by flat position, sum of values with pseudo-random signs, relative tolerance of the dtype) of
+    weighted by flat position, sum of values with pseudo-random weights, relative tolerance of the dtype) of
     a tensor, summed in float64: compared between the ranks (the weighted sums tell a shuffled batch, the
-    fourth signs, the signed one another sample or two swapped in a large batch). The weights and signs
-    come from the rows and columns of a 61-wide view, and the last ``numel % 61`` entries are summed on
-    their own (:func:`mgrit._inputs.array_sums`, the same sums)."""
+    fourth signs, the random one another sample or two swapped in a large batch). The position weights come
+    from the rows and columns of a 61-wide view, the random ones from those of a 61-wide and a 64-wide view,
+    and the last entries of each view are summed on their own (:func:`mgrit._inputs.array_sums`, the same
+    sums)."""
     with torch.no_grad():
         v = B.flat_real(x)
         if v.device.type == "cpu" and v.dtype in _NUMPY_SUMS:
@@ -458,20 +459,23 @@ def _input_sums(x) -> tuple:
             return float(b.sum(0, dtype=torch.float64) @ cols + b.sum(1, dtype=torch.float64) @ rows
                          + t.to(torch.float64) @ last)
 
-        def signed_sum():  # (mgrit._inputs._signed_sum on the tensor's device: the same signs)
+        def random_sum():  # (mgrit._inputs._random_sum on the tensor's device: the same weights)
             total = 0.0
-            for width in SIGN_WIDTHS:
+            for width in WEIGHT_WIDTHS:
                 b, t = v[: n - n % width].view(-1, width), v[n - n % width:]
-                rows, cols, last = (torch.tensor(signs(m, (width, part)), **f64)
+                rows, cols, last = (torch.tensor(weights(m, (width, part)), **f64)  # (copies of read-only arrays)
                                     for m, part in ((b.shape[0], 1), (width, 2), (len(t), 3)))
                 sums = rows @ b if v.dtype == torch.float64 else (b * rows.to(v.dtype)[:, None]).sum(0, dtype=torch.float64)
-                total += float(sums @ cols + t.to(torch.float64) @ last)  # (narrower types: exact sign changes)
+                total += float(sums @ cols + t.to(torch.float64) @ last)  # (narrower types: exact scalings)
             return total
 
         mags = body.abs()
-        squares = float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
+        # (float64: a dot product, which numpy's path matches to far below the tolerance; the norm's own
+        # accumulation was 1.5 tolerances off numpy's at 4M entries)
+        squares = float(torch.dot(v, v)) if v.dtype == torch.float64 else \
+            float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
         total = float(mags.sum(dtype=torch.float64) + tail.abs().sum(dtype=torch.float64))
-        return (squares, total, weighted(mags, tail.abs()), weighted(body, tail), signed_sum(),
+        return (squares, total, weighted(mags, tail.abs()), weighted(body, tail), random_sum(),
                 _input_rtol(x.dtype, v))
 
 
@@ -497,7 +501,7 @@ def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError |
     return ValueError(
         f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
         f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}, sums with "
-        f"pseudo-random signs {s[4]:.6g} against {sums[0][4]:.6g}): "
+        f"pseudo-random weights {s[4]:.6g} against {sums[0][4]:.6g}): "
         + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
            "same output of the layers before this block); seed every rank alike, or broadcast the batch "
            "from one rank"))

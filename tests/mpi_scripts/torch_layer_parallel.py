@@ -433,12 +433,15 @@ def swapped_samples_are_another_input(comm):
     """The last rank's batch of 256 samples of 64 in float32 with two neighbouring samples swapped: the sums of
     magnitudes and positions moved by less than their tolerance and the pass went on with rank 0's batch; the
     sum with pseudo-random signs tells it (ValueError on every rank)."""
-    torch.manual_seed(4)
-    lp = LayerParallel([nn.Sequential(nn.Linear(64, 64), nn.Tanh()).float() for _ in range(8)], cf=2, comm=comm)
-    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
-    if comm.Get_rank() == comm.Get_size() - 1:
-        x[[100, 101]] = x[[101, 100]]
-    value_error_everywhere(lambda: lp(x), "the input of rank", "two neighbouring samples swapped on one rank")
+    for batch, width, k in ((256, 64, 100), (1024, 1, 1)):  # (the second: samples whose +-1 weights tied)
+        torch.manual_seed(4)
+        lp = LayerParallel([nn.Sequential(nn.Linear(width, width), nn.Tanh()).float() for _ in range(8)], cf=2,
+                           comm=comm)
+        x = torch.randn(batch, width, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+        if comm.Get_rank() == comm.Get_size() - 1:
+            x[[k, k + 1]] = x[[k + 1, k]]
+        value_error_everywhere(lambda: lp(x), "the input of rank",
+                               f"two neighbouring samples of {width} swapped on one rank")
 
 
 def cuda_ranks():
