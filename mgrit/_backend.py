@@ -70,6 +70,15 @@ def copy(x):
     return x.clone() if is_torch(x) else x.copy()
 
 
+def result_key(raw) -> tuple:
+    """``(type, shape, dtype)`` that a later result of a propagator's ``step`` must match to be stored without
+    a check: the first result's, as ``step`` returned it (a numpy scalar for 0-d states, another real dtype than
+    the states'); ``(None, None, None)`` for a result without them (a Python float: then every one is checked)."""
+    if hasattr(raw, "shape") and hasattr(raw, "dtype"):
+        return type(raw), raw.shape, raw.dtype
+    return None, None, None
+
+
 def same_values(a, b) -> bool:
     """True when ``a`` and ``b`` (alike in type and shape) hold the same values, NaN matching NaN."""
     if is_torch(a):

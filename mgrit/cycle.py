@@ -74,9 +74,9 @@ def _transfer(w: LevelState, method: str, U):
     of each per solve and level is checked for writing into it (its first and last rows, compared with a copy
     taken before), as :func:`mgrit.relax` checks ``step``."""
     fn = getattr(w.transfer, method)
-    if method in w.watched_transfers or U.shape[0] == 0:
+    if method in w.watched or U.shape[0] == 0:
         return _transferred(fn(U), U, w, method)
-    w.watched_transfers.add(method)
+    w.watched.add(method)
     ends = [0, U.shape[0] - 1]
     before = U[ends]  # (a copy: fancy indexing, numpy and torch alike)
     out = _transferred(fn(U), U, w, method)

@@ -70,7 +70,7 @@ class Propagator(ABC):
         out = B.empty_stack(n, first)
         out[0] = first
         # a later result like the first as `step` returned it (a numpy scalar for 0-d states) is stored as is
-        row, shape, dtype = (type(raw), raw.shape, raw.dtype) if hasattr(raw, "dtype") else (None, None, None)
+        row, shape, dtype = B.result_key(raw)
         for k in range(1, n):
             x = step(U[k], a[k], b[k])
             if type(x) is not row or x.shape != shape or x.dtype is not dtype:

@@ -52,8 +52,7 @@ class LevelState:
     g: object = None
     v: object = None
     count: int = 0
-    watched: bool = False  # a `step` call on this level was checked for writing into its input
-    watched_transfers: set = field(default_factory=set)  # transfer methods so checked (restrict, ...)
+    watched: set = field(default_factory=set)  # calls checked for writing into their input ("step", "restrict", ...)
     tl: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -159,21 +158,13 @@ def checked_state(x, U, level: int):
     return x
 
 
-def _like(raw) -> tuple:
-    """``(type, shape, dtype)`` that a later result of `step` must match to be stored without a check: the
-    first result's, as `step` returned it (a numpy scalar for 0-d states, another real dtype than the
-    states'); ``(None, None, None)`` for a result without them (a Python float: then every one is checked)."""
-    if hasattr(raw, "shape") and hasattr(raw, "dtype"):
-        return type(raw), raw.shape, raw.dtype
-    return None, None, None
-
-
 def _watched_step(w: LevelState, u, t0: float, t1: float):
     """``step(u, t0, t1)``, the first time on a level checked for writing into ``u`` (which the solver
     stores: a step that divides its input in place corrupts the iterate without an error)."""
-    if w.watched:
+    if "step" in w.watched:
         return w.prop.step(u, t0, t1)
-    w.watched, before = True, B.copy(u)
+    w.watched.add("step")
+    before = B.copy(u)
     x = w.prop.step(u, t0, t1)
     if not B.same_values(before, u):
         raise ValueError(
@@ -201,7 +192,7 @@ def _loop_into(w: LevelState, U, t0: np.ndarray, t1: np.ndarray, out):
     if first.dtype != out.dtype and (B.is_complex(first) or not B.is_complex(out)):  # (complex states stay complex:
         out = B.empty_stack(U.shape[0], first)                                       # a later result may be)
     out[0] = first
-    row, shape, dtype = _like(raw)  # every later result like the first passes three comparisons (about 70 ns);
+    row, shape, dtype = B.result_key(raw)  # every later result like the first passes three comparisons (about 70 ns);
     for k in range(1, U.shape[0]):  # None, a float, another shape or complex is named, not stored
         x = step(U[k], a[k], b[k])
         out[k] = x if type(x) is row and x.shape == shape and x.dtype is dtype else checked_state(x, U, level)
@@ -281,7 +272,7 @@ def _f_relax_by_interval(w: LevelState) -> None:
     starts = list(range(a0, n, m))  # every later interval: its C-point slot
     if w.right is not None and w.hi % m != 0 and starts:
         starts = starts[-1:] + starts[:-1]  # the interval holding the last point, first
-    row = shape = dtype = None  # of the first result (_like); None before it
+    row = shape = dtype = None  # of the first result (B.result_key); None before it
 
     def sweep(slots):
         nonlocal row, shape, dtype
@@ -289,7 +280,7 @@ def _f_relax_by_interval(w: LevelState) -> None:
             x = step(u[i - 1], tl[i - 1], tl[i]) if row is not None else _watched_step(w, u[i - 1], tl[i - 1], tl[i])
             if type(x) is not row or x.shape != shape or x.dtype is not dtype:  # the first result (type, shape,
                 if row is None:  # complex, autograd), and any unlike it (None, a float, another shape): named
-                    row, shape, dtype = _like(x)
+                    row, shape, dtype = B.result_key(x)
                 x = checked_state(x, u, level)
             if g is None:
                 u[i] = x
@@ -395,12 +386,12 @@ def sequential_solve(w: LevelState) -> None:
     if w.left is not None:
         recv_ghost(w, w.u)
     u, tl, step, g, level = w.u, w.tl.tolist(), w.prop.step, w.g, w.level.index
-    row = shape = dtype = None  # of the first result (_like): a result like it passes three comparisons
+    row = shape = dtype = None  # of the first result (B.result_key): a result like it passes three comparisons
     for a in range(1, w.nloc):
         x = step(u[a - 1], tl[a - 1], tl[a]) if row is not None else _watched_step(w, u[a - 1], tl[a - 1], tl[a])
         if type(x) is not row or x.shape != shape or x.dtype is not dtype:
             if row is None:
-                row, shape, dtype = _like(x)
+                row, shape, dtype = B.result_key(x)
             x = checked_state(x, u, level)
         u[a] = x if g is None else x + g[a]
     _untracked(u, level)

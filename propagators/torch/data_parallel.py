@@ -76,14 +76,16 @@ def _average(comm, module, params, floats, shard_size) -> None:
         if has:
             buckets.setdefault((p.dtype, p.device), []).append(p)
     # (nn.Embedding(sparse=True): sparse on any data rank, with its sparse dimensions, 1 for an embedding)
-    sparse = {id(p): round(d / k) for p, k, d in zip(params, meta[n:2 * n], meta[2 * n:3 * n]) if k}
-    if sparse:  # the rows that any replica's gradient holds (looked up), kept though their sum be zero
-        sp = [p for p in params if id(p) in sparse]
-        touched = comm.allreduce_array(np.concatenate([_touched(p, sparse[id(p)]) for p in sp]))
+    dims = {id(p): round(d / k) for p, k, d in zip(params, meta[n:2 * n], meta[2 * n:3 * n]) if k}
+    sparse = {}  # per sparse parameter: the rows that any replica's gradient holds (looked up), kept though
+    if dims:     # their sum be zero
+        sp = [p for p in params if id(p) in dims]
+        touched = comm.allreduce_array(np.concatenate([_touched(p, dims[id(p)]) for p in sp]))
         off = 0
         for p in sp:
-            size = int(np.prod(p.shape[:sparse[id(p)]]))
-            sparse[id(p)] = touched[off: off + size].reshape(p.shape[:sparse[id(p)]]) > 0
+            index_shape = p.shape[:dims[id(p)]]
+            size = int(np.prod(index_shape))
+            sparse[id(p)] = touched[off: off + size].reshape(index_shape) > 0
             off += size
     for (dtype, device), ps in buckets.items():
         flat = torch.cat([_dense_grad(p).reshape(-1) for p in ps])

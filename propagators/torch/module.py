@@ -463,10 +463,11 @@ def _input_sums(x) -> tuple:
             total = 0.0
             for width in WEIGHT_WIDTHS:
                 b, t = v[: n - n % width].view(-1, width), v[n - n % width:]
-                rows, cols, last = (torch.tensor(weights(m, (width, part)), **f64)  # (copies of read-only arrays)
-                                    for m, part in ((b.shape[0], 1), (width, 2), (len(t), 3)))
-                sums = rows @ b if v.dtype == torch.float64 else (b * rows.to(v.dtype)[:, None]).sum(0, dtype=torch.float64)
-                total += float(sums @ cols + t.to(torch.float64) @ last)  # (narrower types: exact scalings)
+                w_rows, w_cols, w_tail = (torch.tensor(weights(m, (width, part)), **f64)  # (copies: read-only arrays)
+                                          for m, part in ((b.shape[0], 1), (width, 2), (len(t), 3)))
+                sums = w_rows @ b if v.dtype == torch.float64 else \
+                    (b * w_rows.to(v.dtype)[:, None]).sum(0, dtype=torch.float64)  # (narrower types: exact scalings)
+                total += float(sums @ w_cols + t.to(torch.float64) @ w_tail)
             return total
 
         mags = body.abs()
@@ -1846,9 +1847,8 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     stalling solve: its gradients are not worth much), unless both are at the rounding of the states.
     ``dtype``: the states' (named in the advice); ``like``: states that every rank holds alike (the block's
     input and output, the output gradient), whose sizes set the rounding: every rank decides alike."""
-    first = next((r for r in res.residuals if r is not None), None)
-    last = res.final_residual
     seen = [r for r in res.residuals if r is not None]
+    first, last = (seen[0] if seen else None), res.final_residual
     if tol is not None and not res.converged:
         bound = tol if tol_type == "abs" else None if first is None else tol * first
         if last is None or bound is None or not last <= bound:
