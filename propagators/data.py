@@ -57,6 +57,9 @@ def load_mnist(directory, kind: str = "train"):
     ValueError); images stored as floats are returned as they are (already scaled).
     Labels must be whole numbers >= 0 of an integer type.
     """
+    if kind not in ("train", "t10k"):
+        raise ValueError(f"`kind` must be 'train' or 't10k' (MNIST's file prefixes: t10k-images-idx3-ubyte is the "
+                         f"test set), got {kind!r}")
     d = Path(directory)
 
     def find(stem):
@@ -93,7 +96,9 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
     """scikit-learn's 8 x 8 digits, standardised, split into train and test sets.
 
     Returns ``(X_train, y_train, X_test, y_test)`` as numpy arrays (float32, int64).
-    The split is stratified and fixed by ``seed``; ``test_fraction`` lies in
+    Each pixel is centred and scaled by its mean and standard deviation over
+    the training set (a pixel constant there is only centred). The split is
+    stratified and fixed by ``seed``; ``test_fraction`` lies in
     [0, 1) (0: every sample in the training set, an empty test set); every
     class keeps at least one training sample.
     """
@@ -110,6 +115,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
     for c in np.unique(y):
         idx = rng.permutation(np.flatnonzero(y == c))
         test[idx[: min(int(round(test_fraction * len(idx))), len(idx) - 1)]] = True  # one sample per class trains
-    mean, std = X[~test].mean(0), X[~test].std(0) + 1e-3
-    X = (X - mean) / std
+    mean, std = X[~test].mean(0), X[~test].std(0)
+    std[std == 0] = 1.0  # a pixel constant over the training set is only centred (dividing by ~0 blew a
+    X = (X - mean) / std  # test image's stray value up 1000-fold)
     return X[~test], y[~test], X[test], y[test]

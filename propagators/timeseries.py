@@ -17,7 +17,8 @@ Lines starting with ``#`` are comments. A header of ``@`` tags comes first::
     @dimensions 12            (also spelled @dimension)
     @equalLength false
     @seriesLength 29          (only with @equalLength true)
-    @classLabel true 1 2 3    (or "false"; regression sets have @targetLabel true)
+    @classLabel true 1 2 3    (or "false"; regression sets have @targetLabel true:
+                               one of the two tags is required)
     @data
 
 then one case per line: the channels separated by ``:``, each a
@@ -141,18 +142,60 @@ def _parse_values(text: str, timestamps: bool, where: str) -> list:
             out.append(math.nan)
             continue
         try:
-            out.append(float(s))
+            v = float(s) if "_" not in s else None  # (Python's float reads "1_000" as 1000)
         except ValueError:
-            raise ValueError(f"{where}: {s!r} is not a number (missing values are written '?')") from None
+            v = None
+        if v is None or not math.isfinite(v):
+            raise ValueError(f"{where}: {s!r} is not a finite number (missing values are written '?')") from None
+        out.append(v)
     return out
 
 
-def _label_order(label: str) -> tuple:
-    """Sort key of class labels: numbers numerically ('2' before '10'), before any other label."""
+def _whole(value, tag: str, where: str):
+    """A header tag's whole number >= 1 (None when the tag is absent)."""
+    if value is None:
+        return None
     try:
-        return 0, float(label), label
+        n = int(value)
     except ValueError:
-        return 1, 0.0, label
+        n = 0
+    if n < 1:
+        raise ValueError(f"{where}: @{tag} must be a whole number >= 1, got {value!r}")
+    return n
+
+
+def _target(text: str, where: str) -> float:
+    """A regression target: a finite number (a missing target, '?' or NaN, is refused)."""
+    try:
+        v = float(text) if "_" not in text else math.nan
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v):
+        raise ValueError(f"{where}: @targetLabel is true but the target {text!r} is not a finite number (a case "
+                         "without its target cannot be trained on: leave it out)")
+    return v
+
+
+def _not_utf8(path: Path) -> ValueError:
+    """The error for a file that is not UTF-8 text, naming the line of its first bad byte."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8-sig")
+        where = path.name
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        where = f"{path.name}, line {line}"
+    return ValueError(f"{where}: not UTF-8 text (a byte that UTF-8 does not allow); save the file as UTF-8")
+
+
+def _label_order(label: str) -> tuple:
+    """Sort key of class labels: finite numbers numerically ('2' before '10'), before any other label
+    (text order; 'nan' and 'inf' are text here: a NaN key would make the order depend on the input's)."""
+    try:
+        v = float(label) if "_" not in label else math.nan
+    except ValueError:
+        v = math.nan
+    return (0, v, label) if math.isfinite(v) else (1, 0.0, label)
 
 
 def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int | None = None,
@@ -172,7 +215,7 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         same length for the train and the test split); no series may be longer.
     dtype : numpy floating dtype
         Of ``X`` (float64 by default).
-    classes : sequence of str, optional
+    classes : list or tuple of str, optional
         The class labels in the order of their indices, in place of the header's
         ``@classLabel`` list. A file whose header lists no classes numbers the
         labels it contains (sorted, numerically when all are numbers), which can
@@ -185,11 +228,14 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     Raises
     ------
     ValueError
-        The file breaks the format: no ``@data`` line, a case with another
-        number of channels than ``@dimensions`` (or than the first case), a
-        label that ``@classLabel`` does not list, a value that is not a number,
-        or series of unequal length in a file that declares ``@equalLength true``.
-        The message names the line. Also: a series longer than ``length``, a
+        The file breaks the format: no ``@data`` line, neither ``@classLabel``
+        nor ``@targetLabel`` in the header (or both true), a header value its
+        tag does not allow, a case with another number of channels than
+        ``@dimensions`` (or than the first case), an empty label, a label that
+        ``@classLabel`` does not list, a value or regression target that is not
+        a finite number, series of unequal length in a file that declares
+        ``@equalLength true``, or text that is not UTF-8. The message names
+        the line. Also: a series longer than ``length``, a
         ``length`` that is not a whole number >= 1, a ``dtype`` that is not a
         floating type. A trailing comma after a channel's last value is read
         as the end of the list, and a UTF-8 byte-order mark is skipped.
@@ -198,9 +244,15 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         raise ValueError(f"`pad` must be one of {PADS}, got {pad!r}")
     given = None
     if classes is not None:
-        if isinstance(classes, str) or not all(isinstance(c, str) for c in classes):
-            raise TypeError(f"`classes` must be a sequence of label strings, got {classes!r}")
-        given = tuple(classes)
+        if isinstance(classes, (str, bytes, set, frozenset, dict)) or not hasattr(classes, "__iter__"):
+            raise TypeError(f"`classes` must be an ordered sequence of label strings (a list or tuple: the order "
+                            f"gives the class indices), got {type(classes).__name__}")
+        given = tuple(classes)  # (once: a generator is read a single time)
+        if not all(isinstance(c, str) for c in given):
+            raise TypeError(f"`classes` must be a sequence of label strings, got {given!r}")
+    if missing is not None and (isinstance(missing, bool) or not isinstance(missing, numbers.Real)):
+        raise TypeError(f"`missing` must be a number (the value of missing entries) or None (keep NaN), "
+                        f"got {missing!r}")
     if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
         raise ValueError(f"`length` must be a whole number of time points >= 1 (or None: the longest series), "
                          f"got {length!r}")
@@ -211,8 +263,17 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     header: dict = {}
     cases, labels = [], []
     in_data = False
+    lineno = 0
+    case_lines = []  # the line of every case, for the messages
     with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte-order mark before the first tag is skipped
-        for lineno, raw in enumerate(fh, start=1):
+        lines = enumerate(fh, start=1)
+        while True:
+            try:
+                lineno, raw = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise _not_utf8(path) from None
             line = raw.strip()
             if not line or line.startswith(("#", "%")):  # comments (UnitTest's start with '%#')
                 continue
@@ -226,14 +287,23 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                 if tag == "data":
                     in_data = True
                     timestamps = _flag(header.get("timestamps", "false"), "timeStamps", where)
+                    if "classlabel" not in header and "targetlabel" not in header:
+                        raise ValueError(f"{where}: the header declares neither @classLabel nor @targetLabel, so "
+                                         "it is unknown whether the last ':' field of a case is a label; add "
+                                         "'@classLabel true <labels>' (class labels), '@targetLabel true' (numeric "
+                                         "targets) or '@classLabel false' (no labels) before @data")
                     labelled = _flag(header.get("classlabel", "false"), "classLabel", where)
                     regression = _flag(header.get("targetlabel", "false"), "targetLabel", where)
+                    if labelled and regression:
+                        raise ValueError(f"{where}: both @classLabel and @targetLabel are true; a case has one "
+                                         "label: keep the one the last ':' field holds")
+                    equal = _flag(header.get("equallength", "false"), "equalLength", where)
+                    declared = _whole(header.get("serieslength"), "seriesLength", where)
                     dims = header.get("dimensions", header.get("dimension"))
-                    try:
-                        n_dims = int(dims) if dims is not None else None
-                    except ValueError:
-                        raise ValueError(f"{where}: @dimensions must be a whole number, got {dims!r}") from None
-                    if n_dims is None and _flag(header.get("univariate", "false"), "univariate", where):
+                    n_dims = _whole(dims, "dimensions", where)
+                    if _flag(header.get("univariate", "false"), "univariate", where):
+                        if n_dims not in (None, 1):
+                            raise ValueError(f"{where}: @univariate is true but @dimensions is {n_dims}")
                         n_dims = 1
                     classes = tuple(header.get("classlabel", "").split()[1:]) if labelled else ()
                     continue
@@ -244,16 +314,27 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                 if len(fields) < 2:
                     raise ValueError(f"{where}: a case needs its channels and a label after the last ':'")
                 label, fields = fields[-1].strip(), fields[:-1]
+                if not label:
+                    raise ValueError(f"{where}: the case has an empty label (nothing after the last ':')")
+                if regression:
+                    label = _target(label, where)
                 labels.append(label)
+            elif len(fields) > 1 and not fields[-1].strip():
+                raise ValueError(f"{where}: the case ends with ':', an empty last channel; if it holds a label, "
+                                 "the header must say so (@classLabel true, or @targetLabel true); a missing "
+                                 "value is written '?'")
             if timestamps:  # a ':' may also appear inside a timestamp: rejoin and split between pairs
                 joined = ":".join(fields)
                 fields = re.split(r"(?<=\)):(?=\s*\()", joined) if joined else []
+            if not fields:
+                raise ValueError(f"{where}: the case has no channels")
             if n_dims is None:
                 n_dims = len(fields)
             if len(fields) != n_dims:
                 raise ValueError(f"{where}: {len(fields)} channels, but the file declares {n_dims} "
                                  "(@dimensions, or the first case)")
             cases.append([_parse_values(f, timestamps, where) for f in fields])
+            case_lines.append(lineno)
     if not in_data:
         raise ValueError(f"{path.name}: no @data line; a .ts file lists its header tags, then @data, then the cases")
     if not cases:
@@ -263,17 +344,17 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     if length is not None:
         if int(length) < T:
             i = int(np.argmax(lengths))
-            raise ValueError(f"{path.name}: case {i} has length {T}, longer than `length`={length}; pass "
+            raise ValueError(f"{path.name}, line {case_lines[i]}: the case has length {T}, longer than "
+                             f"`length`={length}; pass "
                              f"length >= {T} (or None: the longest series)")
         T = int(length)
-    if header.get("equallength", "").lower().startswith("true"):
+    if equal:
         longest = int(lengths.max())
         uneven = [i for i, case in enumerate(cases) if any(len(ch) != longest for ch in case)]
         if uneven:
-            raise ValueError(f"{path.name}: @equalLength is true but case {uneven[0]} has series of lengths "
-                             f"{[len(ch) for ch in cases[uneven[0]]]} (longest {longest})")
-        declared = header.get("serieslength", "").strip()
-        if declared and declared.isdigit() and int(declared) != longest:
+            raise ValueError(f"{path.name}, line {case_lines[uneven[0]]}: @equalLength is true but this case has "
+                             f"series of lengths {[len(ch) for ch in cases[uneven[0]]]} (longest {longest})")
+        if declared is not None and declared != longest:
             raise ValueError(f"{path.name}: @equalLength is true and @seriesLength is {declared}, but the series "
                              f"have length {longest}: a truncated or mislabelled file")
     fill = math.nan if missing is None else float(missing)
@@ -299,16 +380,14 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
             raise ValueError(f"{path.name}: the classes {classes} list a label twice"
                              + ("" if given is not None else " (in @classLabel)"))
         index = {c: k for k, c in enumerate(classes)}
-        unknown = [lab for lab in labels if lab not in index]
+        unknown = [i for i, lab in enumerate(labels) if lab not in index]
         if unknown:
             where = "`classes`" if given is not None else "@classLabel"
-            raise ValueError(f"{path.name}: label {unknown[0]!r} is not among the classes of {where} {classes}")
+            raise ValueError(f"{path.name}, line {case_lines[unknown[0]]}: label {labels[unknown[0]]!r} is not "
+                             f"among the classes of {where} {classes}")
         y = np.array([index[lab] for lab in labels], dtype=np.int64)
     elif regression:
-        try:
-            y = np.array([float(lab) for lab in labels], dtype=np.float64)
-        except ValueError as exc:
-            raise ValueError(f"{path.name}: @targetLabel is true but a target is not a number ({exc})") from None
+        y = np.array(labels, dtype=np.float64)
     name = header.get("problemname") or path.stem
     return TimeSeriesSet(X.astype(dtype, copy=False), y, classes, lengths, name, header)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -196,3 +197,21 @@ def test_benchmark_list_arguments_are_normalised():
     for bad in ("", "16,", "0", "16,-2", "1.5", "x"):
         with pytest.raises(Exception, match="is not"):
             positive_ints(bad)
+
+
+def test_gru_timeseries_quick_subset_holds_every_class_and_regression_sets_are_refused():
+    """--quick kept the first 64 cases of a file sorted by class (JapaneseVowels: 3 of 9 speakers in training,
+    2 in testing); a regression set built a head of 0 outputs and failed deep inside torch."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aeon")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gru_timeseries
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    (_, ytr), (_, yte), n_classes, _ = gru_timeseries.load("JapaneseVowels", quick=True)
+    assert n_classes == 9 and len(ytr) == len(yte) == 64
+    assert set(ytr.tolist()) == set(yte.tolist()) == set(range(9))
+    assert max(np.bincount(ytr.numpy())) - min(np.bincount(ytr.numpy())) <= 1  # classes in turn
+    with pytest.raises(SystemExit, match="not a classification set"):
+        gru_timeseries.load("Covid3Month", quick=True)

@@ -146,3 +146,20 @@ def test_negative_labels_are_refused(tmp_path):
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([1, -1], np.int8), 0x09)
     with pytest.raises(ValueError, match="include -1; class labels must be >= 0"):
         load_mnist(tmp_path)
+
+
+def test_digits_pixels_constant_in_training_are_only_centred():
+    """With seed 3 pixel 56 is 0 in every training image: a test image's 1/16 there became 62.5 (std + 1e-3)."""
+    X_train, _, X_test, _ = load_digits(seed=3)
+    const = np.flatnonzero(X_train.std(0) == 0)
+    assert 56 in const
+    assert np.all(X_train[:, const] == 0)  # centred
+    # a test value of a constant pixel is its raw value minus the training mean: never scaled up
+    assert np.abs(X_test[:, const]).max() <= 1.0
+    scaled = X_train[:, X_train.std(0) > 0]
+    np.testing.assert_allclose(scaled.std(0), 1.0, rtol=1e-5)
+
+
+def test_mnist_kind_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="`kind` must be 'train' or 't10k'"):
+        load_mnist(tmp_path, "test")

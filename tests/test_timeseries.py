@@ -121,9 +121,9 @@ def test_timestamps_dropped_and_regression_targets(tmp_path):
     ("@classLabel true a\n@data\n", "no cases"),
     ("@dimensions 2\n@classLabel true a\n@data\n1,2:a\n", "1 channels, but the file declares 2"),
     ("@classLabel true a b\n@data\n1,2:a\n1,2,3:1,2:b\n", "2 channels"),
-    ("@classLabel true a b\n@data\n1,2:z\n", "label 'z'"),
-    ("@classLabel true a\n@data\n1,x,3:a\n", "'x' is not a number"),
-    ("@equalLength true\n@classLabel true a\n@data\n1,2:a\n1,2,3:a\n", "equalLength"),
+    ("@classLabel true a b\n@data\n1,2:a\n1,2:z\n", "t.ts, line 4: label 'z'"),
+    ("@classLabel true a\n@data\n1,x,3:a\n", "'x' is not a finite number"),
+    ("@equalLength true\n@classLabel true a\n@data\n1,2:a\n1,2,3:a\n", "line 4: @equalLength is true"),
     # a file declaring a series length its series do not have (truncated): accepted before
     ("@equalLength true\n@seriesLength 5\n@classLabel true a\n@data\n1,2:a\n3,4:a\n", "@seriesLength is 5"),
     # timestamped pairs that are truncated or interleaved with text were dropped without a word
@@ -194,8 +194,8 @@ def test_comment_lines_tab_separated_tags_and_a_bad_dimension_count(tmp_path):
     ds = load_ts(write(tmp_path, text))
     assert ds.name == "Tabs" and ds.classes == ("a", "b") and ds.X.shape == (2, 1, 3)
     np.testing.assert_array_equal(ds.y, [0, 1])
-    with pytest.raises(ValueError, match=r"t.ts, line 2: @dimensions must be a whole number, got 'two'"):
-        load_ts(write(tmp_path, "@dimensions two\n@data\n1,2:3,4\n"))
+    with pytest.raises(ValueError, match=r"t.ts, line 3: @dimensions must be a whole number >= 1, got 'two'"):
+        load_ts(write(tmp_path, "@dimensions two\n@classLabel false\n@data\n1,2:3,4\n"))
 
 
 @needs_aeon
@@ -228,7 +228,7 @@ def test_a_byte_order_mark_and_trailing_commas_read_as_the_plain_file(tmp_path):
     commas = load_ts(write(tmp_path, EQUAL.replace("4:up", "4,:up").replace("-1e-1:down", "-1e-1,:down"), "c.ts"))
     assert commas.X.shape == (3, 1, 4) and np.array_equal(commas.X, plain.X)
     assert list(commas.lengths) == [4, 4, 4]
-    gap = load_ts(write(tmp_path, "@data\n1,,3:4,5,6\n", "g.ts"), missing=None)  # an inner empty value is missing
+    gap = load_ts(write(tmp_path, "@classLabel false\n@data\n1,,3:4,5,6\n", "g.ts"), missing=None)  # an inner empty value is missing
     assert gap.X.shape == (1, 2, 3) and math.isnan(gap.X[0, 0, 1])
 
 
@@ -244,3 +244,63 @@ def test_dtype_must_be_floating(tmp_path, dtype):
     with pytest.raises(ValueError, match="floating"):
         load_ts(write(tmp_path, UNEQUAL), pad="nan", dtype=dtype)
     assert load_ts(write(tmp_path, UNEQUAL), dtype=np.float32).X.dtype == np.float32
+
+
+# From a hostile review of the reader: files it read wrongly without a word, and arguments it took
+@pytest.mark.parametrize("text, match", [
+    # no label tag: the label column was read as a third channel (aeon reads it as the label)
+    ("@problemName x\n@data\n1,2,3:4,5,6:1\n1,2,3:4,5,6:2\n", "neither @classLabel nor @targetLabel"),
+    ("@classLabel true\n@targetLabel true\n@data\n1,2:3\n", "both @classLabel and @targetLabel"),
+    ("@classLabel true\n@data\n3,4:a\n3,4:\n", "line 4: the case has an empty label"),  # was a class ''
+    ("@classLabel false\n@data\n1,2:3,4:\n", "line 3: the case ends with ':'"),  # was an all-zero channel
+    ("@targetLabel true\n@data\n1,2:0.5\n1,2:nan\n", "line 4: @targetLabel is true but the target 'nan'"),
+    ("@targetLabel true\n@data\n1,2:?\n", "line 3: @targetLabel is true but the target '\\?'"),
+    ("@targetLabel true\n@data\n1,2:x\n", "line 3: @targetLabel is true but the target 'x'"),
+    ("@classLabel false\n@data\n1,inf,2\n", "'inf' is not a finite number"),  # was an infinite value
+    ("@classLabel false\n@data\n1,-Infinity\n", "'-Infinity' is not a finite number"),
+    ("@classLabel false\n@data\n1,1e400\n", "'1e400' is not a finite number"),
+    ("@classLabel false\n@data\n1,1_000\n", "'1_000' is not a finite number"),  # was 1000.0
+    ("@timeStamps true\n@classLabel true\n@data\n:a\n", "line 4: the case has no channels"),  # bare max() error
+    ("@seriesLength abc\n@classLabel false\n@data\n1,2\n", "@seriesLength must be a whole number"),
+    ("@seriesLength -3\n@classLabel false\n@data\n1,2\n", "@seriesLength must be a whole number"),
+    ("@equalLength maybe\n@classLabel false\n@data\n1,2\n", "@equalLength must be 'true' or 'false'"),
+    ("@equalLength truex\n@classLabel false\n@data\n1,2\n", "@equalLength must be 'true' or 'false'"),
+    ("@univariate true\n@dimensions 2\n@classLabel false\n@data\n1,2:3,4\n", "@univariate is true but "
+     "@dimensions is 2"),
+])
+def test_malformed_files_are_named_errors(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_ts(write(tmp_path, text))
+
+
+def test_class_order_does_not_depend_on_hashing(tmp_path):
+    """A label that reads as NaN broke the numeric sort (the order depended on PYTHONHASHSEED); a `classes`
+    set numbered the labels in hash order; a generator was used up by the type check."""
+    path = write(tmp_path, "@classLabel true\n@data\n1:3\n2:NaN\n3:1\n4:20\n5:2\n6:10\n")
+    code = ("from propagators.timeseries import load_ts; ds = load_ts(%r); print(ds.classes, ds.y.tolist())"
+            % str(path))
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in range(6)}
+    assert outs == {"('1', '2', '3', '10', '20', 'NaN') [2, 5, 0, 4, 1, 3]\n"}
+    path = write(tmp_path, "@classLabel true\n@data\n1:walk\n2:run\n", "w.ts")
+    with pytest.raises(TypeError, match="ordered sequence"):
+        load_ts(path, classes={"walk", "run"})
+    ds = load_ts(path, classes=(c for c in ["run", "walk"]))
+    assert ds.classes == ("run", "walk") and ds.y.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("missing", ["abc", "1", True])
+def test_missing_must_be_a_number(tmp_path, missing):
+    with pytest.raises(TypeError, match="`missing` must be a number"):
+        load_ts(write(tmp_path, UNEQUAL), missing=missing)
+
+
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    p = tmp_path / "latin.ts"
+    p.write_bytes("@problemName x\n# Z\u00fcrich\n@classLabel false\n@data\n1,2\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.ts, line 2: not UTF-8 text"):
+        load_ts(p)
+    p.write_bytes("@classLabel false\n@data\n1,2\n".encode("utf-16"))
+    with pytest.raises(ValueError, match="latin.ts, line 1: not UTF-8 text"):
+        load_ts(p)
