@@ -164,13 +164,17 @@ def _watched_step(w: LevelState, u, t0: float, t1: float):
     if "step" in w.watched:
         return w.prop.step(u, t0, t1)
     w.watched.add("step")
+    return step_keeping_input(w.prop, u, t0, t1, f"the propagator of level {w.level.index}")
+
+
+def step_keeping_input(prop, u, t0: float, t1: float, who: str = "the propagator"):
+    """``prop.step(u, t0, t1)``; a ``ValueError`` naming ``who`` when the call changed ``u``."""
     before = B.copy(u)
-    x = w.prop.step(u, t0, t1)
+    x = prop.step(u, t0, t1)
     if not B.same_values(before, u):
         raise ValueError(
-            f"the propagator of level {w.level.index} changed its input state in place in `step` "
-            "(`u /= ...`, `u += ...`, `u[...] = ...`): the solver stores that state; compute into a new "
-            "array (`u = u / ...`) and return it"
+            f"{who} changed its input state in place in `step` (`u /= ...`, `u += ...`, `u[...] = ...`): the "
+            "solver stores that state; compute into a new array (`u = u / ...`) and return it"
         )
     return x
 

@@ -44,7 +44,7 @@ from .comm import _equal
 from .hierarchy import build_hierarchy, check_levels, check_time_grid, is_integer, parse_relax, per_level
 from .model import StepCost, predict, sequential_time
 from .propagator import Propagator
-from .relax import check_batch, checked_state
+from .relax import check_batch, checked_state, step_keeping_input
 
 __all__ = [
     "choose_settings",
@@ -253,7 +253,9 @@ def jacobian(propagator: Propagator, u, t0: float, t1: float, *, jvp: str = "aut
            [0. , 0.5]])
     """
     _check_propagator(propagator)
-    lin = _Linearization(propagator, _check_state(u), jvp)
+    u = _check_state(u)
+    _check_keeps_input(propagator, u, np.array([t0, t1], dtype=float))
+    lin = _Linearization(propagator, u, jvp)
     return lin.apply((t0, t1), np.eye(lin.d))
 
 
@@ -327,10 +329,10 @@ def _window(index: int, span: int, n: int) -> int:
     return min((index // span) * span, n - span)
 
 
-def _finite_jacobian(J):
+def _finite_jacobian(J, where: str = ""):
     if not np.all(np.isfinite(J)):
-        raise FloatingPointError("the linearized fine step is not finite (NaN or Inf in Jacobian-vector products); "
-                                 "check that the propagator is stable on the fine grid at this state")
+        raise FloatingPointError("the linearized fine step is not finite (NaN or Inf in Jacobian-vector products)"
+                                 f"{where}; check that the propagator is finite and stable on the fine grid there")
     return J
 
 
@@ -431,6 +433,7 @@ def step_spectrum(
     u = _check_state(u)
     t = check_time_grid(t)
     n = t.shape[0] - 1
+    _check_keeps_input(propagator, u, t)
     if not is_integer(index) or not 0 <= index <= n:
         raise ValueError(f"`index` must be an integer in 0..{n} (a point of `t`), got {index!r}")
     steps = _check_steps(strides, composites, n)
@@ -443,8 +446,12 @@ def step_spectrum(
         k = _window(int(index), s * c, n)
         return t[k : k + s * c + 1 : s]
 
+    k1 = _window(int(index), 1, n)
+    where = (f" over the fine step from t = {float(t[k1]):g} to {float(t[k1 + 1]):g} (points {k1} and {k1 + 1} of "
+             f"`t`){' at a state of a sequential run from u0' if index else ''}")
+
     if lin.d <= dense_max:
-        J1 = _finite_jacobian(lin.apply(times((1, 1)), np.eye(lin.d)))
+        J1 = _finite_jacobian(lin.apply(times((1, 1)), np.eye(lin.d)), where)
         lam, V = np.linalg.eig(J1)
         scale = max(np.linalg.norm(J1) ** 2, 1e-300)
         normal = bool(np.linalg.norm(J1 @ J1.conj().T - J1.conj().T @ J1) <= 1e-8 * scale)
@@ -467,8 +474,8 @@ def step_spectrum(
         method = "dense"
     else:
         rng = np.random.default_rng(seed)
-        Q, H = _arnoldi(lambda X: _finite_jacobian(lin.apply(times((1, 1)), X)), lin.d, min(int(krylov), lin.d),
-                        rng)
+        Q, H = _arnoldi(lambda X: _finite_jacobian(lin.apply(times((1, 1)), X), where), lin.d,
+                        min(int(krylov), lin.d), rng)
         lam, Y = np.linalg.eig(H)
         Y = Y / np.linalg.norm(Y, axis=0)
         cols, defect, normal = [lam], 0.0, False
@@ -842,9 +849,6 @@ LINEARIZATION_RANGE = 4.0
 #: A reference run at one stride is kept when it agrees with the run at half that stride to this fraction
 #: of the largest state (max-norm), far inside LINEARIZATION_RANGE; else the stride is halved (docs/tuning.md §7).
 REFERENCE_AGREEMENT = 1e-2
-#: A simulated solve stops as diverged when its residual exceeds this multiple of its first
-#: (as :func:`mgrit.solve` reports DIVERGED).
-SIMULATED_DIVERGENCE = 1e3
 
 
 @dataclass(frozen=True, eq=False)
@@ -1017,9 +1021,12 @@ def _simulate(model, sizes, cfs, nrelax, weights, *, reduction, max_iter, skip=T
     iterate left the range of a linearized model: some fine C-point farther
     from the reference state than :data:`LINEARIZATION_RANGE` times the
     largest reference state (in the max-norm). It stops like the solver (the
-    first residual ``<= reduction`` times the first measured one), and also,
-    not converged, when a residual is not finite or exceeds
-    :data:`SIMULATED_DIVERGENCE` times the first, or the iterate leaves that range.
+    first residual ``<= reduction`` times the first measured one, or after
+    ``max_iter`` cycles), and also, not converged, when a residual is not
+    finite or the iterate leaves that range. A residual that grows for a while
+    does not end it: the solver converges through such transients (a growing
+    problem's residual peaked 1e7 times its first and then reached the
+    tolerance in the cycles the theory predicts).
     """
     sim = _SimulatedSolve(model, sizes, cfs, nrelax, weights)
     res, first, converged, left = [], None, False, False
@@ -1043,8 +1050,6 @@ def _simulate(model, sizes, cfs, nrelax, weights, *, reduction, max_iter, skip=T
             first = nr if first is None else first
             if nr <= reduction * first:
                 converged = True
-                break
-            if nr > SIMULATED_DIVERGENCE * first:
                 break
         floor = model.eps * model.norm(sim.u[0][m::m])
     return res, converged, floor, left
@@ -1358,7 +1363,11 @@ class Candidate:
     stable : bool
         Every coarse level's step is stable (docs/tuning.md §3).
     meets_target : bool
-        Stable and ``rate <= target``.
+        Stable, ``rate <= target``, and the predicted cycles after the first
+        measured residual at most the ``ceil(log(reduction) / log(target))``
+        that a factor ``target`` per cycle needs (a setting exact only after
+        many cycles has a rate near 0, yet is slower), also in its simulated
+        solve (``expected_cycles``), which does not diverge.
     note : str
         Why it was rejected, if it was.
     exact : bool
@@ -1403,8 +1412,8 @@ class Candidate:
     @property
     def simulated_divergence(self) -> bool:
         """The simulated solve (``expected``) diverged: it did not reach the tolerance, and its average
-        factor is not below 1 (a residual grew 1000-fold, overflowed, or the iterate left the range of
-        the linearization). Such a setting is never chosen."""
+        factor is not below 1 (its residual grew over the ``max_iter`` cycles, overflowed, or the iterate left
+        the range of the linearization). Such a setting is never chosen."""
         return self.expected is not None and self.expected_cycles is None and not self.expected < 1.0
 
     @property
@@ -1564,9 +1573,10 @@ def _check_propagator(p) -> None:
 
 
 def _check_state(u):
+    """``u`` as the tuner's own state (a copy: the caller's array is never written)."""
     if B.requires_grad(u):
         raise ValueError("`u0` requires grad; pass u0.detach()")
-    u = B.as_state(u)
+    u = B.copy(B.as_state(u))
     if not B.is_torch(u) and u.dtype.kind not in "fc":
         raise TypeError(f"`u0` must be a numeric array, got dtype {u.dtype}")
     if not B.is_torch(u) and u.dtype.itemsize > (16 if u.dtype.kind == "c" else 8):
@@ -1577,6 +1587,12 @@ def _check_state(u):
     if not B.all_finite(u):
         raise ValueError("`u0` contains NaN or Inf")
     return u
+
+
+def _check_keeps_input(propagator, u, t) -> None:
+    """One step from ``u`` (the tuner's copy); a ``ValueError`` as :func:`mgrit.solve` gives when the step
+    changes its input in place (every later analysis would start from the changed state)."""
+    step_keeping_input(propagator, B.copy(u), float(t[0]), float(t[1]))
 
 
 def _check_positive_int(v, name, low):
@@ -1610,6 +1626,26 @@ def _check_fraction(v, name):
     if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not 0.0 < v < 1.0:
         raise ValueError(f"`{name}` must be a number in (0, 1), got {v!r}")
     return float(v)
+
+
+#: The default relative residual reduction of choose_settings and predict_options, by the states' precision:
+#: float64 / complex128, and float32 / complex64 (whose rounding stalls a solve near 1e-7 of its start).
+DEFAULT_REDUCTION = {8: 1e-8, 4: 1e-4}
+
+
+def _reduction(reduction, u0) -> float:
+    """``reduction`` checked against the precision of ``u0``'s states (None: :data:`DEFAULT_REDUCTION`)."""
+    real = _precision(u0)[0]
+    eps = float(np.finfo(real).eps)
+    if reduction is None:
+        return DEFAULT_REDUCTION[np.dtype(real).itemsize]
+    reduction = _check_fraction(reduction, "reduction")
+    if reduction < eps:
+        raise ValueError(f"`reduction`={reduction:g} is below the rounding of {np.dtype(real).name} states "
+                         f"(eps {eps:.2g}): their solves stall at the rounding level before it, and the predicted "
+                         f"cycles would not be met; pass reduction >= {eps:.0e} (None: "
+                         f"{DEFAULT_REDUCTION[np.dtype(real).itemsize]:g}) or float64 states")
+    return reduction
 
 
 def _cf_schedules(cf):
@@ -1960,7 +1996,7 @@ def choose_settings(
     min_coarse: int = 2,
     relax=None,
     c_weights=None,
-    reduction: float = 1e-8,
+    reduction: float | None = None,
     measure: bool = True,
     cost: StepCost | Sequence[StepCost] | None = None,
     latency: float = 0.0,
@@ -2001,7 +2037,8 @@ def choose_settings(
        ``Candidate.expected``, the prediction of the factor a solve measures
        (docs/tuning.md §7). A setting whose simulated solve diverges is not
        chosen; one that needs more cycles than predicted is timed for those.
-    4. **Cost.** The stable candidates with rate ``<= target`` are ranked by
+    4. **Cost.** The stable candidates with rate ``<= target`` (and no more
+       cycles than a factor ``target`` needs) are ranked by
        the critical-path model (:func:`mgrit.model.predict` on ``ranks`` ranks)
        for those cycles (docs/tuning.md §6).
 
@@ -2031,9 +2068,12 @@ def choose_settings(
         ``("F", "FCF", ("F", "FCF"))``.
     c_weights : sequence of float, optional
         C-weights tried when some level relaxes with C-points. Default ``(1.0, 1.3)``.
-    reduction : float
+    reduction : float, optional
         Relative residual reduction the time is predicted for (``tol=reduction,
-        tol_type="rel"`` in :func:`mgrit.solve`).
+        tol_type="rel"`` in :func:`mgrit.solve`). Default 1e-8 for float64 (and
+        complex128) states, 1e-4 for float32 (complex64) ones, whose rounding
+        stalls a solve near 1e-7 of its start; a value below the states'
+        machine epsilon is a ``ValueError``.
     measure : bool
         Time ``step`` and ``step_batch`` for the cost model; False uses unit
         costs (the model time then counts propagator calls).
@@ -2093,6 +2133,7 @@ def choose_settings(
     t = check_time_grid(t)
     n = t.shape[0] - 1
     target = _check_fraction(target, "target")
+    _check_keeps_input(propagator, u0, t)
     _check_positive_int(max_levels, "max_levels", 2)
     _check_positive_int(min_coarse, "min_coarse", 1)
     _check_positive_int(ranks, "ranks", 1)
@@ -2160,7 +2201,7 @@ def predict_options(
     cycle: str = "V",
     target: float = 0.1,
     ranks: int = 1,
-    reduction: float = 1e-8,
+    reduction: float | None = None,
     measure: bool = True,
     cost: StepCost | Sequence[StepCost] | None = None,
     latency: float = 0.0,
@@ -2211,6 +2252,7 @@ def predict_options(
     u0 = _check_state(u0)
     t = check_time_grid(t)
     target = _check_fraction(target, "target")
+    _check_keeps_input(propagator, u0, t)
     _check_positive_int(ranks, "ranks", 1)
     h = build_hierarchy(t, cf=cf, max_levels=max_levels, min_coarse=min_coarse, relax=relax, c_weight=c_weight)
     if len(h) < 2:
@@ -2251,7 +2293,7 @@ class _Analysis:
     def __init__(self, propagator, u0, t, keys, *, reduction, measure, cost, latency, samples, jvp, dense_max,
                  krylov, modes, max_points, seed, ranks, min_coarse, expected=True, max_iter=100,
                  expected_points=16384, skip=True, why_not=None, schedule=None):
-        self.reduction = _check_fraction(reduction, "reduction")
+        self.reduction = _reduction(reduction, u0)
         _check_positive_int(samples, "samples", 1)
         _check_positive_int(max_points, "max_points", 8)
         _check_positive_int(max_iter, "max_iter", 1)
@@ -2300,6 +2342,7 @@ class _Analysis:
         # the affine model of the simulated solves
         self.model, self.model_note = None, why_not or "not requested (expected=False)"
         self._stepping, self._bounded = (propagator, u0), {}  # (coarse runs of _blows_up, by stride)
+        self._is_affine = None  # (_affine: the step checked once)
         if expected and why_not is None:
             n = t.shape[0] - 1
             need = max(int(np.prod(key)) * self.min_coarse for key in keys)
@@ -2350,6 +2393,27 @@ class _Analysis:
             note += f"; about the first {model.n} of {N} intervals"
         return model, note
 
+    def _affine(self) -> bool:
+        """Whether the fine step is affine where the trajectory model was built, so that its linearization
+        holds at any distance from the reference states (checked once): at up to 8 intervals spread over the
+        model, from the reference state plus a random offset of twice :data:`LINEARIZATION_RANGE` times the
+        largest reference state, the step agrees with the model's map ``A x + c`` to ``1000 eps^(2/3)``
+        of the values' size (the central differences' rounding, ``eps`` the states' precision)."""
+        if self._is_affine is None:
+            propagator, u0 = self._stepping
+            A, c = self.model.steps[1]
+            ref, n = self.model.reference, self.model.n
+            ks = np.unique(np.linspace(1, n, min(n, 8)).round().astype(int))
+            size = 2.0 * LINEARIZATION_RANGE * max(float(np.max(np.abs(ref))), 1e-300)
+            X = ref[ks - 1].astype(np.float64) + size * np.random.default_rng(0).uniform(-1.0, 1.0, (ks.size, ref.shape[1]))
+            with np.errstate(all="ignore"):
+                F = _steps(propagator, X, self.t[ks - 1], self.t[ks], u0)
+                P = np.einsum("kij,kj->ki", A[ks].astype(np.float64), X) + c[ks]
+                scale = max(float(np.max(np.abs(F))), float(np.max(np.abs(P))), size)
+                gap = float(np.max(np.abs(F - P)))
+            self._is_affine = bool(math.isfinite(gap) and gap <= 1e3 * self.model.eps ** (2.0 / 3.0) * scale)
+        return self._is_affine
+
     def _blows_up(self, stride: int) -> bool:
         """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up
         (one run per stride, stopped where it blows up; not repeated at smaller strides)."""
@@ -2372,9 +2436,12 @@ class _Analysis:
             sizes.append(sizes[-1] // c)
         if sizes[-1] < 1 or any(st not in self.model.steps for st in np.cumprod((1,) + tuple(key))):
             return None, None, False, ""
-        res, converged, floor, left = _simulate(self.model, sizes, list(key),
-                                                [parse_relax(r) for r in level_relax], [w] * len(key),
-                                                reduction=self.reduction, max_iter=self.max_iter, skip=self.skip)
+        args = (sizes, list(key), [parse_relax(r) for r in level_relax], [w] * len(key))
+        kw = dict(reduction=self.reduction, max_iter=self.max_iter, skip=self.skip)
+        res, converged, floor, left = _simulate(self.model, *args, **kw)
+        if left and self._affine():  # a linear problem: the model holds at any distance (a stretch of large
+            # steps whose coarse step amplifies: the iterate leaves the reference far behind, yet converges)
+            res, converged, floor, left = _simulate(dataclasses.replace(self.model, reference=None), *args, **kw)
         if left:  # the prediction of the nonlinear solve is void: it is expected to diverge when one of its
             # levels' nonlinear coarse runs blows up (Van der Pol's large RK4 steps); when they all stay bounded
             # the linearization failed, not the solve (Lorenz over 20 time units: its errors grow like
@@ -2396,6 +2463,12 @@ class _Analysis:
                                                       self.min_coarse, self.reduction)
         exp, exp_cycles, at_floor, unmodelled = self._expected(key, level_relax, w)
         cycles = None if q is None else (2 if self.skip else 1) + q  # (without skip the first cycle measures)
+        # a factor `target` every cycle reduces by `reduction` in q_target cycles; a setting exact only after
+        # more (its P^q is 0 while the cycles before it reduce slowly) has a rate near 0 but is not faster
+        q_target = max(1, math.ceil(math.log(self.reduction) / math.log(target) - 1e-12))
+        first = 2 if self.skip else 1  # the cycle that measures the first residual
+        slow = q is not None and q > q_target
+        sim_slow = exp_cycles is not None and exp_cycles - first > q_target  # (the simulated solve sees more)
         if stable and cycles is None:
             note = "; ".join(x for x in ("does not converge (predicted)", note) if x)
         elif stable and exp is not None and exp_cycles is None:
@@ -2404,6 +2477,10 @@ class _Analysis:
             note = "; ".join(x for x in (f"{why} (simulated solve)", note) if x)
         elif stable and rate > target:
             note = "; ".join(x for x in (f"rate above target {target:g}", note) if x)
+        elif stable and (slow or sim_slow):
+            need, how = (q, "") if slow else (exp_cycles - first, " (simulated solve)")
+            note = "; ".join(x for x in (f"needs {need} cycles to reduce the residual by {self.reduction:g}{how}, "
+                                         f"a factor {target:g} needs {q_target}", note) if x)
         if unmodelled:
             note = "; ".join(x for x in (note, f"{unmodelled} (simulated solve)") if x)
         tm = math.inf
@@ -2415,7 +2492,7 @@ class _Analysis:
                                     converged=n < self.max_iter)
         c = Candidate(tuple(key), L, tuple(level_relax), float(w), self.min_coarse, fac, rate, cycles, tm,
                       stable, False, note, exact, exp, exp_cycles, at_floor)
-        meets = stable and rate <= target and not c.simulated_divergence
+        meets = stable and rate <= target and not slow and not sim_slow and not c.simulated_divergence
         return dataclasses.replace(c, meets_target=meets)
 
     def settings(self, choice, cands, target, meets) -> Settings:

@@ -726,3 +726,100 @@ def test_a_chaotic_problem_is_not_refused_for_its_linearization():
     picks = {cfs: [c for c in mgrit.choose_settings(Lorenz(), u0, short, cf=cfs, **FAST).candidates
                    if c.describe() == "cf 2, 2 levels, F"][0] for cfs in ((2,), (2, 4, 8, 16))}
     assert picks[(2,)].expected == picks[(2, 4, 8, 16)].expected < 1.0
+
+
+# From a hostile review of choose_settings
+def _burst_grid():
+    dts = np.full(512, 0.05)
+    dts[320:384] = 0.9  # forward Euler on u' = -u: fine factors 0.95 and 0.1, a cf-4 coarse step -2.6
+    return np.concatenate([[0.0], np.cumsum(dts)])
+
+
+def test_an_affine_step_is_simulated_where_its_iterate_strays():
+    """A linear problem whose coarse steps amplify on a stretch of large steps: the simulated solve left the
+    reference trajectory and was "not modelled"; cf 4 F was chosen at 9 predicted cycles and took 30. The
+    linearization of an affine step holds everywhere: every simulated solve now gives the solver's cycles."""
+    from propagators import Dahlquist
+
+    p, u0, t = Dahlquist(-1.0, "fe"), np.ones(1), _burst_grid()
+    s = mgrit.choose_settings(p, u0, t, measure=False)
+    for c in s.candidates[:6]:
+        r = mgrit.solve(p, u0, t, tol=s.reduction, tol_type="rel", max_iter=100, **c.options)
+        assert c.expected_cycles == r.iterations, c.describe()
+    r = mgrit.solve(p, u0, t, tol=s.reduction, tol_type="rel", max_iter=100, **s.options)
+    assert r.iterations <= s.predicted_cycles + 1 and s.meets_target
+
+
+def test_transient_growth_is_not_simulated_divergence():
+    """u' = 2u: cf 16 and cf 8 FCF peak at 1e7 and 3.2e3 times their first residual and converge in 6 and 10
+    cycles; the simulated solve stopped at 1e3 times the first and called them diverging (never chosen)."""
+    from propagators import Dahlquist
+
+    p, u0, t = Dahlquist(2.0, "be"), np.ones(1), np.linspace(0, 10, 129)
+    s = mgrit.choose_settings(p, u0, t, measure=False)
+    seen = 0
+    for c in s.candidates:
+        if c.describe() in ("cf 16, 2 levels, FCF", "cf 8, 2 levels, FCF"):
+            r = mgrit.solve(p, u0, t, tol=s.reduction, tol_type="rel", **c.options)
+            assert r.converged and not c.simulated_divergence and c.expected_cycles == r.iterations
+            seen += 1
+    assert seen == 2
+
+
+def test_a_setting_exact_only_after_many_cycles_does_not_meet_the_target():
+    """u' = 3i u, backward Euler: cf 16 on 3 levels has ||P^16|| = 0, so rate 0, and met target 0.1 while its
+    solve measured 0.27 over 17 cycles. Meeting the target now also means no more cycles than a factor 0.1
+    needs: ceil(log 1e-8 / log 0.1) = 8 after the first measured residual."""
+    from propagators import Dahlquist
+
+    p, u0, t = Dahlquist(3j, "be"), np.ones(1, complex), np.linspace(0, 10, 513)
+    s = mgrit.choose_settings(p, u0, t, target=0.1, measure=False)
+    c = next(c for c in s.candidates if c.describe() == "cf 16, 3 levels, FCF")
+    assert c.rate == 0.0 and c.cycles - 2 > 8 and not c.meets_target and "a factor 0.1 needs 8" in c.note
+    assert all(c.cycles - 2 <= 8 and c.expected_cycles - 2 <= 8 for c in s.candidates if c.meets_target)
+
+
+def test_float32_states_default_to_a_reduction_they_resolve():
+    """float32 with the default 1e-8: predicted 9 cycles, while the simulated solve stalled at the rounding
+    level and the real one took 33. The default is 1e-4 for single precision; below eps is refused."""
+    from propagators import Dahlquist
+
+    p, t = Dahlquist(-1.0, "be"), np.linspace(0, 10, 257)
+    s = mgrit.choose_settings(p, np.ones(1, np.float32), t, measure=False)
+    assert s.reduction == 1e-4
+    r = mgrit.solve(p, np.ones(1, np.float32), t, tol=s.reduction, tol_type="rel", **s.options)
+    assert r.converged and r.iterations == s.expected_cycles <= s.predicted_cycles
+    assert mgrit.choose_settings(p, np.ones(1), t, measure=False).reduction == 1e-8
+    with pytest.raises(ValueError, match="below the rounding of float32 states"):
+        mgrit.choose_settings(p, np.ones(1, np.float32), t, measure=False, reduction=1e-8)
+    with pytest.raises(ValueError, match="below the rounding of float32 states"):
+        mgrit.tune.predict_options(p, np.ones(1, np.float32), t, cf=4, measure=False, reduction=1e-8)
+
+
+class _InPlace(mgrit.Propagator):
+    def step(self, u, t0, t1):
+        u *= 1.0 / (1.0 + (t1 - t0))
+        return u
+
+
+@pytest.mark.parametrize("call", ["choose_settings", "predict_options", "step_spectrum", "jacobian"])
+def test_a_step_that_writes_into_its_input_is_refused_and_u0_kept(call):
+    """choose_settings returned normally with a step doing `u *= ...`, and the caller's u0 went from 1 to
+    1.7e-4 (mgrit.solve refuses that propagator)."""
+    u0, t = np.ones(2), np.linspace(0, 10, 257)
+    fn = {"choose_settings": lambda: mgrit.choose_settings(_InPlace(), u0, t, measure=False),
+          "predict_options": lambda: mgrit.tune.predict_options(_InPlace(), u0, t, cf=4, measure=False),
+          "step_spectrum": lambda: mgrit.tune.step_spectrum(_InPlace(), u0, t),
+          "jacobian": lambda: mgrit.tune.jacobian(_InPlace(), u0, 0.0, 0.1)}[call]
+    with pytest.raises(ValueError, match="changed its input state in place"):
+        fn()
+    assert np.array_equal(u0, np.ones(2))
+
+
+def test_a_nan_along_the_run_names_where():
+    class NanAt(mgrit.Propagator):
+        def step(self, u, t0, t1):
+            return u * np.nan if 0.5 <= t0 < 0.52 else u * 0.9
+
+    with pytest.raises(FloatingPointError, match=r"from t = 0.5 to 0.515625 \(points 32 and 33 of `t`\)"):
+        mgrit.choose_settings(NanAt(), np.ones(2), np.linspace(0, 1, 65), measure=False)
