@@ -13,11 +13,11 @@ from .spatial import SpatialTransfer
 from . import model, partition, theory
 from .tune import Settings, choose_settings
 
-try:  # the installed distribution's version (pyproject.toml is the one source)
-    from importlib.metadata import PackageNotFoundError, version as _version
+import importlib.metadata as _metadata
 
-    __version__ = _version("mgrit")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree that is not installed
+try:  # the installed distribution's version (pyproject.toml is the one source)
+    __version__ = _metadata.version("mgrit")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree that is not installed
     __version__ = "0+unknown"
 
 __all__ = [

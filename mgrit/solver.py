@@ -194,7 +194,7 @@ def solve(
         Called after every cycle with an :class:`IterationInfo` (once for a
         one-level solve, the sequential stepping, with residual None;
         ``Result.residuals`` stays empty there).
-    comm : None, mpi4py communicator or Communicator
+    comm : None, mpi4py communicator, torch.distributed group or Communicator
         Split the time axis over the ranks of this communicator; None runs
         serially. The call is collective: every rank passes the same grid,
         hierarchy and stopping rule (checked). Rank ``p`` owns a contiguous

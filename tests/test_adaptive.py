@@ -264,3 +264,48 @@ def test_switch_rule_threshold_accepts_numbers():
 
     for t in (0, 0.5, np.float32(0.5), float("inf"), -1.0):  # (negative: fires at every measurement)
         assert SwitchRule(threshold=t).threshold == t
+
+
+# From a new user's review of the README: the cycle caps were fixed when the block was built
+@pytest.mark.parametrize("cls", ["lp", "gru"])
+def test_a_tolerance_set_after_construction_gets_the_tolerance_cap(cls):
+    """`lp.fwd_tol = 1e-10` on a block built without one ran 2 cycles (and warned to raise a cap never given);
+    `fwd_tol = None` on a block built with one kept the cap of 100. A cap left unset follows its tolerance."""
+    import pickle
+    import warnings
+
+    import numpy as np
+
+    from propagators.torch import ParallelGRU
+    from propagators.torch.module import TOL_ITERS
+
+    torch.manual_seed(0)
+    if cls == "lp":
+        block = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                              max_levels=3).double()
+        x = torch.randn(3, 4, dtype=torch.float64)
+    else:
+        block = ParallelGRU(3, 4, cf=2, max_levels=3).double()
+        x = torch.randn(2, 16, 3, dtype=torch.float64)
+    assert (block.fwd_iters, block.bwd_iters) == (2, 1)
+    block.fwd_tol, block.bwd_tol = 1e-12, 1e-12
+    assert (block.fwd_iters, block.bwd_iters) == (TOL_ITERS, TOL_ITERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # converged: no ConvergenceWarning
+        out = block(x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    if cls == "lp":
+        serial = block.to_serial()
+        np.testing.assert_allclose(out.detach(), serial(x).detach(), rtol=0, atol=1e-10)
+    block.fwd_tol = None
+    assert block.fwd_iters == 2 and block.bwd_iters == TOL_ITERS
+    block.fwd_iters = 5  # given: kept whatever the tolerance
+    block.fwd_tol = 1e-9
+    assert block.fwd_iters == 5
+    block.fwd_iters = None  # the default again
+    assert block.fwd_iters == TOL_ITERS
+    for name, bad in (("fwd_tol", -1.0), ("bwd_tol", "x"), ("fwd_iters", 0), ("bwd_iters", 1.5)):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            setattr(block, name, bad)
+    copy_ = pickle.loads(pickle.dumps(block))
+    assert (copy_.fwd_iters, copy_.bwd_iters, copy_.fwd_tol, copy_.bwd_tol) == (TOL_ITERS, TOL_ITERS, 1e-9, 1e-12)

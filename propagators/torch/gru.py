@@ -224,7 +224,7 @@ class ParallelGRU(_ParallelRNN):
         False: ``forward`` returns ``(None, h_n)``; on several ranks the last
         layer's output sequence is then never gathered (only ``h_n`` is
         broadcast), the cheap path for classifiers of the last hidden state.
-    comm : None, mpi4py communicator or mgrit.Communicator
+    comm : None, mpi4py communicator, torch.distributed group or mgrit.Communicator
         Splits the sequence positions over its ranks. Every rank passes the
         same input and gets the same output, ``h_n`` and gradients (each rank
         keeps a full copy of the weights; the weight gradients are summed over

@@ -614,7 +614,54 @@ def _layer_key_order(key: str) -> tuple:
     return 1, 0, key
 
 
-class LayerParallel(nn.Module):
+def _iterations(value, name: str):
+    """A solve's cycles as given: None (the default, see :class:`_SolveCycles`) or an integer >= 1."""
+    if value is None:
+        return None
+    check_integer(value, name, 1)
+    return int(value)
+
+
+class _SolveCycles:
+    """``fwd_iters`` / ``bwd_iters`` / ``fwd_tol`` / ``bwd_tol`` of a block (LayerParallel, ParallelGRU,
+    ParallelLSTM), checked whenever they are set, at construction or later. A cycle count left at None (or
+    set to None) follows its direction's tolerance: 2 forward / 1 adjoint cycles without one, at most
+    :data:`TOL_ITERS` with one, also when the tolerance is set or removed after construction (the cap was
+    fixed at construction: a tolerance set later ran 2 cycles and warned to raise a cap never given)."""
+
+    _DEFAULT_CYCLES = {"fwd": 2, "bwd": 1}
+
+    def _init_cycles(self, fwd_iters, bwd_iters, fwd_tol, bwd_tol) -> None:
+        self._given_iters = {"fwd": _iterations(fwd_iters, "fwd_iters"), "bwd": _iterations(bwd_iters, "bwd_iters")}
+        self._tols = {"fwd": _tolerance(fwd_tol, "fwd_tol"), "bwd": _tolerance(bwd_tol, "bwd_tol")}
+
+    def _cycles(self, d: str) -> int:
+        n = self._given_iters[d]
+        if n is not None:
+            return n
+        return self._DEFAULT_CYCLES[d] if self._tols[d] is None else TOL_ITERS
+
+    def __setstate__(self, state):  # (a block pickled before these were properties)
+        if "_tols" not in state and "fwd_tol" in state:
+            state["_given_iters"] = {"fwd": state.pop("fwd_iters"), "bwd": state.pop("bwd_iters")}
+            state["_tols"] = {"fwd": state.pop("fwd_tol"), "bwd": state.pop("bwd_tol")}
+        super().__setstate__(state)
+
+    fwd_iters = property(lambda self: self._cycles("fwd"),
+                         lambda self, v: self._given_iters.__setitem__("fwd", _iterations(v, "fwd_iters")),
+                         doc="Cycles of the forward solve (its cap with a tolerance); None restores the default.")
+    bwd_iters = property(lambda self: self._cycles("bwd"),
+                         lambda self, v: self._given_iters.__setitem__("bwd", _iterations(v, "bwd_iters")),
+                         doc="Cycles of the adjoint solve (its cap with a tolerance); None restores the default.")
+    fwd_tol = property(lambda self: self._tols["fwd"],
+                       lambda self, v: self._tols.__setitem__("fwd", _tolerance(v, "fwd_tol")),
+                       doc="Residual tolerance of the forward solve (None: run fwd_iters cycles).")
+    bwd_tol = property(lambda self: self._tols["bwd"],
+                       lambda self, v: self._tols.__setitem__("bwd", _tolerance(v, "bwd_tol")),
+                       doc="Residual tolerance of the adjoint solve (None: run bwd_iters cycles).")
+
+
+class LayerParallel(_SolveCycles, nn.Module):
     """A stack of residual layers evaluated by MGRIT, forward and backward.
 
     ``y = model(x)`` solves ``u_i = scheme(f_i, u_{i-1}, h)``, ``u_0 = x`` over
@@ -678,9 +725,9 @@ class LayerParallel(nn.Module):
         Batch interchangeable layers (dense fast path or vmap).
     streams : int
         CUDA streams for layers that are looped on a GPU.
-    comm : None, mpi4py communicator or mgrit.Communicator
+    comm : None, mpi4py communicator, torch.distributed group or mgrit.Communicator
         The layer communicator: distributes the layers over its ranks.
-    data_comm : None, mpi4py communicator or mgrit.Communicator
+    data_comm : None, mpi4py communicator, torch.distributed group or mgrit.Communicator
         The data communicator of layer x data parallelism: a failure of this
         module is announced on it, so that the data peers waiting in
         :func:`allreduce_gradients` raise instead of hanging.
@@ -741,9 +788,7 @@ class LayerParallel(nn.Module):
             self._h = self._T / N
             self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
                                 relax=frozen_per_level(relax), cycle=cycle)
-            self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
-            self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-            self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
+            self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             if tol_type not in ("abs", "rel"):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
             self.tol_type = tol_type
@@ -1811,15 +1856,6 @@ def _tolerance(value, name: str):
                               or not value >= 0):
         raise ValueError(f"`{name}` must be a number >= 0 or None (a tolerance of the residual), got {value!r}")
     return value if value is None else float(value)
-
-
-def _iterations(value, tol, default: int, name: str) -> int:
-    """The cycles of a solve: ``value``; when None, ``default`` without a tolerance and at most
-    :data:`TOL_ITERS` with one (a tolerance capped at the few cycles of training would rarely be met)."""
-    if value is None:
-        return default if tol is None else TOL_ITERS
-    check_integer(value, name, 1)
-    return int(value)
 
 
 def _rounding(dtype) -> str:

@@ -33,7 +33,7 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_pe
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
                      _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active,
-                     _input_sums, _iterations, _nan_like, _no_transforms, _tolerance, _uids, _warn_solve)
+                     _input_sums, _nan_like, _no_transforms, _SolveCycles, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -272,7 +272,7 @@ def _layer_adjoint(ctx, g_out, g_hL):
     return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
 
 
-class _ParallelRNN(nn.Module):
+class _ParallelRNN(_SolveCycles, nn.Module):
     """A multi-layer recurrent module whose recursion over the sequence is solved by MGRIT.
 
     The shared part of :class:`~propagators.torch.ParallelGRU` and
@@ -334,9 +334,7 @@ class _ParallelRNN(nn.Module):
             self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
                                 relax=frozen_per_level(relax))
             self.cycle, self.coarse = cycle, coarse
-            self.fwd_iters = _iterations(fwd_iters, fwd_tol, 2, "fwd_iters")
-            self.bwd_iters = _iterations(bwd_iters, bwd_tol, 1, "bwd_iters")
-            self.fwd_tol, self.bwd_tol = _tolerance(fwd_tol, "fwd_tol"), _tolerance(bwd_tol, "bwd_tol")
+            self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             self.tol_type = tol_type
             self.skip, self.exact_eval = check_flag(skip, "skip"), check_flag(exact_eval, "exact_eval")
             self.return_sequence = check_flag(return_sequence, "return_sequence")

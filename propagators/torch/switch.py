@@ -108,6 +108,7 @@ class Switchable(nn.Module):
         self.lp = lp
         self._mode = "parallel"
         self._saved: tuple | None = None
+        self._saved_given: tuple | None = None  # (the cycles as given: None follows the tolerance)
 
     @property
     def ranks(self) -> int:
@@ -133,10 +134,13 @@ class Switchable(nn.Module):
         if self.ranks > 1:  # several ranks: "serial" is a converged solve
             if mode == "serial":
                 self._saved = (lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type)
+                self._saved_given = (dict(lp._given_iters), dict(lp._tols))
                 n = self.exact_iterations
                 lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol = n, n, None, None
             else:
                 lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type = self._saved
+                if self._saved_given is not None and self._saved_given[1] == lp._tols:  # (as given before)
+                    lp._given_iters = dict(self._saved_given[0])
         self._mode = mode
 
     @contextlib.contextmanager
