@@ -1026,16 +1026,20 @@ def _simulate(model, sizes, cfs, nrelax, weights, *, reduction, max_iter, skip=T
     finite or the iterate leaves that range. A residual that grows for a while
     does not end it: the solver converges through such transients (a growing
     problem's residual peaked 1e7 times its first and then reached the
-    tolerance in the cycles the theory predicts).
+    tolerance in the cycles the theory predicts), unless it exceeds
+    ``reduction / eps`` times the first: the rounding of states that large
+    exceeds the tolerance. Also returns the largest value the iterate held on
+    any level (``peak``: where an affine step's model was used).
     """
     sim = _SimulatedSolve(model, sizes, cfs, nrelax, weights)
-    res, first, converged, left = [], None, False, False
+    res, first, converged, left, peak = [], None, False, False, 0.0
     m = cfs[0]
     ref = None if model.reference is None else model.reference[m : sizes[0] + 1 : m]
     reach = None if ref is None else LINEARIZATION_RANGE * max(float(np.max(np.abs(model.reference))), 1e-300)
     with np.errstate(all="ignore"):  # a diverging model overflows: its residual is then not finite
         for k in range(max_iter):
             r = sim.cycle(0, skip and k == 0)
+            peak = max([peak] + [float(np.max(np.abs(u), initial=0.0)) for u in sim.u if u is not None])
             if ref is not None and not float(np.max(np.abs(sim.u[0][m::m] - ref), initial=0.0)) <= reach:
                 res.append(None if r is None else model.norm(r))
                 left = True
@@ -1051,8 +1055,10 @@ def _simulate(model, sizes, cfs, nrelax, weights, *, reduction, max_iter, skip=T
             if nr <= reduction * first:
                 converged = True
                 break
+            if nr > reduction / model.eps * first:
+                break
         floor = model.eps * model.norm(sim.u[0][m::m])
-    return res, converged, floor, left
+    return res, converged, floor, left, peak
 
 
 def average_factor(residuals) -> float:
@@ -1579,6 +1585,13 @@ def _check_state(u):
     u = B.copy(B.as_state(u))
     if not B.is_torch(u) and u.dtype.kind not in "fc":
         raise TypeError(f"`u0` must be a numeric array, got dtype {u.dtype}")
+    half = (str(u.dtype) in ("torch.float16", "torch.bfloat16", "torch.complex32") if B.is_torch(u)
+            else u.dtype.kind in "fc" and u.dtype.itemsize < (8 if u.dtype.kind == "c" else 4))
+    if half:
+        raise TypeError(f"`u0` is {str(u.dtype).replace('torch.', '')}: half precision resolves a residual only to "
+                        "about 1e-3 of its start and the spectra need float32 or float64 (numpy.linalg): tune with "
+                        "float32 or float64 states (u0.float(), u0.astype(np.float32)); the settings carry over to "
+                        "a solve in half precision, given a tolerance above its rounding (about 1e-3 relative)")
     if not B.is_torch(u) and u.dtype.itemsize > (16 if u.dtype.kind == "c" else 8):
         raise TypeError(f"`u0` is {u.dtype}, which numpy.linalg (the spectra) does not support: tune with "
                         "u0.astype(np.float64) (or complex128); the solve itself takes it")
@@ -2342,7 +2355,7 @@ class _Analysis:
         # the affine model of the simulated solves
         self.model, self.model_note = None, why_not or "not requested (expected=False)"
         self._stepping, self._bounded = (propagator, u0), {}  # (coarse runs of _blows_up, by stride)
-        self._is_affine = None  # (_affine: the step checked once)
+        self._affine_ok, self._affine_bad = 0.0, math.inf  # (_affine: sizes checked, passed and failed)
         if expected and why_not is None:
             n = t.shape[0] - 1
             need = max(int(np.prod(key)) * self.min_coarse for key in keys)
@@ -2393,26 +2406,32 @@ class _Analysis:
             note += f"; about the first {model.n} of {N} intervals"
         return model, note
 
-    def _affine(self) -> bool:
-        """Whether the fine step is affine where the trajectory model was built, so that its linearization
-        holds at any distance from the reference states (checked once): at up to 8 intervals spread over the
-        model, from the reference state plus a random offset of twice :data:`LINEARIZATION_RANGE` times the
-        largest reference state, the step agrees with the model's map ``A x + c`` to ``1000 eps^(2/3)``
-        of the values' size (the central differences' rounding, ``eps`` the states' precision)."""
-        if self._is_affine is None:
-            propagator, u0 = self._stepping
-            A, c = self.model.steps[1]
-            ref, n = self.model.reference, self.model.n
-            ks = np.unique(np.linspace(1, n, min(n, 8)).round().astype(int))
-            size = 2.0 * LINEARIZATION_RANGE * max(float(np.max(np.abs(ref))), 1e-300)
-            X = ref[ks - 1].astype(np.float64) + size * np.random.default_rng(0).uniform(-1.0, 1.0, (ks.size, ref.shape[1]))
-            with np.errstate(all="ignore"):
-                F = _steps(propagator, X, self.t[ks - 1], self.t[ks], u0)
-                P = np.einsum("kij,kj->ki", A[ks].astype(np.float64), X) + c[ks]
-                scale = max(float(np.max(np.abs(F))), float(np.max(np.abs(P))), size)
-                gap = float(np.max(np.abs(F - P)))
-            self._is_affine = bool(math.isfinite(gap) and gap <= 1e3 * self.model.eps ** (2.0 / 3.0) * scale)
-        return self._is_affine
+    def _affine(self, size: float) -> bool:
+        """Whether the fine step agrees with the trajectory model's affine maps ``A x + c`` on states of values
+        up to ``size`` (the largest value a simulated iterate held), so that a simulated solve whose iterate
+        strayed from the reference states may be trusted: at 32 random states with entries in
+        ``[-1.5 size, 1.5 size]``, 4 at each of 8 intervals spread over the model, to ``1000 eps^(2/3)`` of the
+        values' size (central differences' rounding; ``eps`` the states' precision). A heuristic: a step that
+        is nonlinear only in directions or intervals it does not sample passes."""
+        if self._affine_ok >= size:
+            return True
+        if self._affine_bad <= size:
+            return False
+        propagator, u0 = self._stepping
+        A, c = self.model.steps[1]
+        n, d = self.model.n, self.model.reference.shape[1]
+        ks = np.repeat(np.unique(np.linspace(1, n, min(n, 8)).round().astype(int)), 4)
+        X = 1.5 * size * np.random.default_rng(0).uniform(-1.0, 1.0, (ks.size, d))
+        with np.errstate(all="ignore"):
+            F = _steps(propagator, X, self.t[ks - 1], self.t[ks], u0)
+            P = np.einsum("kij,kj->ki", A[ks].astype(np.float64), X) + c[ks]
+            scale = max(float(np.max(np.abs(F))), float(np.max(np.abs(P))), 1.5 * size)
+            gap = float(np.max(np.abs(F - P)))
+        if math.isfinite(gap) and gap <= 1e3 * self.model.eps ** (2.0 / 3.0) * scale:
+            self._affine_ok = size
+            return True
+        self._affine_bad = size
+        return False
 
     def _blows_up(self, stride: int) -> bool:
         """Whether the sequential run over every ``stride``-th point (the steps of a coarse level) blows up
@@ -2422,7 +2441,7 @@ class _Analysis:
             self._bounded[stride] = len(states) == len(idx)
         return not self._bounded[stride]
 
-    def _expected(self, key, level_relax, w):
+    def _expected(self, key, level_relax, w, stable=True):
         """``(expected factor, cycles, at the rounding level, why not modelled)`` of the simulated solve of
         one candidate, or ``(None, None, False, why)``."""
         if self.model is None:
@@ -2438,10 +2457,13 @@ class _Analysis:
             return None, None, False, ""
         args = (sizes, list(key), [parse_relax(r) for r in level_relax], [w] * len(key))
         kw = dict(reduction=self.reduction, max_iter=self.max_iter, skip=self.skip)
-        res, converged, floor, left = _simulate(self.model, *args, **kw)
-        if left and self._affine():  # a linear problem: the model holds at any distance (a stretch of large
-            # steps whose coarse step amplifies: the iterate leaves the reference far behind, yet converges)
-            res, converged, floor, left = _simulate(dataclasses.replace(self.model, reference=None), *args, **kw)
+        res, converged, floor, left, _ = _simulate(self.model, *args, **kw)
+        if left and stable:  # an affine step's model holds at any distance (a stretch of large steps whose
+            # coarse step amplifies: the iterate leaves the reference far behind, yet converges): simulated on
+            # without the reference, kept where the step agrees with the model as far as the iterate went
+            again = _simulate(dataclasses.replace(self.model, reference=None), *args, **kw)
+            if self._affine(again[4]):
+                res, converged, floor, left = again[:4]
         if left:  # the prediction of the nonlinear solve is void: it is expected to diverge when one of its
             # levels' nonlinear coarse runs blows up (Van der Pol's large RK4 steps); when they all stay bounded
             # the linearization failed, not the solve (Lorenz over 20 time units: its errors grow like
@@ -2461,7 +2483,7 @@ class _Analysis:
         stable, note, fac, q, rate, exact = _evaluate(self.all_modes, self.col, sizes, list(key),
                                                       list(level_relax), w, self.modes, self.max_points,
                                                       self.min_coarse, self.reduction)
-        exp, exp_cycles, at_floor, unmodelled = self._expected(key, level_relax, w)
+        exp, exp_cycles, at_floor, unmodelled = self._expected(key, level_relax, w, stable)
         cycles = None if q is None else (2 if self.skip else 1) + q  # (without skip the first cycle measures)
         # a factor `target` every cycle reduces by `reduction` in q_target cycles; a setting exact only after
         # more (its P^q is 0 while the cycles before it reduce slowly) has a rate near 0 but is not faster

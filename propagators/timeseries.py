@@ -138,7 +138,7 @@ def _parse_values(text: str, timestamps: bool, where: str) -> list:
     out = []
     for item in items:
         s = item.strip()
-        if s in ("?", "") or s.lower() == "nan":
+        if s in ("?", "") or s.lower().lstrip("+-") == "nan":  # (C's printf writes a negative NaN "-nan")
             out.append(math.nan)
             continue
         try:
@@ -238,7 +238,9 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
         the line. Also: a series longer than ``length``, a
         ``length`` that is not a whole number >= 1, a ``dtype`` that is not a
         floating type. A trailing comma after a channel's last value is read
-        as the end of the list, and a UTF-8 byte-order mark is skipped.
+        as the end of the list, a ':' after an unlabelled case's last channel
+        as the end of the case (aeon writes them so), and a UTF-8 byte-order
+        mark is skipped.
     """
     if pad not in PADS:
         raise ValueError(f"`pad` must be one of {PADS}, got {pad!r}")
@@ -283,7 +285,7 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                     raise ValueError(f"{where}: expected a header tag (@...) or @data before the cases, "
                                      f"got {line[:40]!r}")
                 tag, value = (line[1:].split(None, 1) + [""])[:2]  # tag, then any whitespace
-                tag = tag.lower()
+                tag = tag.lower().replace("_", "")  # (older writers spell @class_label, @target_label)
                 if tag == "data":
                     in_data = True
                     timestamps = _flag(header.get("timestamps", "false"), "timeStamps", where)
@@ -319,10 +321,8 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                 if regression:
                     label = _target(label, where)
                 labels.append(label)
-            elif len(fields) > 1 and not fields[-1].strip():
-                raise ValueError(f"{where}: the case ends with ':', an empty last channel; if it holds a label, "
-                                 "the header must say so (@classLabel true, or @targetLabel true); a missing "
-                                 "value is written '?'")
+            elif len(fields) > 1 and not fields[-1].strip():  # "1,2:3,4:" ends the case (aeon writes unlabelled
+                fields.pop()                                        # cases so): it adds no empty channel
             if timestamps:  # a ':' may also appear inside a timestamp: rejoin and split between pairs
                 joined = ":".join(fields)
                 fields = re.split(r"(?<=\)):(?=\s*\()", joined) if joined else []

@@ -252,7 +252,6 @@ def test_dtype_must_be_floating(tmp_path, dtype):
     ("@problemName x\n@data\n1,2,3:4,5,6:1\n1,2,3:4,5,6:2\n", "neither @classLabel nor @targetLabel"),
     ("@classLabel true\n@targetLabel true\n@data\n1,2:3\n", "both @classLabel and @targetLabel"),
     ("@classLabel true\n@data\n3,4:a\n3,4:\n", "line 4: the case has an empty label"),  # was a class ''
-    ("@classLabel false\n@data\n1,2:3,4:\n", "line 3: the case ends with ':'"),  # was an all-zero channel
     ("@targetLabel true\n@data\n1,2:0.5\n1,2:nan\n", "line 4: @targetLabel is true but the target 'nan'"),
     ("@targetLabel true\n@data\n1,2:?\n", "line 3: @targetLabel is true but the target '\\?'"),
     ("@targetLabel true\n@data\n1,2:x\n", "line 3: @targetLabel is true but the target 'x'"),
@@ -304,3 +303,22 @@ def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
     p.write_bytes("@classLabel false\n@data\n1,2\n".encode("utf-16"))
     with pytest.raises(ValueError, match="latin.ts, line 1: not UTF-8 text"):
         load_ts(p)
+
+
+def test_unlabelled_cases_that_end_with_a_colon_as_aeon_writes_them(tmp_path):
+    """aeon's writer ends every unlabelled case with ':' (and writes @targetlabel false); the empty field added
+    an all-zero channel before, and the first fix refused the file. '-nan' is a missing value like 'nan';
+    @class_label is @classLabel."""
+    text = "@problemName x\n@univariate false\n@targetlabel false\n@data\n1,2,3:4,5,6:\n7,8,9:1,2,-nan:\n"
+    ds = load_ts(write(tmp_path, text), missing=None)
+    assert ds.X.shape == (2, 2, 3) and ds.y is None
+    np.testing.assert_array_equal(ds.X[0], [[1, 2, 3], [4, 5, 6]])
+    assert math.isnan(ds.X[1, 1, 2])
+    ds = load_ts(write(tmp_path, "@dimensions 2\n@class_label false\n@data\n1,2:3,4:\n", "u.ts"))
+    assert ds.X.shape == (1, 2, 2) and ds.y is None
+    aeon = pytest.importorskip("aeon.datasets")
+    X = np.arange(12.0).reshape(2, 2, 3)
+    aeon.save_to_ts_file(X, None, path=str(tmp_path), problem_name="w")
+    written = sorted(tmp_path.rglob("w*.ts"))
+    assert written
+    np.testing.assert_array_equal(load_ts(written[0]).X, X)
