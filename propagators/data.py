@@ -96,8 +96,9 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
     """scikit-learn's 8 x 8 digits, standardised, split into train and test sets.
 
     Returns ``(X_train, y_train, X_test, y_test)`` as numpy arrays (float32, int64).
-    Each pixel is centred and scaled by its mean and standard deviation over
-    the training set (a pixel constant there is only centred). The split is
+    Each pixel is centred by its mean over the training set and divided by
+    its standard deviation there plus 1e-3 (a pixel constant there is only
+    centred). The split is
     stratified and fixed by ``seed``; ``test_fraction`` lies in
     [0, 1) (0: every sample in the training set, an empty test set); every
     class keeps at least one training sample.
@@ -116,6 +117,6 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
         idx = rng.permutation(np.flatnonzero(y == c))
         test[idx[: min(int(round(test_fraction * len(idx))), len(idx) - 1)]] = True  # one sample per class trains
     mean, std = X[~test].mean(0), X[~test].std(0)
-    std[std == 0] = 1.0  # a pixel constant over the training set is only centred (dividing by ~0 blew a
-    X = (X - mean) / std  # test image's stray value up 1000-fold)
+    scale = np.where(std == 0, np.float32(1.0), std + np.float32(1e-3))  # a pixel constant over the training set
+    X = (X - mean) / scale  # is only centred (std + 1e-3 blew a test image's stray value there up 1000-fold)
     return X[~test], y[~test], X[test], y[test]

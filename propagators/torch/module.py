@@ -1912,8 +1912,8 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     if max(first, last) <= _rounding_floor(seen, dtype, like):
         return  # from and to the rounding of the states (a warm start on the same batch): no progress to make
     warnings.warn(
-        f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} to {last:.3e} in "
-        f"{res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "
+        f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} (the first measured) to "
+        f"{last:.3e} (of the output it returned) in {res.iterations} cycle(s). Its output and gradients may be far from the serial network's: raise "
         f"`{iters}`, set a tolerance, use relax='FCF' or fewer levels (mgrit.choose_settings picks them), "
         "or let propagators.torch.SerialSwitch manage the cycles; a residual that stays where it started can "
         "also be the rounding of much larger states between the input and the output (then compute in "
