@@ -309,3 +309,47 @@ def test_a_tolerance_set_after_construction_gets_the_tolerance_cap(cls):
             setattr(block, name, bad)
     copy_ = pickle.loads(pickle.dumps(block))
     assert (copy_.fwd_iters, copy_.bwd_iters, copy_.fwd_tol, copy_.bwd_tol) == (TOL_ITERS, TOL_ITERS, 1e-9, 1e-12)
+
+
+def test_cycle_settings_of_copies_pickles_and_switch_checkpoints_follow_their_tolerance():
+    """From a review of the settable caps: a shallow copy shared the settings dicts (setting the copy's
+    tolerance changed the original); a block pickled before, and SerialSwitch's checkpoints and its lowering
+    step, turned the counts in use into given ones (a tolerance set later still ran 2 cycles); -0.0 differed
+    from 0.0 between ranks."""
+    import pickle
+
+    from propagators.torch.module import TOL_ITERS
+
+    def block(**kw):
+        torch.manual_seed(0)
+        return LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
+                             max_levels=3, **kw)
+
+    lp = block()
+    view = copy.copy(lp)
+    view.fwd_tol, view.bwd_iters = 1e-12, 7
+    assert (lp.fwd_tol, lp.fwd_iters, lp.bwd_iters) == (None, 2, 1)
+    assert (view.fwd_iters, view.bwd_iters) == (TOL_ITERS, 7)
+    # a block pickled before the properties: its counts in use, as __dict__ entries
+    state = lp.__getstate__() if hasattr(lp, "__getstate__") else dict(lp.__dict__)
+    state = dict(state)
+    given, tols = state.pop("_given_iters"), state.pop("_tols")
+    state.update(fwd_iters=2, bwd_iters=1, fwd_tol=tols["fwd"], bwd_tol=tols["bwd"])
+    old = LayerParallel.__new__(LayerParallel)
+    old.__setstate__(state)
+    old.fwd_tol = 1e-10
+    assert (old.fwd_iters, old.bwd_iters) == (TOL_ITERS, 1)
+    again = pickle.loads(pickle.dumps(old))
+    again.fwd_tol = None
+    assert again.fwd_iters == 2
+    # SerialSwitch's state dict and its lowering step
+    lp = block(fwd_iters=3)
+    sw = SerialSwitch(Switchable(lp), lambda out, y: ((out - y) ** 2).mean(), action="adapt")
+    sw.load_state_dict(sw.state_dict())
+    lp.bwd_tol = 1e-10
+    assert (lp.fwd_iters, lp.bwd_iters) == (3, TOL_ITERS)  # fwd_iters given (3), bwd_iters follows its tolerance
+    assert sw._lower() is True and lp.fwd_iters == 2  # lowered (given); the adjoint's cap with a tolerance stays
+    lp.bwd_tol = None
+    assert lp.bwd_iters == 1
+    lp.fwd_tol = -0.0
+    assert str(lp.fwd_tol) == "0.0"

@@ -637,28 +637,52 @@ class _SolveCycles:
 
     def _cycles(self, d: str) -> int:
         n = self._given_iters[d]
-        if n is not None:
-            return n
-        return self._DEFAULT_CYCLES[d] if self._tols[d] is None else TOL_ITERS
+        return self._default_cycles(d, self._tols[d]) if n is None else n
 
-    def __setstate__(self, state):  # (a block pickled before these were properties)
+    @classmethod
+    def _default_cycles(cls, d: str, tol) -> int:
+        return cls._DEFAULT_CYCLES[d] if tol is None else TOL_ITERS
+
+    def _set_cycles(self, given: dict, tols: dict) -> None:
+        """Both directions' counts as given and tolerances, replaced (new dicts: a shallow copy of the block
+        keeps its own when one of them is set)."""
+        self._given_iters, self._tols = dict(given), dict(tols)
+
+    def _restore_cycles(self, counts: dict, tols: dict) -> None:
+        """Counts in use and tolerances, as a checkpoint stores them: a count that is its tolerance's default
+        (2 / 1 without one, :data:`TOL_ITERS` with one) is taken as left unset, so that it follows a tolerance
+        set later (the values in use are the same either way)."""
+        tols = {d: _tolerance(tols[d], f"{d}_tol") for d in ("fwd", "bwd")}
+        given = {d: None if counts[d] == self._default_cycles(d, tols[d]) else _iterations(counts[d], f"{d}_iters")
+                 for d in ("fwd", "bwd")}
+        self._set_cycles(given, tols)
+
+    def __setstate__(self, state):  # (a block pickled before these were properties: its counts in use)
         if "_tols" not in state and "fwd_tol" in state:
-            state["_given_iters"] = {"fwd": state.pop("fwd_iters"), "bwd": state.pop("bwd_iters")}
-            state["_tols"] = {"fwd": state.pop("fwd_tol"), "bwd": state.pop("bwd_tol")}
+            counts = {"fwd": state.pop("fwd_iters"), "bwd": state.pop("bwd_iters")}
+            tols = {"fwd": state.pop("fwd_tol"), "bwd": state.pop("bwd_tol")}
+            super().__setstate__(state)
+            self._restore_cycles(counts, tols)
+            return
         super().__setstate__(state)
 
-    fwd_iters = property(lambda self: self._cycles("fwd"),
-                         lambda self, v: self._given_iters.__setitem__("fwd", _iterations(v, "fwd_iters")),
+    def _setter(kind: str, d: str):
+        def set_(self, v):
+            if kind == "iters":
+                self._set_cycles({**self._given_iters, d: _iterations(v, f"{d}_iters")}, self._tols)
+            else:
+                self._set_cycles(self._given_iters, {**self._tols, d: _tolerance(v, f"{d}_tol")})
+        return set_
+
+    fwd_iters = property(lambda self: self._cycles("fwd"), _setter("iters", "fwd"),
                          doc="Cycles of the forward solve (its cap with a tolerance); None restores the default.")
-    bwd_iters = property(lambda self: self._cycles("bwd"),
-                         lambda self, v: self._given_iters.__setitem__("bwd", _iterations(v, "bwd_iters")),
+    bwd_iters = property(lambda self: self._cycles("bwd"), _setter("iters", "bwd"),
                          doc="Cycles of the adjoint solve (its cap with a tolerance); None restores the default.")
-    fwd_tol = property(lambda self: self._tols["fwd"],
-                       lambda self, v: self._tols.__setitem__("fwd", _tolerance(v, "fwd_tol")),
+    fwd_tol = property(lambda self: self._tols["fwd"], _setter("tol", "fwd"),
                        doc="Residual tolerance of the forward solve (None: run fwd_iters cycles).")
-    bwd_tol = property(lambda self: self._tols["bwd"],
-                       lambda self, v: self._tols.__setitem__("bwd", _tolerance(v, "bwd_tol")),
+    bwd_tol = property(lambda self: self._tols["bwd"], _setter("tol", "bwd"),
                        doc="Residual tolerance of the adjoint solve (None: run bwd_iters cycles).")
+    del _setter
 
 
 class LayerParallel(_SolveCycles, nn.Module):
@@ -1855,7 +1879,7 @@ def _tolerance(value, name: str):
     if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
                               or not value >= 0):
         raise ValueError(f"`{name}` must be a number >= 0 or None (a tolerance of the residual), got {value!r}")
-    return value if value is None else float(value)
+    return value if value is None else float(value) + 0.0  # (+ 0.0: -0.0 is 0.0, alike on every rank)
 
 
 def _rounding(dtype) -> str:
@@ -1900,8 +1924,9 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
                         "to converge; use fewer levels (max_levels), relax='FCF' or a smaller cf "
                         "(mgrit.choose_settings picks them), or evaluate serially (eval() with exact_eval)")
             else:
-                what = (f"raise `{iters}`: with a tolerance it is the most cycles a solve may run (leave it unset "
-                        f"for up to {TOL_ITERS})")
+                unset = f" (leave it unset for up to {TOL_ITERS})" if res.iterations < TOL_ITERS else ""
+                what = (f"raise `{iters}` above {res.iterations}: with a tolerance it is the most cycles a solve may "
+                        f"run{unset}")
             warnings.warn(
                 f"the {which} MGRIT solve stopped after {res.iterations} cycle(s) short of its tolerance ({got}; "
                 f"tol_type={tol_type!r}): its output and gradients are not the serial network's to that tolerance. "

@@ -137,10 +137,9 @@ class Switchable(nn.Module):
                 self._saved_given = (dict(lp._given_iters), dict(lp._tols))
                 n = self.exact_iterations
                 lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol = n, n, None, None
-            else:
-                lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol, lp.tol_type = self._saved
-                if self._saved_given is not None and self._saved_given[1] == lp._tols:  # (as given before)
-                    lp._given_iters = dict(self._saved_given[0])
+            else:  # the cycles as given before (a count left unset follows its tolerance again)
+                lp._set_cycles(*self._saved_given)
+                lp.tol_type = self._saved[4]
         self._mode = mode
 
     @contextlib.contextmanager
@@ -418,8 +417,7 @@ class SerialSwitch:
         for s, b in zip(self.switchables, state["blocks"]):
             s.mode = "parallel"
             lp = s.lp
-            lp.fwd_iters, lp.bwd_iters, lp.fwd_tol, lp.bwd_tol = b["fwd_iters"], b["bwd_iters"], b["fwd_tol"], \
-                b["bwd_tol"]
+            lp._restore_cycles({"fwd": b["fwd_iters"], "bwd": b["bwd_iters"]}, {"fwd": b["fwd_tol"], "bwd": b["bwd_tol"]})
             lp.tol_type = b["tol_type"]
             s.mode = b["mode"]  # (on several ranks serial mode sets the exact cycles, keeping these)
         self.steps, self.strikes, self._since = state["steps"], state["strikes"], state["since"]
@@ -607,8 +605,10 @@ class SerialSwitch:
             # would only stop it short, with a ConvergenceWarning that asks for more)
             f, b = (n if tol is not None else max(n - 1, min(n, self.min_iters))
                     for n, tol in ((s.lp.fwd_iters, s.lp.fwd_tol), (s.lp.bwd_iters, s.lp.bwd_tol)))
-            changed |= (f, b) != (s.lp.fwd_iters, s.lp.bwd_iters)
-            s.lp.fwd_iters, s.lp.bwd_iters = f, b
+            for name, n in (("fwd_iters", f), ("bwd_iters", b)):
+                if n != getattr(s.lp, name):  # (only a change is given: an unchanged default stays unset)
+                    setattr(s.lp, name, n)
+                    changed = True
         return changed
 
     def _act(self) -> None:
@@ -616,8 +616,11 @@ class SerialSwitch:
             done = True
             for s in self.switchables:
                 cap = s.exact_iterations
-                s.lp.fwd_iters = min(2 * s.lp.fwd_iters if self.action == "tighten" else s.lp.fwd_iters + 1, cap)
-                s.lp.bwd_iters = min(2 * s.lp.bwd_iters if self.action == "tighten" else s.lp.bwd_iters + 1, cap)
+                for name in ("fwd_iters", "bwd_iters"):
+                    n = getattr(s.lp, name)
+                    raised = min(2 * n if self.action == "tighten" else n + 1, cap)
+                    if raised != n:  # (only a change is given)
+                        setattr(s.lp, name, raised)
                 done &= s.lp.fwd_iters >= cap and s.lp.bwd_iters >= cap
             if not done:
                 return
