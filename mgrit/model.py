@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from .cycle import LevelOps, run
-from .hierarchy import Hierarchy, per_level
+from .hierarchy import Hierarchy, Level, per_level
 from .options import Options
 from .partition import all_neighbours, level_ranges
 
@@ -131,7 +131,23 @@ def count_residue(lo: int, hi: int, j: int, m: int) -> int:
 
 def sequential_time(hierarchy: Hierarchy, cost: StepCost | Sequence[StepCost] = StepCost()) -> float:
     """Time of plain sequential stepping over the fine grid: ``N * single``."""
-    return hierarchy[0].n * per_level(cost, len(hierarchy), "cost")[0].single
+    _check_hierarchy(hierarchy)
+    return hierarchy[0].n * _costs(cost, len(hierarchy))[0].single
+
+
+def _check_hierarchy(hierarchy) -> None:
+    if not isinstance(hierarchy, (list, tuple)) or not hierarchy or not all(isinstance(lv, Level) for lv in hierarchy):
+        raise TypeError(f"`hierarchy` must be a list of levels from mgrit.build_hierarchy(t, ...), got "
+                        f"{type(hierarchy).__name__}")
+
+
+def _costs(cost, n_levels: int) -> list:
+    """``cost`` per level (a StepCost or a sequence of them, the last repeating)."""
+    costs = per_level(cost, n_levels, "cost")
+    if not all(isinstance(c, StepCost) for c in costs):
+        raise TypeError(f"`cost` must be a mgrit.model.StepCost or a sequence of them (one per level), got {cost!r}; "
+                        "StepCost(single=seconds) for a step of that many seconds")
+    return costs
 
 
 class _Schedule(LevelOps):
@@ -272,6 +288,7 @@ def predict(
     reduce_latency: float | None = None,
     partition=None,
     converged: bool = False,
+    callback: bool = False,
 ) -> Prediction:
     """Predict the critical path and time of ``mgrit.solve`` on ``size`` ranks.
 
@@ -305,6 +322,10 @@ def predict(
         The solve stops on its tolerance after ``iterations`` cycles (default: it runs them as its
         ``max_iter``). With ``final_residual`` this costs one all-reduce more: the solver merges the
         last cycle's norm with the final residual's only at ``max_iter``.
+    callback : bool
+        The solve has a ``callback`` (with ``final_residual`` and XBraid's residual this costs one
+        all-reduce more: the last cycle's norm is reduced before the callback, not with the final
+        residual's).
 
     Returns
     -------
@@ -327,15 +348,22 @@ def predict(
         raise ValueError(f"`size` must be an integer >= 1, got {size!r}")
     if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
         raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
-    if not latency >= 0 or (reduce_latency is not None and not reduce_latency >= 0):
-        raise ValueError("`latency` and `reduce_latency` must be >= 0")
-    if not isinstance(converged, (bool, np.bool_)):
-        raise ValueError(f"`converged` must be True or False, got {converged!r}")
+    _check_hierarchy(hierarchy)
+    for name, v in (("latency", latency), ("reduce_latency", reduce_latency)):
+        if v is None and name == "reduce_latency":
+            continue
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                or not 0 <= v < math.inf:
+            raise ValueError(f"`{name}` must be a finite number of seconds >= 0, got {v!r}")
+    for name, v in (("converged", converged), ("callback", callback)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"`{name}` must be True or False, got {v!r}")
     # (stopping on the tolerance: max_iter lies beyond the last cycle, which after_cycle ends)
     opts = Options(cycle=cycle, skip=skip, nested=nested, residual=residual, final_residual=final_residual,
-                   max_iter=int(iterations) + bool(converged), tol=None)
+                   max_iter=int(iterations) + bool(converged), tol=None,
+                   callback=(lambda info: None) if callback else None)
     L = len(hierarchy)
-    costs = per_level(cost, L, "cost")
+    costs = _costs(cost, L)
     s = _Schedule(hierarchy, int(size), costs, float(latency), reduce_latency, partition)
     marks, times = [np.zeros(L, dtype=np.int64)], []
 

@@ -35,12 +35,25 @@ def _axes(ax):
     return plt.subplots(figsize=(6, 3.5))[1]
 
 
+def _is_number(v) -> bool:
+    """A residual norm: a Python or numpy number, or a 0-d array or tensor."""
+    return isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) or \
+        getattr(v, "ndim", None) == 0 and hasattr(v, "item")
+
+
 def _is_history(x) -> bool:
     """One residual history (numbers or None), as opposed to a collection of solves."""
     if isinstance(x, np.ndarray):
         return x.ndim == 1
-    return isinstance(x, Sequence) and not isinstance(x, str) and all(
-        v is None or isinstance(v, (int, float, np.floating, np.integer)) for v in x)
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(v is None or _is_number(v) for v in x)
+
+
+def _history(res) -> list:
+    """The residual norms of a Result or a history, as floats (None where a cycle measured none)."""
+    hist = res.residuals if isinstance(res, Result) else res
+    if not _is_history(hist) and not isinstance(res, Result):
+        raise TypeError(f"expected a mgrit Result or a residual history (numbers or None), got {type(res).__name__}")
+    return [None if v is None else float(v.item() if hasattr(v, "item") else v) for v in hist]
 
 
 def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bool = True,
@@ -65,6 +78,8 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     -------
     matplotlib.axes.Axes
     """
+    if isinstance(floor, bool) or not isinstance(floor, (int, float, np.integer, np.floating)) or math.isnan(floor):
+        raise ValueError(f"`floor` must be a number (0: keep every positive residual), got {floor!r}")
     ax = _axes(ax)
     if isinstance(results, Result) or _is_history(results):
         results = [results]
@@ -72,12 +87,16 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     if labels is not None and (isinstance(labels, str) or len(labels) != len(results)):
         raise ValueError(f"`labels` must be a sequence of one label per solve ({len(results)}), got {labels!r}")
     for k, res in enumerate(results):
-        hist = list(res.residuals) if isinstance(res, Result) else list(res)
-        its = [i for i, r in enumerate(hist) if r is not None and r > max(floor, 0.0)]
-        vals = [float(hist[i]) for i in its]
+        hist = _history(res)
+        its = [i for i, r in enumerate(hist) if r is not None and (r > max(floor, 0.0) or not math.isfinite(r))]
+        vals = [hist[i] for i in its]
         label = labels[k] if labels is not None else f"solve {k}"
-        if factors and len(vals) > 1:
-            rate = (vals[-1] / vals[0]) ** (1.0 / (its[-1] - its[0]))
+        if not all(math.isfinite(v) for v in vals):  # (NaN or Inf: a diverged cycle, not a gap in the line)
+            label += " (diverged: NaN or Inf)"
+            its = [i for i, v in zip(its, vals) if math.isfinite(v)]
+            vals = [v for v in vals if math.isfinite(v)]
+        elif factors and len(vals) > 1:  # (from logs: a ratio of 1e-200 / 1e200 underflows)
+            rate = math.exp((math.log(vals[-1]) - math.log(vals[0])) / (its[-1] - its[0]))
             label += f" (factor {rate:.3g})"
         ax.semilogy(its, vals, **{"marker": "o", "label": label, **style})
     ax.set_xlabel("cycle")
@@ -86,10 +105,10 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     return ax
 
 
-def factors(result: Result, ax=None):
-    """The convergence factor ``r_k / r_{k-1}`` of every cycle of one solve."""
+def factors(result, ax=None):
+    """The convergence factor ``r_k / r_{k-1}`` of every cycle of one solve (a Result or a residual history)."""
     ax = _axes(ax)
-    f = convergence_factors(result.residuals)
+    f = convergence_factors(_history(result))
     its = [i for i, v in enumerate(f) if v is not None]
     ax.plot(its, [f[i] for i in its], "s-")
     ax.set_xlabel("cycle")
@@ -102,12 +121,13 @@ def hierarchy(h, size: int = 1, partition=None, ax=None):
 
     Parameters
     ----------
-    h : Hierarchy
+    h : Hierarchy (or a Result: its hierarchy)
     size : int
         Number of ranks the time axis is split over (:mod:`mgrit.partition`).
     partition : sequence of int, optional
         First fine index of every rank's block.
     """
+    h = h.hierarchy if isinstance(h, Result) else h
     ax = _axes(ax)
     import matplotlib.pyplot as plt
 
@@ -130,6 +150,9 @@ def hierarchy(h, size: int = 1, partition=None, ax=None):
 
 def cycle_path(n_levels: int, kind: str = "V") -> list:
     """The sequence of levels one cycle visits (0 = finest): the V- or F-cycle of :func:`mgrit.solve`.
+
+    With XBraid's ``skip`` (the default) the first cycle is a V-cycle whatever ``kind``: it only injects
+    on the way down, and the solver leaves out the F-cycle's extra descents then.
 
     >>> cycle_path(3, "V")
     [0, 1, 2, 1, 0]
@@ -165,7 +188,10 @@ def cycle(n_levels: int, kind: str = "V", ax=None):
 
 def training(losses: Sequence[float], residuals: Sequence[float] | None = None,
              labels=("loss", "forward residual"), ax=None):
-    """A training curve (per step) with the residual of each step's solve on a second axis."""
+    """A training curve (per step) with the residual of each step's solve on a second axis.
+    ``labels``: the loss's and the residuals' (two strings)."""
+    if isinstance(labels, str) or len(labels) != 2:
+        raise ValueError(f"`labels` must be two strings (the loss's, the residuals'), got {labels!r}")
     if residuals is not None and len(residuals) > len(losses):
         raise ValueError(f"{len(residuals)} residuals for {len(losses)} losses: give at most one residual per "
                          "training step")

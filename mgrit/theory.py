@@ -78,6 +78,8 @@ def step_factor(z, scheme: str = "be"):
     >>> step_factor(-1.0, "be"), step_factor(-0.5, "fe")
     (0.5, 0.5)
     """
+    if np.any(np.isnan(np.asarray(z))):
+        raise ValueError("`z` contains NaN")
     if scheme == "be":
         if np.any(np.asarray(z) == 1.0):
             raise ValueError("z = xi h = 1 is the pole of backward Euler: the step solves (1 - z) u_new = u, "
@@ -159,6 +161,8 @@ def c_factor(lam, mu, m: int, relax: str = "F"):
     _check_cf(m)
     r = parse_relax(relax)
     lam = np.asarray(lam)
+    if np.any(np.isnan(lam)) or np.any(np.isnan(np.asarray(mu))):  # (every bound is built on this one)
+        raise ValueError("`lam` or `mu` contains NaN")
     return np.abs(lam) ** (r * m) * np.abs(lam**m - np.asarray(mu))
 
 
@@ -406,7 +410,10 @@ def worst_case(m: int, relax: str = "F", scheme: str = "be"):
 
     Maximizes :func:`limit_bound` over ``z < 0`` (backward Euler) or
     ``-2/m < z < 0`` (forward Euler, where the coarse step is stable):
-    a log-spaced scan followed by a bounded refinement.
+    a log-spaced scan followed by a bounded refinement. With forward Euler
+    ``|mu| -> 1`` at ``z -> -2/m`` while ``c_r`` stays positive (except for
+    ``m = 2`` with C-relaxation, where ``lam -> 0``): the factor grows without
+    bound there, and ``(-2/m, inf)`` is returned.
 
     Returns
     -------
@@ -441,6 +448,11 @@ def worst_case(m: int, relax: str = "F", scheme: str = "be"):
     def factor(s):
         lam, mu = dahlquist_factors(to_z(s), m, scheme)
         return limit_bound(lam, mu, m, relax)
+
+    if scheme == "fe":  # at the edge of the coarse step's stability |mu| = 1: unbounded unless c_r vanishes there
+        lam, mu = dahlquist_factors(-2.0 / m, m, "fe")
+        if float(c_factor(lam, mu, m, relax)) > 1e-12:
+            return -2.0 / m, math.inf
 
     grid = np.linspace(lo, hi, 4001)
     k = int(np.argmax(factor(grid)))

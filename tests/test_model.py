@@ -208,3 +208,35 @@ def test_step_costs_take_numpy_numbers_and_refuse_bools():
     for bad in (True, np.True_, -1.0, np.nan, "1"):
         with pytest.raises(ValueError, match="must be a finite number >= 0"):
             StepCost(single=bad)
+
+
+def test_predict_arguments_and_the_callback_reduction():
+    """From a review of the model: latency=True ran as 1, latency=inf gave an infinite time, a float cost or a
+    time array for the hierarchy raised AttributeError; a solve with a callback makes one all-reduce more with
+    final_residual (the model could not say so)."""
+    t = np.linspace(0, 1, 17)
+    h = mgrit.build_hierarchy(t, cf=2, max_levels=3)
+    for bad in (True, math.inf, "1", -1.0):
+        with pytest.raises(ValueError, match="`latency` must be a finite number"):
+            predict(h, 2, 2, latency=bad)
+    with pytest.raises(TypeError, match="StepCost"):
+        predict(h, 2, 2, cost=1.0)
+    with pytest.raises(TypeError, match="StepCost"):
+        sequential_time(h, 2.0)
+    with pytest.raises(TypeError, match="`hierarchy` must be"):
+        predict(t, 2, 2)
+    reductions = []
+
+    class Counting(mgrit.SerialComm):
+        def exact_many(self, parts, kind):
+            reductions.append(kind)
+            return super().exact_many(parts, kind)
+
+    counts, times = [], []
+    for callback in (False, True):
+        reductions.clear()
+        mgrit.solve(Dahlquist(-1.0), np.array([1.0]), t, cf=2, max_levels=3, max_iter=3, tol=None,
+                    final_residual=True, callback=(lambda info: None) if callback else None, comm=Counting())
+        counts.append(len(reductions))
+        times.append(predict(h, 4, 3, final_residual=True, latency=0.0, reduce_latency=1.0, callback=callback).time)
+    assert counts[1] == counts[0] + 1 and times[1] == times[0] + 1.0

@@ -76,3 +76,28 @@ def test_bad_plot_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
     assert plots.cycle_path(1) == [0]
+
+
+def test_odd_histories_and_inputs(tmp_path):
+    """From a review of the plots: a NaN residual was dropped and the legend showed a clean factor across the
+    gap; 1e200 -> 1e-200 over 40 cycles showed 'factor 0' (the ratio underflowed); 0-d arrays as norms,
+    hierarchy(result), factors(history), wrong training labels and floor=None raised raw Python errors."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    ax = plots.residuals([[1.0, 0.1, float("nan"), 0.001]], labels=["nan"])
+    assert "diverged" in ax.get_legend().get_texts()[0].get_text()
+    ax = plots.residuals([[10.0 ** (200 - 10 * k) for k in range(41)]], labels=["long"])
+    assert "factor 1e-10" in ax.get_legend().get_texts()[0].get_text()
+    ax = plots.residuals([np.array(1.0), np.array(0.1)], labels=["0-d"])
+    assert "factor 0.1" in ax.get_legend().get_texts()[0].get_text()
+    plots.residuals([torch.tensor(1.0), torch.tensor(0.5)])
+    with pytest.raises(ValueError, match="`floor` must be a number"):
+        plots.residuals([1.0, 0.1], floor=None)
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 4, 33), cf=2, max_levels=3, tol=1e-10)
+    plots.hierarchy(res, size=2)
+    ax = plots.factors([1.0, 0.1, 0.01])
+    assert np.allclose(ax.get_lines()[0].get_ydata(), [0.1, 0.1])
+    with pytest.raises(ValueError, match="`labels` must be two strings"):
+        plots.training([1.0, 0.5], labels=("loss",))
+    plt.close("all")

@@ -72,9 +72,17 @@ def test_worst_case_backward_euler(m):
         assert th.two_level_norm(lam, mu, m, 512, relax) == pytest.approx(factor, rel=1e-3, abs=0.0)
 
 
-def test_worst_case_forward_euler_is_in_the_stable_range():
-    z, factor = th.worst_case(4, "F", "fe")
-    assert -0.5 < z < 0 and 0 < factor < np.inf
+def test_worst_case_forward_euler_is_unbounded_at_the_stability_edge():
+    """With forward Euler |mu| -> 1 at z -> -2/m while c_r stays positive: the factor grows without bound (it
+    returned 5.3e8, the value at its search's cutoff, where z a little closer to -2/m gives 5.3e11); with m = 2
+    and C-relaxation lam -> 0 there and the worst case is finite, inside the stable range."""
+    for m, relax in ((4, "F"), (2, "F"), (4, "FCF"), (8, "FCF")):
+        z, factor = th.worst_case(m, relax, "fe")
+        assert z == -2.0 / m and factor == np.inf
+        lam, mu = th.dahlquist_factors(-2.0 / m * (1 - 1e-12), m, "fe")
+        assert th.limit_bound(lam, mu, m, relax) > 1e9  # (approaching the edge)
+    z, factor = th.worst_case(2, "FCF", "fe")
+    assert -1.0 < z < 0 and 0 < factor < 0.1
 
 
 def test_two_level_formula_structure():
@@ -477,3 +485,13 @@ def test_theory_inputs_are_checked(call, match):
     matrix of n=32, n_levels=-1 an empty list."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_nan_factors_are_refused_by_every_bound():
+    """two_level_norm refused NaN; sharp_bounds, dobrev_bound, limit_bound and dahlquist_factors returned it."""
+    lam, mu = th.dahlquist_factors(-0.1, 4)
+    for call in (lambda: th.sharp_bounds(np.nan, mu, 4, 8), lambda: th.dobrev_bound(lam, np.nan, 4, 8),
+                 lambda: th.limit_bound(np.array([lam, np.nan]), mu, 4), lambda: th.dahlquist_factors(np.nan, 4),
+                 lambda: th.step_factor(np.array([-1.0, np.nan]), "fe")):
+        with pytest.raises(ValueError, match="NaN"):
+            call()
