@@ -11,7 +11,7 @@ from . import _backend as B
 from ._inputs import array_sums, differing_rank, spread, sums_rtol
 from .comm import Call, Communicator, InSession, args_signature, as_communicator, warn_if_alone
 from .cycle import DivergenceError, Levels, run
-from .hierarchy import per_level
+from .hierarchy import is_integer, per_level
 from .options import Options
 from .partition import level_ranges, neighbours
 from .propagator import Propagator
@@ -434,6 +434,9 @@ def gather(result: Result, root: int | None = 0):
     Returns the stacked states on ``root`` (on every rank when ``root`` is
     None) and None on the other ranks. For a serial result it returns ``u``.
     """
+    if root is not None and (not is_integer(root) or not 0 <= root < result.size):
+        raise ValueError(f"`root` must be a rank, an integer from 0 to {result.size - 1} (or None: every rank), got "
+                         f"{root!r}; pass the same on every rank")
     if result.size == 1:
         return result.u
     parts = result.comm.gather((result.index.start, result.u), root=root)

@@ -27,7 +27,7 @@ import numpy as np
 from scipy.linalg import lapack
 
 from mgrit import Propagator, SpatialTransfer
-from mgrit.hierarchy import check_flag
+from mgrit.hierarchy import check_flag, check_integer
 
 from ._checks import FixedParameters, check_number
 
@@ -122,7 +122,7 @@ class Heat1D(FixedParameters, Propagator):
         cache = self._lu
         lu = cache.get(dt)
         if lu is not None:
-            cache.move_to_end(dt)
+            _touch(cache, dt)
             return lu
         n = self.nx - 2
         c = self.a * dt / self.dx**2
@@ -132,8 +132,7 @@ class Heat1D(FixedParameters, Propagator):
             raise np.linalg.LinAlgError(f"tridiagonal factorization failed (info={info})")
         self.factorizations += 1
         lu = cache[dt] = (dl, d, du, du2, ipiv)
-        if len(cache) > self.cache_size:
-            cache.popitem(last=False)  # the least recently used step size
+        _evict(cache, self.cache_size)  # the least recently used step sizes
         return lu
 
     def _solve(self, dt: float, rhs_cols: np.ndarray, overwrite: bool = False) -> np.ndarray:
@@ -238,9 +237,10 @@ class HeatTransfer(SpatialTransfer):
 
     def interpolate(self, E):
         n, nc = E.shape
-        out = np.zeros((n, 2 * nc + 1), dtype=E.dtype)
+        dtype = np.result_type(E.dtype, np.float16)  # (integer corrections: the midpoints are halves)
+        out = np.zeros((n, 2 * nc + 1), dtype=dtype)
         out[:, 1::2] = E
-        padded = np.zeros((n, nc + 2), dtype=E.dtype)
+        padded = np.zeros((n, nc + 2), dtype=dtype)
         padded[:, 1:-1] = E
         out[:, 0::2] = 0.5 * (padded[:, :-1] + padded[:, 1:])
         return out
@@ -257,6 +257,9 @@ def heat_hierarchy(nx: int, n_levels: int, coarsen_from: int = 1, a: float = 1.0
     >>> [p.nx for p in props], [t is None for t in transfers]
     ([33, 17, 9], [False, False])
     """
+    check_integer(n_levels, "n_levels", 1)
+    check_integer(coarsen_from, "coarsen_from", 0)
+    check_integer(min_nx, "min_nx", 3)
     props, transfers = [Heat1D(nx, a, forcing)], []
     for level in range(1, n_levels):
         prev = props[-1].nx
@@ -267,3 +270,21 @@ def heat_hierarchy(nx: int, n_levels: int, coarsen_from: int = 1, a: float = 1.0
             props.append(Heat1D(prev, a, forcing))
             transfers.append(None)
     return props, transfers
+
+
+def _touch(cache, key) -> None:
+    """Mark ``key`` most recently used (another thread may have evicted it meanwhile: then nothing to do)."""
+    try:
+        cache.move_to_end(key)
+    except KeyError:
+        pass
+
+
+def _evict(cache, size: int) -> None:
+    """Drop the least recently used entries beyond ``size`` (all of them, also after ``cache_size`` was lowered;
+    an entry another thread dropped first is not an error)."""
+    while len(cache) > size:
+        try:
+            cache.popitem(last=False)
+        except KeyError:
+            break

@@ -1,13 +1,14 @@
 """Nonlinear reference systems with an explicit Runge-Kutta step (FAS test cases)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from mgrit import Propagator
 
-from ._checks import check_states
+from ._checks import check_number, check_states
 
 
 def _rk4(f, U, t0, t1, substeps):
@@ -33,13 +34,16 @@ class _RK4System(Propagator):
     def __post_init__(self):  # (the dataclasses below call it after their __init__)
         if isinstance(self.substeps, bool) or not isinstance(self.substeps, (int, np.integer)) or self.substeps < 1:
             raise ValueError(f"`substeps` must be an integer >= 1, got {self.substeps!r}")
+        for f in dataclasses.fields(self):  # the model's coefficients: finite real numbers
+            if f.name != "substeps":
+                object.__setattr__(self, f.name, check_number(getattr(self, f.name), f.name))
 
     def rhs(self, t, U):  # pragma: no cover - abstract in spirit
         raise NotImplementedError
 
     def step(self, u, t0, t1):
         check_states(self, u, (self.size,), batched=False)
-        return _rk4(self.rhs, u[None, :], np.array([t0]), np.array([t1]), self.substeps)[0]
+        return _rk4(self.rhs, np.asarray(u)[None, :], np.array([t0]), np.array([t1]), self.substeps)[0]
 
     def step_batch(self, U, t0, t1):
         check_states(self, U, (self.size,), batched=True)

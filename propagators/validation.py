@@ -18,6 +18,7 @@ from scipy.linalg import lapack
 from mgrit import Propagator
 
 from ._checks import FixedParameters, check_number, check_states
+from .heat import _evict, _touch
 
 __all__ = ["AdvectionDiffusion1D", "VanDerPol"]
 
@@ -140,7 +141,7 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
     def _factor(self, dt: float):
         lu = self._lu.get(dt)
         if lu is not None:
-            self._lu.move_to_end(dt)
+            _touch(self._lu, dt)
             return lu
         left, mid, right = self._stencil
         n = self.size
@@ -149,8 +150,7 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
         if info != 0:
             raise np.linalg.LinAlgError(f"tridiagonal factorization failed (info={info}); reduce the step size")
         lu = self._lu[dt] = (dl, d, du, du2, ipiv)
-        if len(self._lu) > self.cache_size:
-            self._lu.popitem(last=False)
+        _evict(self._lu, self.cache_size)
         return lu
 
     def _solve_dirichlet(self, dt: float, rhs_cols: np.ndarray) -> np.ndarray:
@@ -172,6 +172,9 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
             return U.astype(np.result_type(U, np.float64), copy=True)
         if self.boundary == "periodic":
             denom = 1.0 - dt[:, None] * self.generator_eigenvalues()[None, :]
+            if np.any(np.abs(denom) <= 64 * np.finfo(np.float64).eps):  # (a mode 1 - dt lambda = 0: no solution)
+                raise np.linalg.LinAlgError("I - dt A is singular for a step of this size (dt lambda = 1 for a mode "
+                                            "of the periodic operator); take another step size")
             out = np.fft.ifft(np.fft.fft(U, axis=1) / denom, axis=1)
             return out if np.iscomplexobj(U) else out.real.copy()
         out = np.empty(U.shape, dtype=np.result_type(U, np.float64))
@@ -213,8 +216,7 @@ class VanDerPol(Propagator):
     substeps: int = 1
 
     def __post_init__(self):
-        if not np.isfinite(self.mu):
-            raise ValueError(f"`mu` must be finite, got {self.mu!r}")
+        object.__setattr__(self, "mu", check_number(self.mu, "mu"))
         if isinstance(self.substeps, bool) or not isinstance(self.substeps, (int, np.integer)) or self.substeps < 1:
             raise ValueError(f"`substeps` must be an integer >= 1, got {self.substeps!r}")
 

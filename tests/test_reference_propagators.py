@@ -158,3 +158,73 @@ def test_parameters_may_be_set_until_the_propagator_is_built():
 def test_heat_takes_any_real_scalar_for_a(a):
     # a 0-d array or a Fraction was "`a` must be a finite number >= 0" in the first version
     assert Heat1D(17, a=a).a == float(a)
+
+
+# From a hostile review of the reference propagators and Result
+@pytest.mark.parametrize("build", [lambda: Lorenz(sigma=np.nan), lambda: Lorenz(rho=True), lambda: Lorenz(beta="x"),
+                                   lambda: Brusselator(a=1j), lambda: Brusselator(b=np.inf),
+                                   lambda: VanDerPol(mu=True), lambda: VanDerPol(mu=1j), lambda: VanDerPol(mu="3"),
+                                   lambda: VanDerPol(mu=None), lambda: VanDerPol(mu=np.ones(2))])
+def test_nonlinear_coefficients_must_be_finite_real_numbers(build):
+    """They were taken: NaN stepped to NaN states, a complex coefficient made real states complex, a string or
+    an array failed later inside numpy."""
+    with pytest.raises(ValueError, match="must be a finite number"):
+        build()
+
+
+def test_lorenz_steps_a_list_and_heat_hierarchy_checks_its_arguments():
+    from propagators.heat import heat_hierarchy
+
+    np.testing.assert_array_equal(Lorenz().step([1.0, 1.0, 1.0], 0.0, 0.01),
+                                  Lorenz().step(np.ones(3), 0.0, 0.01))
+    for kwargs, name in (({"n_levels": 0}, "n_levels"), ({"n_levels": 3, "coarsen_from": -5}, "coarsen_from"),
+                         ({"n_levels": 3, "min_nx": -1}, "min_nx")):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            heat_hierarchy(9, **kwargs)
+
+
+def test_heat_interpolation_of_integer_corrections_and_a_lowered_cache():
+    from propagators.heat import HeatTransfer
+
+    np.testing.assert_array_equal(HeatTransfer().interpolate(np.array([[1, 3]])), [[0.5, 1, 2, 3, 1.5]])
+    heat = Heat1D(9)
+    u = np.ones(7)
+    for k in range(10):
+        heat.step(u, 0.0, 0.01 * (k + 1))
+    heat.cache_size = 2
+    heat.step(u, 0.0, 0.5)
+    assert len(heat._lu) == 2  # (one entry was dropped per miss: 10 stayed)
+
+
+def test_heat_cache_is_safe_for_threads():
+    """Threads stepping one propagator with a small cache raised KeyError: another thread evicted the entry
+    between the lookup and marking it used. The race, made certain: the entry is gone when it is marked."""
+    from collections import OrderedDict
+
+    class Racing(OrderedDict):
+        def move_to_end(self, key, last=True):
+            self.pop(key, None)  # (another thread's eviction, just before)
+            super().move_to_end(key, last)
+
+    for prop, u in ((Heat1D(9, cache_size=2), np.ones(7)), (AdvectionDiffusion1D(8, boundary="dirichlet",
+                                                                                cache_size=2), np.ones(6))):
+        prop.step(u, 0.0, 0.01)
+        object.__setattr__(prop, "_lu", Racing(prop._lu))
+        ref = prop.step(u, 0.0, 0.01)  # (a hit whose entry vanishes: still the same step)
+        np.testing.assert_array_equal(ref, prop.step(u, 0.0, 0.01))
+
+
+def test_a_singular_periodic_advection_step_is_an_error():
+    """nu = 0 and a reversed step dt = -1/16 on 8 points make I - dt A singular: a finite wrong state came back
+    (its residual 0.5), where the Dirichlet boundary's factorization raises."""
+    p = AdvectionDiffusion1D(8, c=1.0, nu=0.0)
+    with pytest.raises(np.linalg.LinAlgError, match="singular"):
+        p.step(np.linspace(0.0, 1.0, p.size), 0.0, -1.0 / 16)
+
+
+@pytest.mark.parametrize("root", [-1, 2, True, 1.0, "0"])
+def test_gather_checks_its_root(root):
+    """root=-1 lost the trajectory on every rank (None everywhere); root=True was rank 1."""
+    res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 1, 9), cf=2, max_levels=2)
+    with pytest.raises(ValueError, match="`root` must be a rank"):
+        mgrit.gather(res, root=root)
