@@ -135,6 +135,19 @@ def sequential_time(hierarchy: Hierarchy, cost: StepCost | Sequence[StepCost] = 
     return hierarchy[0].n * _costs(cost, len(hierarchy))[0].single
 
 
+def _seconds(v, name: str) -> float:
+    """``v`` as a finite float >= 0: a number, a 0-d array or tensor, a Fraction; not a bool or text."""
+    x = None
+    if not isinstance(v, (bool, np.bool_, str, bytes)):
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            pass
+    if x is None or not 0 <= x < math.inf:
+        raise ValueError(f"`{name}` must be a finite number of seconds >= 0, got {v!r}")
+    return x
+
+
 def _check_hierarchy(hierarchy) -> None:
     if not isinstance(hierarchy, (list, tuple)) or not hierarchy or not all(isinstance(lv, Level) for lv in hierarchy):
         raise TypeError(f"`hierarchy` must be a list of levels from mgrit.build_hierarchy(t, ...), got "
@@ -349,12 +362,8 @@ def predict(
     if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
         raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
     _check_hierarchy(hierarchy)
-    for name, v in (("latency", latency), ("reduce_latency", reduce_latency)):
-        if v is None and name == "reduce_latency":
-            continue
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                or not 0 <= v < math.inf:
-            raise ValueError(f"`{name}` must be a finite number of seconds >= 0, got {v!r}")
+    latency = _seconds(latency, "latency")
+    reduce_latency = None if reduce_latency is None else _seconds(reduce_latency, "reduce_latency")
     for name, v in (("converged", converged), ("callback", callback)):
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"`{name}` must be True or False, got {v!r}")

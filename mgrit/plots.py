@@ -43,7 +43,7 @@ def _is_number(v) -> bool:
 
 def _is_history(x) -> bool:
     """One residual history (numbers or None), as opposed to a collection of solves."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or hasattr(x, "ndim") and hasattr(x, "tolist"):  # (numpy, torch)
         return x.ndim == 1
     return isinstance(x, Sequence) and not isinstance(x, str) and all(v is None or _is_number(v) for v in x)
 
@@ -53,6 +53,8 @@ def _history(res) -> list:
     hist = res.residuals if isinstance(res, Result) else res
     if not _is_history(hist) and not isinstance(res, Result):
         raise TypeError(f"expected a mgrit Result or a residual history (numbers or None), got {type(res).__name__}")
+    if hasattr(hist, "tolist") and getattr(hist, "ndim", None) == 1:  # (a 1-D array or tensor of norms)
+        hist = hist.tolist()
     return [None if v is None else float(v.item() if hasattr(v, "item") else v) for v in hist]
 
 
@@ -78,8 +80,12 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     -------
     matplotlib.axes.Axes
     """
-    if isinstance(floor, bool) or not isinstance(floor, (int, float, np.integer, np.floating)) or math.isnan(floor):
-        raise ValueError(f"`floor` must be a number (0: keep every positive residual), got {floor!r}")
+    try:
+        floor = float(floor) if not isinstance(floor, (bool, np.bool_, str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        floor = math.nan
+    if math.isnan(floor):
+        raise ValueError("`floor` must be a number (0: keep every positive residual)")
     ax = _axes(ax)
     if isinstance(results, Result) or _is_history(results):
         results = [results]

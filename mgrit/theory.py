@@ -78,7 +78,7 @@ def step_factor(z, scheme: str = "be"):
     >>> step_factor(-1.0, "be"), step_factor(-0.5, "fe")
     (0.5, 0.5)
     """
-    if np.any(np.isnan(np.asarray(z))):
+    if _has_nan(z):
         raise ValueError("`z` contains NaN")
     if scheme == "be":
         if np.any(np.asarray(z) == 1.0):
@@ -88,6 +88,14 @@ def step_factor(z, scheme: str = "be"):
     if scheme == "fe":
         return 1.0 + np.asarray(z) if np.ndim(z) else 1.0 + z
     raise ValueError(f"`scheme` must be 'be' (backward Euler) or 'fe' (forward Euler), got {scheme!r}")
+
+
+def _has_nan(x) -> bool:
+    """NaN in ``x`` (numbers, arrays; exact or symbolic values such as Fractions or sympy symbols have none)."""
+    try:
+        return bool(np.any(np.isnan(np.asarray(x, dtype=complex))))
+    except (TypeError, ValueError):
+        return False
 
 
 def dahlquist_factors(z, m: int, scheme: str = "be"):
@@ -161,7 +169,7 @@ def c_factor(lam, mu, m: int, relax: str = "F"):
     _check_cf(m)
     r = parse_relax(relax)
     lam = np.asarray(lam)
-    if np.any(np.isnan(lam)) or np.any(np.isnan(np.asarray(mu))):  # (every bound is built on this one)
+    if _has_nan(lam) or _has_nan(mu):  # (every bound is built on this one)
         raise ValueError("`lam` or `mu` contains NaN")
     return np.abs(lam) ** (r * m) * np.abs(lam**m - np.asarray(mu))
 
@@ -451,7 +459,7 @@ def worst_case(m: int, relax: str = "F", scheme: str = "be"):
 
     if scheme == "fe":  # at the edge of the coarse step's stability |mu| = 1: unbounded unless c_r vanishes there
         lam, mu = dahlquist_factors(-2.0 / m, m, "fe")
-        if float(c_factor(lam, mu, m, relax)) > 1e-12:
+        if float(c_factor(lam, mu, m, relax)) > 0.0:  # (0 only for lam = 0: m = 2 with C-relaxation)
             return -2.0 / m, math.inf
 
     grid = np.linspace(lo, hi, 4001)

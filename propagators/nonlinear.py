@@ -1,7 +1,6 @@
 """Nonlinear reference systems with an explicit Runge-Kutta step (FAS test cases)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,20 +29,25 @@ class _RK4System(Propagator):
 
     substeps: int = 1
     size = 0  #: the state's length (set by each system; not a dataclass field)
+    _coefficients = ()  #: the names of the model's coefficients, checked (set by each system; not a field)
 
     def __post_init__(self):  # (the dataclasses below call it after their __init__)
         if isinstance(self.substeps, bool) or not isinstance(self.substeps, (int, np.integer)) or self.substeps < 1:
             raise ValueError(f"`substeps` must be an integer >= 1, got {self.substeps!r}")
-        for f in dataclasses.fields(self):  # the model's coefficients: finite real numbers
-            if f.name != "substeps":
-                object.__setattr__(self, f.name, check_number(getattr(self, f.name), f.name))
+        for name in self._coefficients:  # finite real numbers (or, for a batch of models, arrays of them)
+            value = getattr(self, name)
+            if np.ndim(value) == 0:
+                object.__setattr__(self, name, check_number(value, name))
+            elif not (np.asarray(value).dtype.kind in "iuf" and np.all(np.isfinite(np.asarray(value)))):
+                raise ValueError(f"`{name}` must be a finite number (or an array of them), got {value!r}")
 
     def rhs(self, t, U):  # pragma: no cover - abstract in spirit
         raise NotImplementedError
 
     def step(self, u, t0, t1):
         check_states(self, u, (self.size,), batched=False)
-        return _rk4(self.rhs, np.asarray(u)[None, :], np.array([t0]), np.array([t1]), self.substeps)[0]
+        u = u if hasattr(u, "shape") else np.asarray(u)  # (a list; numpy and torch states stay as they are)
+        return _rk4(self.rhs, u[None, :], np.array([t0]), np.array([t1]), self.substeps)[0]
 
     def step_batch(self, U, t0, t1):
         check_states(self, U, (self.size,), batched=True)
@@ -66,6 +70,7 @@ class Lorenz(_RK4System):
     beta: float = 8.0 / 3.0
     substeps: int = 1
     size = 3
+    _coefficients = ("sigma", "rho", "beta")
 
     def rhs(self, t, U):
         x, y, z = U[:, 0], U[:, 1], U[:, 2]
@@ -86,6 +91,7 @@ class Brusselator(_RK4System):
     b: float = 3.0
     substeps: int = 1
     size = 2
+    _coefficients = ("a", "b")
 
     def rhs(self, t, U):
         x, y = U[:, 0], U[:, 1]

@@ -171,8 +171,12 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
         if U.shape[0] == 0:
             return U.astype(np.result_type(U, np.float64), copy=True)
         if self.boundary == "periodic":
-            denom = 1.0 - dt[:, None] * self.generator_eigenvalues()[None, :]
-            if np.any(np.abs(denom) <= 64 * np.finfo(np.float64).eps):  # (a mode 1 - dt lambda = 0: no solution)
+            lam = self.generator_eigenvalues()
+            denom = 1.0 - dt[:, None] * lam[None, :]
+            # a mode with 1 - dt lambda = 0 up to the rounding of dt lambda (whose eigenvalues carry the rounding
+            # of the largest, eps max|lambda|): no solution, and the division returned a finite wrong state
+            scale = 1.0 + np.abs(dt[:, None]) * float(np.max(np.abs(lam)))
+            if np.any(np.abs(denom) <= 16 * np.finfo(np.float64).eps * scale):
                 raise np.linalg.LinAlgError("I - dt A is singular for a step of this size (dt lambda = 1 for a mode "
                                             "of the periodic operator); take another step size")
             out = np.fft.ifft(np.fft.fft(U, axis=1) / denom, axis=1)

@@ -101,3 +101,21 @@ def test_odd_histories_and_inputs(tmp_path):
     with pytest.raises(ValueError, match="`labels` must be two strings"):
         plots.training([1.0, 0.5], labels=("loss",))
     plt.close("all")
+
+
+def test_review_of_the_plot_checks():
+    """Lists of 1-D tensors as histories and 0-d arrays as floor were refused by the first checks; latencies as
+    0-d arrays, tensors or Fractions by predict's."""
+    import matplotlib.pyplot as plt
+    import torch
+    from fractions import Fraction
+
+    from mgrit.model import predict
+
+    ax = plots.residuals([torch.tensor([1.0, 0.1]), torch.tensor([1.0, 0.5])], floor=np.array(1e-12))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["solve 0 (factor 0.1)", "solve 1 (factor 0.5)"]
+    h = mgrit.build_hierarchy(np.linspace(0, 1, 17), cf=2, max_levels=3)
+    times = {predict(h, 2, 2, latency=v).time
+             for v in (1e-3, np.array(1e-3), torch.tensor(1e-3, dtype=torch.float64), Fraction(1, 1000))}
+    assert len(times) == 1
+    plt.close("all")

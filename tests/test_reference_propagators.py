@@ -228,3 +228,33 @@ def test_gather_checks_its_root(root):
     res = mgrit.solve(Dahlquist(-1.0), np.array([1.0]), np.linspace(0, 1, 9), cf=2, max_levels=2)
     with pytest.raises(ValueError, match="`root` must be a rank"):
         mgrit.gather(res, root=root)
+
+
+def test_review_of_the_checks_above():
+    """A review of the checks above: Lorenz and Brusselator returned numpy from `step` for torch states (their
+    solves failed), every dataclass field was taken for a coefficient (a subclass's callable field, per-row
+    array coefficients), the singular-step threshold missed a singular step on 256 points (the eigenvalues carry
+    the rounding of the largest) and refused a valid one on 8."""
+    import dataclasses
+    from typing import Callable
+
+    import torch
+
+    for prop, u in ((Lorenz(), torch.ones(3, dtype=torch.float64)), (Brusselator(), torch.ones(2, dtype=torch.float64))):
+        assert isinstance(prop.step(u, 0.0, 0.01), torch.Tensor)
+        res = mgrit.solve(prop, u, np.linspace(0, 0.1, 17), cf=2, max_levels=2, tol=1e-10)
+        assert isinstance(res.u, torch.Tensor)
+
+    @dataclasses.dataclass(frozen=True)
+    class Forced(Lorenz):
+        forcing: Callable = print
+
+    Forced()
+    rows = Lorenz(rho=np.array([28.0, 20.0])).step_batch(np.ones((2, 3)), np.zeros(2), np.full(2, 0.01))
+    np.testing.assert_array_equal(rows[0], Lorenz().step(np.ones(3), 0.0, 0.01))
+    p = AdvectionDiffusion1D(256, c=0.0, nu=1.0, scheme="central")
+    lam = p.generator_eigenvalues()
+    with pytest.raises(np.linalg.LinAlgError, match="singular"):
+        p.step(np.random.default_rng(0).standard_normal(p.size), 0.0, float(1.0 / np.sort(lam.real)[-2]))
+    q = AdvectionDiffusion1D(8, c=1.0, nu=0.0, scheme="upwind")
+    np.testing.assert_allclose(q.step(np.ones(q.size), 0.0, -q.dx / 2 * (1 + 1e-14)), np.ones(q.size))

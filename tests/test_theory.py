@@ -495,3 +495,14 @@ def test_nan_factors_are_refused_by_every_bound():
                  lambda: th.step_factor(np.array([-1.0, np.nan]), "fe")):
         with pytest.raises(ValueError, match="NaN"):
             call()
+
+
+def test_review_of_the_worst_case_and_nan_checks():
+    """c_r at the edge is tiny but positive with many C-relaxations (m = 3, FCF^9: 1.4e-13): the worst case is
+    unbounded there too (a 1e-12 cut returned 0.0132, below values inside the range); Fractions and symbols
+    have no NaN (the NaN check raised numpy's TypeError on them)."""
+    from fractions import Fraction
+
+    assert th.worst_case(3, "F" + "CF" * 9, "fe") == (-2.0 / 3.0, np.inf)
+    assert th.step_factor(Fraction(-1, 2), "fe") == Fraction(1, 2)
+    assert th.c_factor(Fraction(1, 2), Fraction(0), 2) == Fraction(1, 4)
