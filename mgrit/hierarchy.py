@@ -77,6 +77,25 @@ def check_integer(value, name: str, minimum: int, hint: str = "") -> None:
     raise ValueError(f"`{name}` must be an integer >= {minimum}{hint}, got {value!r}{note}")
 
 
+def check_real(value, name: str, minimum: float | None = None, what: str = "a finite number") -> float:
+    """``value`` as a float; ValueError naming ``name`` unless it is a finite real number (at least ``minimum``):
+    a Python or numpy number, a 0-d array or tensor, a Fraction; not a bool or a string.
+
+    >>> check_real(np.array(0.5), "latency", 0.0), check_real(3, "a")
+    (0.5, 3.0)
+    """
+    number = None
+    if not isinstance(value, (bool, np.bool_, str, bytes)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+    if number is None or not np.isfinite(number) or (minimum is not None and number < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise ValueError(f"`{name}` must be {what}{bound}, got {value!r}")
+    return number
+
+
 def check_flag(value, name: str) -> bool:
     """``value`` as a bool; ValueError naming ``name`` unless it is one (a string such as "no" is not).
 

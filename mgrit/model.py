@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from .cycle import LevelOps, run
-from .hierarchy import Hierarchy, Level, per_level
+from .hierarchy import Hierarchy, Level, check_real, per_level
 from .options import Options
 from .partition import all_neighbours, level_ranges
 
@@ -133,19 +133,6 @@ def sequential_time(hierarchy: Hierarchy, cost: StepCost | Sequence[StepCost] = 
     """Time of plain sequential stepping over the fine grid: ``N * single``."""
     _check_hierarchy(hierarchy)
     return hierarchy[0].n * _costs(cost, len(hierarchy))[0].single
-
-
-def _seconds(v, name: str) -> float:
-    """``v`` as a finite float >= 0: a number, a 0-d array or tensor, a Fraction; not a bool or text."""
-    x = None
-    if not isinstance(v, (bool, np.bool_, str, bytes)):
-        try:
-            x = float(v)
-        except (TypeError, ValueError):
-            pass
-    if x is None or not 0 <= x < math.inf:
-        raise ValueError(f"`{name}` must be a finite number of seconds >= 0, got {v!r}")
-    return x
 
 
 def _check_hierarchy(hierarchy) -> None:
@@ -362,8 +349,9 @@ def predict(
     if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
         raise ValueError(f"`iterations` must be an integer >= 1, got {iterations!r}")
     _check_hierarchy(hierarchy)
-    latency = _seconds(latency, "latency")
-    reduce_latency = None if reduce_latency is None else _seconds(reduce_latency, "reduce_latency")
+    latency = check_real(latency, "latency", 0.0, "a finite number of seconds")
+    reduce_latency = None if reduce_latency is None else \
+        check_real(reduce_latency, "reduce_latency", 0.0, "a finite number of seconds")
     for name, v in (("converged", converged), ("callback", callback)):
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"`{name}` must be True or False, got {v!r}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mgrit.hierarchy import check_real
+
 
 class FixedParameters:
     """Refuses to change the parameters named in ``_fixed`` once the propagator is built.
@@ -42,14 +44,5 @@ def check_states(owner, U, shape: tuple, batched: bool) -> None:
 
 def check_number(value, name: str, minimum: float | None = None) -> float:
     """``value`` as a float; ValueError unless it is a finite real number (at least ``minimum``): a Python or
-    numpy number, a 0-d array or tensor, a Fraction; not a bool or a string."""
-    number = None
-    if not isinstance(value, (bool, np.bool_, str, bytes)):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            pass
-    if number is None or not np.isfinite(number) or (minimum is not None and number < minimum):
-        bound = "" if minimum is None else f" >= {minimum:g}"
-        raise ValueError(f"`{name}` must be a finite number{bound}, got {value!r}")
-    return number
+    numpy number, a 0-d array or tensor, a Fraction; not a bool or a string (:func:`mgrit.hierarchy.check_real`)."""
+    return check_real(value, name, minimum)
