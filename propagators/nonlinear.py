@@ -6,22 +6,43 @@ from dataclasses import dataclass
 import numpy as np
 
 from mgrit import Propagator
+from mgrit import _backend as B
 
 from ._checks import check_number, check_states
 
 
 def _rk4(f, U, t0, t1, substeps):
     """Classical RK4 on stacked states ``U`` (n, d) with per-row times; ``substeps`` per interval."""
-    h = ((t1 - t0) / substeps)[:, None]
+    dt = (t1 - t0) / substeps
+    # (for torch states a tensor of their dtype: a numpy array times a tensor goes through numpy's deprecated
+    # __array_wrap__ of the tensor)
+    h = torch_like(dt[:, None], U) if B.is_torch(U) else dt[:, None]
     t = t0.astype(np.float64).copy()
     for _ in range(substeps):
         k1 = f(t, U)
-        k2 = f(t + h[:, 0] / 2, U + h / 2 * k1)
-        k3 = f(t + h[:, 0] / 2, U + h / 2 * k2)
-        k4 = f(t + h[:, 0], U + h * k3)
+        k2 = f(t + dt / 2, U + h / 2 * k1)
+        k3 = f(t + dt / 2, U + h / 2 * k2)
+        k4 = f(t + dt, U + h * k3)
         U = U + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
-        t = t + h[:, 0]
+        t = t + dt
     return U
+
+
+def _columns(cols: list, like):
+    """The columns stacked into states (n, d), in the states' array type (numpy or torch)."""
+    if B.is_torch(like):
+        import torch
+
+        return torch.stack(cols, dim=1)
+    return np.stack(cols, axis=1)
+
+
+def torch_like(a: np.ndarray, U):
+    """``a`` as a tensor of ``U``'s dtype (its real dtype for complex states) and device."""
+    import torch
+
+    dtype = U.real.dtype if U.is_complex() else U.dtype
+    return torch.as_tensor(a, dtype=dtype, device=U.device)
 
 
 class _RK4System(Propagator):
@@ -74,7 +95,7 @@ class Lorenz(_RK4System):
 
     def rhs(self, t, U):
         x, y, z = U[:, 0], U[:, 1], U[:, 2]
-        return np.stack([self.sigma * (y - x), x * (self.rho - z) - y, x * y - self.beta * z], axis=1)
+        return _columns([self.sigma * (y - x), x * (self.rho - z) - y, x * y - self.beta * z], U)
 
 
 @dataclass(frozen=True)
@@ -95,4 +116,4 @@ class Brusselator(_RK4System):
 
     def rhs(self, t, U):
         x, y = U[:, 0], U[:, 1]
-        return np.stack([self.a + x * x * y - (self.b + 1) * x, self.b * x - x * x * y], axis=1)
+        return _columns([self.a + x * x * y - (self.b + 1) * x, self.b * x - x * x * y], U)
