@@ -537,3 +537,38 @@ def test_mlp_layer_shape_and_hidden_width():
 @needs_mpiexec
 def test_transformer_on_two_ranks_equals_serial():
     assert_all_ok(2, *launch(2, "transformer_ranks.py"))
+
+
+# From a hostile review of the transformer module (its numerics held up to 6e-14 against serial autograd)
+@pytest.mark.parametrize("build, match", [
+    (lambda: make_vit(2, 10, 2.5), "whole numbers"),  # 2.5 heads: truncated to 2
+    (lambda: make_vit(2, 10, True), "whole numbers"),
+    (lambda: make_vit(2, -4, -2), "positive multiple of `heads`"),  # (torch's 'negative dimension' before)
+    (lambda: make_vit(2, 8.0, 2), "whole numbers"),
+    (lambda: make_vit(2, 8, 2, patch=4.0), "positive whole numbers"),
+    (lambda: make_vit(2, 8, 2, channels=0), "`channels`"),
+    (lambda: make_vit(2, 8, 2, classes=0), "`classes`"),
+    (lambda: make_vit(2, 8, 2, mlp_ratio=0.01), "hidden width of 0"),
+    (lambda: make_vit(2, 8, 2, mlp_ratio=-1.0), "`mlp_ratio`"),
+    (lambda: make_vit(2, 8, 2, parallel=False, T=0), "`T` must be a finite number > 0"),
+    (lambda: make_vit(2, 8, 2, parallel=False, T=float("inf")), "`T` must be a finite number > 0"),
+    (lambda: make_vit(2, 8, 2, causal="no", pool="mean"), "`causal` must be True or False"),
+    (lambda: make_vit(2, 8, 2, parallel="no"), "`parallel` must be True or False"),
+    (lambda: transformer_layers(0, 8, 2), "`n_blocks`"),
+])
+def test_bad_vit_arguments_are_named(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_a_scalar_input_and_a_strict_load_that_fails_change_nothing():
+    """vit(tensor(1.0)) raised IndexError; a strict load_serial of a 4-block checkpoint into 3 blocks raised
+    KeyError after overwriting the embedding and the head."""
+    vit = make_vit(3, 8, 2, seed=0, cf=2, max_levels=2)
+    with pytest.raises(ValueError, match="the patch embedding expects images"):
+        vit(torch.tensor(1.0))
+    other = make_vit(4, 8, 2, seed=1, parallel=False)
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    with pytest.raises(KeyError):
+        vit.load_serial(other.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in vit.state_dict().items())

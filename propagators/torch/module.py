@@ -1702,7 +1702,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         assert self._comm.size == 1
         return ODENet([self.layers[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
 
-    def load_serial(self, state_dict: dict, strict: bool = True, *, prefix: str = ""):
+    def load_serial(self, state_dict: dict, strict: bool = True, *, prefix: str = "", _also=None):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
 
         Every rank takes the entries of the layers it holds (owned and halo);
@@ -1712,9 +1712,12 @@ class LayerParallel(_SolveCycles, nn.Module):
         layers); otherwise, like ``load_state_dict``, returns the serial
         network's ``missing_keys`` and ``unexpected_keys`` (the same on every rank).
         ``prefix``: where a larger network's state dict holds this block's entries
-        (``"1."`` in a MultiStage), for the keys the errors name.
+        (``"1."`` in a MultiStage), for the keys the errors name. (``_also``: a network around the block, its
+        ``(check, load)`` of its own entries, run in the same session: checked before anything is loaded.)
         """
         with self._session("load_serial()"):  # collective: every rank raises alike
+            if _also is not None:
+                _also[0]()
             own = self.state_dict()
             every = set(own)
             if self._comm.size > 1:  # the serial network's keys: every rank's own
@@ -1738,6 +1741,8 @@ class LayerParallel(_SolveCycles, nn.Module):
                     sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
                     if sub:
                         m.load_state_dict(sub, strict=strict)
+            if _also is not None:
+                _also[1]()
         self._warm = None
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
@@ -2012,7 +2017,7 @@ class ODENet(nn.Module):
     def __init__(self, layers, T: float = 1.0, scheme=forward_euler):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.T = float(T)
+        self.T = _check_T(T)  # (as LayerParallel's: T = 0 or inf built a network that did nothing or NaN)
         self.h, self.scheme = self.T / len(self.layers), scheme
 
     def forward(self, x):

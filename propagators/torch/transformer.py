@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgrit.hierarchy import check_integer
+from mgrit.hierarchy import check_flag, check_integer, check_real, is_integer
 
 from .module import LayerParallel, ODENet
 from .switch import SerialSwitch, Switchable
@@ -52,8 +52,17 @@ FORMS = ("sequential", "parallel", "halves")
 
 
 def _check_dims(dim: int, heads: int) -> None:
-    if dim < 1 or heads < 1 or dim % heads:
-        raise ValueError(f"`dim` ({dim}) must be a positive multiple of `heads` ({heads})")
+    if not (is_integer(dim) and is_integer(heads)) or dim < 1 or heads < 1 or dim % heads:
+        raise ValueError(f"`dim` ({dim!r}) must be a positive multiple of `heads` ({heads!r}), both whole numbers")
+
+
+def _check_width(dim: int, mlp_ratio) -> int:
+    """The MLP's hidden width ``round(mlp_ratio dim)``, at least 1 (a width of 0 makes the branch a constant)."""
+    ratio = check_real(mlp_ratio, "mlp_ratio", 0.0)
+    if int(round(ratio * dim)) < 1:
+        raise ValueError(f"`mlp_ratio`={mlp_ratio!r} gives the MLP a hidden width of 0 for dim {dim}: pass a ratio "
+                         f">= {0.5 / dim:g}")
+    return int(round(ratio * dim))
 
 
 class AttentionLayer(nn.Module):
@@ -78,7 +87,7 @@ class AttentionLayer(nn.Module):
     def __init__(self, dim: int, heads: int, causal: bool = False, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         _check_dims(dim, heads)
-        self.dim, self.heads, self.causal = int(dim), int(heads), bool(causal)
+        self.dim, self.heads, self.causal = int(dim), int(heads), check_flag(causal, "causal")
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
@@ -141,7 +150,7 @@ class TransformerBlock(nn.Module):
                              "(two half-step layers per block: transformer_layers(..., form='halves'))")
         self.form = form
         self.attn = AttentionLayer(dim, heads, causal=causal, dropout=dropout)
-        self.mlp = MLPLayer(dim, int(round(mlp_ratio * dim)), dropout=dropout)
+        self.mlp = MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout)
 
     def forward(self, u):
         a = self.attn(u)
@@ -153,13 +162,15 @@ def transformer_layers(n_blocks: int, dim: int, heads: int, mlp_ratio: float = 4
     """The layer modules of ``n_blocks`` blocks: ``n_blocks`` :class:`TransformerBlock`
     (``form`` "sequential" or "parallel"), or ``2 n_blocks`` alternating
     :class:`AttentionLayer`, :class:`MLPLayer` (``form="halves"``)."""
+    check_integer(n_blocks, "n_blocks", 1)
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
+    _check_dims(dim, heads)
     if form == "halves":
         out = []
         for _ in range(n_blocks):
             out += [AttentionLayer(dim, heads, causal=causal, dropout=dropout),
-                    MLPLayer(dim, int(round(mlp_ratio * dim)), dropout=dropout)]
+                    MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout)]
         return out
     return [TransformerBlock(dim, heads, mlp_ratio, form=form, causal=causal, dropout=dropout)
             for _ in range(n_blocks)]
@@ -175,9 +186,11 @@ class PatchEmbedding(nn.Module):
 
     def __init__(self, side: int, patch: int, dim: int, channels: int = 1, cls_token: bool = True):
         super().__init__()
-        if not (int(patch) == patch >= 1 and int(side) == side >= 1):
-            raise ValueError(f"the image side and the patch size must be positive whole numbers, got side {side} "
-                             f"and patch {patch}")
+        if not (is_integer(patch) and is_integer(side) and patch >= 1 and side >= 1):
+            raise ValueError(f"the image side and the patch size must be positive whole numbers, got side {side!r} "
+                             f"and patch {patch!r}")
+        check_integer(channels, "channels", 1)
+        check_integer(dim, "dim", 1)
         if side % patch:
             raise ValueError(f"the patch size {patch} must divide the image side {side}")
         self.side, self.patch, self.channels = int(side), int(patch), int(channels)
@@ -196,8 +209,9 @@ class PatchEmbedding(nn.Module):
             raise TypeError(f"the patch embedding expects a floating-point image tensor of the model's dtype "
                             f"({dtype}), got dtype {x.dtype}; convert it, e.g. x.to({dtype}) (8-bit pixels "
                             f"scaled to [0, 1]: x.to({dtype}) / 255), or the model, e.g. model.to(x.dtype)")
-        B, s, p, c = x.shape[0], self.side, self.patch, self.channels
+        s, p, c = self.side, self.patch, self.channels
         shape = tuple(x.shape[1:])
+        B = x.shape[0] if x.dim() else 0
         if x.dim() < 2 or shape not in ((c * s * s,), (c, s, s)) + (((s, s),) if c == 1 else ()):
             # (any shape of the right size passed before: a (N, 2, 8, 4) batch, or an NHWC image whose pixels
             # went into the wrong patches)
@@ -222,6 +236,7 @@ class ClassifierHead(nn.Module):
         super().__init__()
         if pool not in ("cls", "mean"):
             raise ValueError(f"`pool` must be 'cls' or 'mean', got {pool!r}")
+        check_integer(classes, "classes", 1)
         self.pool = pool
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, classes)
@@ -278,14 +293,16 @@ class ViT(nn.Module):
         own = {k for k in self.state_dict() if not k.startswith(prefix)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
         missing, extra = sorted(own - set(rest)), sorted(set(rest) - own)
-        if strict:
-            if missing or extra:
+
+        def check():  # (in the blocks' session, before anything is loaded: a failure on one rank reaches all)
+            if strict and (missing or extra):
                 raise KeyError(f"the state dict does not fit this ViT's embedding and head: missing {missing[:3]}, "
                                f"unexpected {extra[:3]} (a serial ViT's state dict is expected: vit.to_serial()"
                                ".state_dict() or make_vit(..., parallel=False).state_dict())")
-        self.load_state_dict(rest, strict=False)
+
         keys = lp.load_serial({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-                              strict=strict, prefix=prefix)
+                              strict=strict, prefix=prefix,
+                              _also=(check, lambda: self.load_state_dict(rest, strict=False)))
         return nn.modules.module._IncompatibleKeys(missing + [prefix + k for k in keys.missing_keys],
                                                    extra + [prefix + k for k in keys.unexpected_keys])
 
@@ -337,6 +354,8 @@ def make_vit(n_blocks: int = 8, dim: int = 32, heads: int = 4, *, side: int = 8,
     >>> vit.blocks.mode = "serial"               # the same parameters, plain autograd through the blocks
     """
     check_integer(n_blocks, "n_blocks", 1)
+    _check_dims(dim, heads)
+    causal, parallel = check_flag(causal, "causal"), check_flag(parallel, "parallel")
     if causal and pool == "cls":
         raise ValueError("causal=True with pool='cls': the class token stands in front of the patches and causal "
                          "attention lets it see only itself, so the classifier would ignore the image; use "

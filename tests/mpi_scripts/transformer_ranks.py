@@ -240,8 +240,23 @@ def switch_on_one_data_rank_and_bad_shard_size():
                    rank == 1, ValueError, "shard_size")
 
 
+def vit_load_with_a_head_entry_missing_on_one_rank():
+    """A strict ViT.load_serial whose state dict lacks a head entry on rank 0 only: rank 0 raised KeyError and
+    rank 1 loaded, and the ranks' heads differed. Now every rank raises and none loads anything."""
+    vit = make_vit(4, 8, 2, seed=0, cf=2, max_levels=2, comm=world)
+    sd = make_vit(4, 8, 2, seed=1, parallel=False).state_dict()
+    if rank == 0:
+        del sd["close.fc.bias"]
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    one_rank_fails("ViT.load_serial with a head entry missing on rank 0", lambda: vit.load_serial(sd),
+                   rank == 0, KeyError, "embedding and head")
+    if not all(torch.equal(before[k], v) for k, v in vit.state_dict().items()):
+        fail("ViT.load_serial that raised changed the model")
+
+
 blocks_equal_serial()
 vit_equals_serial()
+vit_load_with_a_head_entry_missing_on_one_rank()
 replicas_with_different_cycles_raise()
 serial_mode_and_measure()
 measure_keeps_the_warm_start()
