@@ -42,6 +42,16 @@ class Dahlquist(Propagator):
             raise ValueError(f"`xi` must be a finite real or complex number (or an array of them, one per entry of "
                              f"the state), got {self.xi!r}")
 
+    def _key(self) -> tuple:
+        xi = np.asarray(self.xi)
+        return self.scheme, xi.shape, tuple(xi.ravel().tolist())
+
+    def __eq__(self, other):  # (an array xi compares entry by entry: the dataclass's == raised on it)
+        return self._key() == other._key() if type(other) is type(self) else NotImplemented
+
+    def __hash__(self):  # (an array xi is unhashable; its entries are not)
+        return hash(self._key())
+
     def factor(self, dt):
         """Amplification factor of one step of size ``dt`` (scalar or array)."""
         z = self.xi * np.asarray(dt)

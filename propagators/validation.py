@@ -16,9 +16,11 @@ import numpy as np
 from scipy.linalg import lapack
 
 from mgrit import Propagator
+from mgrit import _backend as B
 
 from ._checks import FixedParameters, check_number, check_states
 from .heat import _evict, _touch
+from .nonlinear import _columns, torch_like
 
 __all__ = ["AdvectionDiffusion1D", "VanDerPol"]
 
@@ -161,7 +163,8 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
 
     def step(self, u, t0, t1):
         check_states(self, u, (self.size,), batched=False)
-        return self.step_batch(np.asarray(u)[None], np.array([t0], dtype=np.float64),
+        u = u if B.is_torch(u) else np.asarray(u)  # (torch states are stepped in torch)
+        return self.step_batch(u[None], np.array([t0], dtype=np.float64),
                                np.array([t1], dtype=np.float64))[0]
 
     def step_batch(self, U, t0, t1):
@@ -227,7 +230,7 @@ class VanDerPol(Propagator):
     def rhs(self, U):
         """``f(u)`` for stacked states ``U`` of shape (n, 2)."""
         x, y = U[:, 0], U[:, 1]
-        return np.stack([y, self.mu * (1.0 - x * x) * y - x], axis=1)
+        return _columns([y, self.mu * (1.0 - x * x) * y - x], U)
 
     def rhs_jacobian(self, u) -> np.ndarray:
         """``df/du`` at one state ``u`` (2x2)."""
@@ -236,10 +239,13 @@ class VanDerPol(Propagator):
 
     def step(self, u, t0, t1):
         check_states(self, u, (2,), batched=False)
-        return self.step_batch(np.asarray(u)[None], np.array([t0], dtype=np.float64),
+        u = u if B.is_torch(u) else np.asarray(u)  # (torch states are stepped in torch)
+        return self.step_batch(u[None], np.array([t0], dtype=np.float64),
                                np.array([t1], dtype=np.float64))[0]
 
     def step_batch(self, U, t0, t1):
         check_states(self, U, (2,), batched=True)
         h = ((np.asarray(t1, dtype=np.float64) - np.asarray(t0, dtype=np.float64)) / self.substeps)[:, None]
+        if B.is_torch(U):  # (a tensor of the states' dtype: numpy arrays times tensors are deprecated in numpy)
+            return _rk4(self.rhs, U, torch_like(h, U), int(self.substeps))
         return _rk4(self.rhs, np.asarray(U), h, int(self.substeps))

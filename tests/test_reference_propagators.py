@@ -258,3 +258,28 @@ def test_review_of_the_checks_above():
         p.step(np.random.default_rng(0).standard_normal(p.size), 0.0, float(1.0 / np.sort(lam.real)[-2]))
     q = AdvectionDiffusion1D(8, c=1.0, nu=0.0, scheme="upwind")
     np.testing.assert_allclose(q.step(np.ones(q.size), 0.0, -q.dx / 2 * (1 + 1e-14)), np.ones(q.size))
+
+
+def test_van_der_pol_steps_torch_states_in_torch_and_an_array_xi_dahlquist_is_hashable():
+    """VanDerPol returned numpy arrays for torch states (its solves failed at the first sequential solve, as
+    Lorenz's did before the test above); a Dahlquist with an array xi could not be hashed, and == raised
+    numpy's 'truth value of an array is ambiguous'."""
+    import torch
+
+    p = VanDerPol(mu=2.0)
+    for dtype in (torch.float64, torch.float32):
+        u = torch.tensor([2.0, 0.5], dtype=dtype)
+        out = p.step(u, 0.0, 0.1)
+        assert isinstance(out, torch.Tensor) and out.dtype == dtype
+        np.testing.assert_allclose(out.numpy(), p.step(u.numpy(), 0.0, 0.1), rtol=1e-6 if dtype == torch.float32 else 1e-15)
+    u0 = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    res = mgrit.solve(p, u0, np.linspace(0, 1, 33), cf=4, tol=1e-12)
+    assert isinstance(res.u, torch.Tensor)
+    np.testing.assert_allclose(res.u.numpy(), mgrit.solve(p, u0.numpy(), np.linspace(0, 1, 33), cf=4, tol=1e-12).u,
+                               rtol=0, atol=1e-13)
+
+    d = Dahlquist(np.array([-1.0, -2.0]))
+    assert d == Dahlquist(np.array([-1.0, -2.0])) and hash(d) == hash(Dahlquist(np.array([-1.0, -2.0])))
+    assert d != Dahlquist(np.array([-1.0, -3.0])) and d != Dahlquist(np.array([[-1.0, -2.0]]))
+    assert d != Dahlquist(np.array([-1.0, -2.0]), "fe")
+    assert Dahlquist(-1) == Dahlquist(-1.0) and len({Dahlquist(-1.0), Dahlquist(-1), d}) == 2
