@@ -2403,3 +2403,92 @@ def test_per_level_options_given_alike_compare_alike():
              (([2, 4], ["F", "FCF"]), ((2, 4), ("F", "FCF")), (np.array([2, 4], np.int32), np.array(["F", "FCF"])),
               (np.array([2, 4]), ("F", "FCF")))]
     assert all(repr(o) == repr(built[0]) for o in built) and built[0]["cf"] == (2, 4)
+
+
+def test_review_of_grad_norm_complex_tied_and_torch_conventions():
+    """A review of grad_norm / clip_grad_norm_: complex gradients lost their imaginary parts (torch's
+    cast of complex to double; the 2-norm was 14.25 where torch's is 19.48), a parameter two blocks hold
+    (tied, one process) counted twice, `foreach=` (torch's argument) was a TypeError, and the norm came
+    back as a float64 tensor where torch's is in the gradients' dtype and on their device."""
+    from propagators.torch import clip_grad_norm_, grad_norm
+
+    torch.manual_seed(3)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4, dtype=torch.complex128), nn.Tanh()) for _ in range(6)],
+                       cf=2, fwd_iters=20, bwd_iters=20)
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.complex128), lp)
+    twin = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.complex128)
+    for net in (model, twin):
+        (net(x).abs() ** 2).sum().backward()
+    for p in (1.0, 2.0, 3.5, float("inf")):
+        want = float(torch.nn.utils.get_total_norm([q.grad for q in twin.parameters()], p))
+        assert abs(grad_norm(model, p) - want) <= 1e-12 * want, p
+    got = clip_grad_norm_(model, 1.0, foreach=False)
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+    assert got.dtype == want.dtype == torch.float64 and abs(float(got) - float(want)) <= 1e-12 * float(want)
+    assert float(torch.nn.utils.get_total_norm([q.grad for q in model.parameters()])) <= 1.0 + 1e-9
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=0)
+
+    shared = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def block():
+        return LayerParallel([shared] + [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)], cf=2)
+
+    model = nn.Sequential(nn.Linear(3, 4), block(), block(), nn.Linear(4, 2))
+    twin, x = copy.deepcopy(model), torch.randn(5, 3)
+    for net in (model, twin):
+        loss_fn(net(x)).backward()
+    for p in (1.0, 2.0, float("inf")):
+        want = float(torch.nn.utils.get_total_norm([q.grad for q in model.parameters()], p))
+        assert abs(grad_norm(model, p) - want) <= 1e-12 * want, p
+    norm, want = clip_grad_norm_(model, 1e-3, foreach=True), torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e-3)
+    assert abs(float(norm) - float(want)) <= 1e-12 * float(want)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=0)
+    small = nn.Sequential(nn.Linear(2, 2, dtype=torch.float32), LayerParallel([nn.Linear(2, 2, dtype=torch.float32)]))
+    small(torch.ones(1, 2, dtype=torch.float32)).sum().backward()
+    norm, want = clip_grad_norm_(small, 1.0), torch.nn.utils.clip_grad_norm_(small.parameters(), 1.0)
+    assert norm.dtype == want.dtype == torch.float32 and norm.device == want.device
+    bare = nn.Sequential(nn.Linear(2, 2))  # (no gradients: torch's 0.0)
+    assert clip_grad_norm_(bare, 1.0).dtype == torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0).dtype
+
+
+@pytest.mark.parametrize("scheme", ["partial", "centred", "exp_euler", "no_f"])
+def test_a_users_scheme_sees_one_state_and_a_tensor_step_on_dense_layers(scheme):
+    """A review of the schemes: on dense layers (Linear + activation) a user's scheme was called on the
+    stack of a sweep's states with a (n, 1, 1) step, so one that slices or reduces an axis mixed the states
+    (0.47 off serial at any number of cycles); the coarsest chain passed the step as a Python float
+    (torch.exp(-dt) failed, blamed on the layer); a scheme that never calls its layer failed in the
+    backward pass with torch's 'does not require grad'."""
+    def partial(f, u, dt):
+        k = f(u)
+        return torch.cat([u[:, :2], u[:, 2:] + dt * k[:, 2:]], dim=1)
+
+    def centred(f, u, dt):
+        k = f(u)
+        return u + dt * (k - k.mean(0))
+
+    def exp_euler(f, u, dt):
+        return u * torch.exp(-dt) + (1 - torch.exp(-dt)) * f(u)
+
+    def no_f(f, u, dt):
+        return u * (1 - dt)
+
+    fn = {"partial": partial, "centred": centred, "exp_euler": exp_euler, "no_f": no_f}[scheme]
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh()) for _ in range(8)]
+    serial = ODENet(copy.deepcopy(layers), T=1.0, scheme=fn)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, scheme=fn, fwd_tol=1e-13, bwd_tol=1e-13)
+    assert all(line.endswith("dense") for line in lp.kernel.describe())  # (the layers are on the dense path)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    xs, xl = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ys, yl = serial(xs), lp(xl)
+    loss_fn(ys).backward()
+    loss_fn(yl).backward()
+    assert rel(yl, ys) < 1e-13 and rel(xl.grad, xs.grad) < 1e-12
+    for a, b in zip(lp.parameters(), serial.parameters()):
+        if b.grad is None:
+            assert a.grad is None or not a.grad.any()
+        else:
+            assert rel(a.grad, b.grad) < 1e-12

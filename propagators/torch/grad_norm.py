@@ -41,7 +41,31 @@ def _part(grads, p: float) -> float:
         return 0.0
     if math.isinf(p):
         return _max(float(g.detach().abs().max()) for g in grads)
-    return sum(float(torch.linalg.vector_norm(g.detach().double(), p) ** p) for g in grads)
+    # (complex gradients by their magnitudes: .double() of a complex tensor drops the imaginary part)
+    return sum(float(torch.linalg.vector_norm(_wide(g.detach()), p) ** p) for g in grads)
+
+
+def _wide(g: torch.Tensor) -> torch.Tensor:
+    return g.to(torch.complex128).abs() if g.is_complex() else g.double()
+
+
+def _agree_rest(b: LayerParallel, rest: float, rtol: float) -> None:
+    """Raise on every rank of ``b``'s communicator when the part of the parameters outside the blocks
+    (``rest``: this rank's) differs between its ranks by more than ``rtol``: each rank would scale its
+    copies by another factor. One reduction; a part that is NaN or Inf on every rank passes (the norm
+    is then that)."""
+    bad = not math.isfinite(rest)
+    hi, neg_lo, any_bad, neg_all_bad = b.comm.exact_many(
+        [[0.0 if bad else rest], [0.0 if bad else -rest], [float(bad)], [-float(bad)]], "max")
+    lo = -neg_lo
+    if (any_bad and neg_all_bad == 0.0) or hi - lo > rtol * hi:
+        ranks = "NaN or Inf on some ranks only" if any_bad and neg_all_bad == 0.0 else f"from {lo!r} to {hi!r}"
+        raise ValueError(
+            f"the gradients of the parameters outside the LayerParallel blocks differ between the ranks of "
+            f"LayerParallel #{b._uid} (their part of the norm ranges {ranks}): every rank must hold the same "
+            "gradients for them, or each would clip its copy by another factor. Is a parameter's .grad None on "
+            "some ranks only, or are the gradients of a layer x data grid not yet all-reduced "
+            "(allreduce_gradients)?")
 
 
 def _check_model(model, name: str) -> None:
@@ -65,12 +89,17 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
     blocks = [m for m in model.modules() if isinstance(m, LayerParallel)]
     split = {id(q) for b in blocks for q in b.parameters()}
     rest = [q.grad for q in model.parameters() if id(q) not in split and q.grad is not None]
-    parts = [_part(rest, p)]
+    parts, seen = [_part(rest, p)], set()
+    # (copies of the same gradients give the same part; 100 units of their precision allow for rounding)
+    rtol = min(1e-3, 100 * max((torch.finfo(g.dtype).eps for g in rest), default=0.0))
     for b in blocks:
-        own = [q.grad for q in b.parameters() if q.grad is not None]
+        # (a parameter two blocks hold, tied on one rank, counts once, as in model.parameters())
+        own = [q.grad for q in b.parameters() if id(q) not in seen and not seen.add(id(q)) and q.grad is not None]
         # in a session of the block: a rank that is in another call of the block (a pass) raises
         # instead of waiting
         with b._session("grad_norm / clip_grad_norm_", p, agree="norm types"):
+            if b.comm.size > 1:
+                _agree_rest(b, parts[0], rtol)
             if math.isinf(p):
                 local = _part(own, p)  # (the communicator's max takes a NaN for inf: NaNs flagged apart)
                 nan, top = b.comm.exact_many([[float(math.isnan(local))], [0.0 if math.isnan(local) else local]],
@@ -84,11 +113,13 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` for a model with LayerParallel
     blocks on several ranks: scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the
-    norm of :func:`grad_norm` (the serial network's, the same on every rank). Returns the norm (a
-    float64 tensor, like torch's function).
+    norm of :func:`grad_norm` (the serial network's, the same on every rank). Returns the norm as
+    torch's function does: a 0-d tensor in the first gradient's (real) dtype, on its device (0.0 in
+    torch's default dtype without gradients). ``foreach`` is taken as torch takes it (None: the fused multiply where the
+    gradients allow it).
 
     On one process it equals torch's function (up to rounding; norm types > 0 and inf), a NaN or Inf
     gradient included (a NaN norm makes every gradient NaN). Collective: call it on every rank,
@@ -106,5 +137,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     coef = coef if math.isnan(coef) else min(1.0, coef)  # a NaN norm makes every gradient NaN, as torch's does
     grads = [q.grad for q in model.parameters() if q.grad is not None]
     if grads and not coef >= 1.0:
-        torch._foreach_mul_(grads, coef)
-    return torch.tensor(total, dtype=torch.float64)
+        if foreach is False:
+            for g in grads:
+                g.mul_(coef)
+        else:
+            torch._foreach_mul_(grads, coef)
+    if not grads:
+        return torch.tensor(0.0)
+    g = grads[0]
+    return torch.tensor(total, dtype=g.dtype.to_real() if g.is_complex() else g.dtype, device=g.device)

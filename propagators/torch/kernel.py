@@ -43,7 +43,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
-from .schemes import forward_euler
+from .schemes import forward_euler, heun, rk4
 
 try:  # what functional_call binds with; held around a looped layer's autograd.grad (KernelPass._held)
     from torch.nn.utils.stateless import _reparametrize_module
@@ -924,13 +924,16 @@ class KernelPass:
             hit = self._one_values[j] = (p, c.dense.bound({n: v[None] for n, v in p.items()}))
         return hit[1]
 
-    def _dt_of_one(self, dt: float, U):
-        key = (dt, U.dtype, U.device, U.dim())
+    def _dt_of_one(self, dt: float, U, dims: int | None = None):
+        """``dt`` as a tensor of ``U``'s dtype and device with ``dims`` axes of length 1 (None: as many
+        as ``U`` has; 0: the 0-d step a scheme gets in :func:`serial_forward` and in the sweeps)."""
+        dims = U.dim() if dims is None else dims
+        key = (dt, U.dtype, U.device, dims)
         hit = self._dt_one.get(key)
         if hit is None:
             if len(self._dt_one) > 64:
                 self._dt_one.clear()
-            hit = self._dt_one[key] = torch.full((1,) * U.dim(), dt, dtype=U.dtype, device=U.device)
+            hit = self._dt_one[key] = torch.full((1,) * dims, dt, dtype=U.dtype, device=U.device)
         return hit
 
     def _stack(self, cid: int, reverse: bool = False):
@@ -1141,20 +1144,21 @@ class KernelPass:
             self._groups(np.array([j]))  # raises the plan-bug error
         c = self.k.classes[int(self.k.class_of[j])]
         version = u._version
-        if c.mode == "dense":
+        scheme, out = self.k.scheme, None
+        if c.mode == "dense" and scheme in _STACKABLE:
             p = self._detached(j)[0]
             try:
-                if self.k.scheme is forward_euler and isinstance(dt, float):
+                if scheme is forward_euler and isinstance(dt, float):
                     # the fused step of a batched sweep (stepper) on a batch of one: the same operations,
                     # so a layer stepped here (a coarsest chain) or in a sweep gives the same bits
                     U = u[None]
                     out = torch.addcmul(U, self._dt_of_one(dt, U), self._bound_one(c, j, p)(U))[0]
                 else:
-                    out = self.k.scheme(lambda v: c.dense.single(p, v), u, dt)
+                    out = scheme(lambda v: c.dense.single(p, v), u, self._dt_of_one(dt, u, 0))
             except Exception:  # noqa: BLE001 - the looped call below names the layer
-                out = self._call_layer(j, u, dt)
-        else:
-            out = self._call_layer(j, u, dt)
+                out = None
+        if out is None:  # (a scheme gets a 0-d tensor of the state's dtype, as in the sweeps and serial_forward)
+            out = self._call_layer(j, u, self._dt_of_one(dt, u, 0) if isinstance(dt, float) else dt)
         if u._version != version:
             raise _inplace_error()
         return out
@@ -1169,13 +1173,14 @@ class KernelPass:
             p = self._detached(j)[0]
             if self._closed_form(c, v):
                 return c.dense.euler_vjp_single(p, u, v, dt, d)
-            try:
-                with torch.enable_grad():
-                    ua = u.detach().requires_grad_(True)
-                    out = self.k.scheme(lambda z: c.dense.single(p, z), ua, dt)
-                    return torch.autograd.grad(out, ua, v)[0]
-            except Exception:  # noqa: BLE001 - the general path below names the layer
-                pass
+            if self.k.scheme in _STACKABLE:
+                try:
+                    with torch.enable_grad():
+                        ua = u.detach().requires_grad_(True)
+                        out = self.k.scheme(lambda z: c.dense.single(p, z), ua, self._dt_of_one(dt, u, 0))
+                        return torch.autograd.grad(out, ua, v)[0]
+                except Exception:  # noqa: BLE001 - the general path below names the layer
+                    pass
         dts = torch.full((1,), dt, dtype=u.dtype, device=u.device)
         return self.vjp_state(u[None], v[None], np.array([j]), dts)[0]
 
@@ -1278,10 +1283,15 @@ class KernelPass:
                              lambda: self._step_class(cid, idx, U, dt))
 
     def dense_step(self, c: LayerClass, params, U, dt):
-        dtb = dt.reshape((-1,) + (1,) * (U.dim() - 1))
-        if self.k.scheme is forward_euler:  # u + dt f(u) as one fused operation
-            return torch.addcmul(U, dtb, c.dense(params, U))
-        return self.k.scheme(lambda V: c.dense(params, V), U, dtb)
+        scheme = self.k.scheme
+        if scheme in _STACKABLE:  # on the stack of states at once
+            dtb = dt.reshape((-1,) + (1,) * (U.dim() - 1))
+            if scheme is forward_euler:  # u + dt f(u) as one fused operation
+                return torch.addcmul(U, dtb, c.dense(params, U))
+            return scheme(lambda V: c.dense(params, V), U, dtb)
+        # a user's scheme sees one state and a 0-d step, as in serial_forward (on the stack it could
+        # mix the states, e.g. with u[:, :2] or k.mean(0))
+        return vmap(lambda p, u, d: scheme(lambda v: c.dense.single(p, v), u, d))(params, U, dt)
 
     def _vmapped(self, c: LayerClass):
         def one(p, b, u, dt_):
@@ -1479,7 +1489,9 @@ class KernelPass:
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}
             with torch.enable_grad():
                 out = self.dense_step(c, req, U.detach(), dt)
-                gs = torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True)
+                # (a step that never calls its layer leaves out without a graph: no parameter gradients)
+                gs = (torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True) if out.requires_grad
+                      else [None] * len(need))
             G = _distinct(dict(zip(need, gs)))
         else:
             need = self._used(c, int(idx[0]), U[0], W[0], dt[0], need)
@@ -1535,6 +1547,11 @@ class KernelPass:
                 gs = torch.autograd.grad(out, [req[n] for n in need], w, allow_unused=True)
         grads.update(zip(need, _distinct(dict(zip(need, gs))).values()))
         return grads
+
+
+#: built-in schemes that are elementwise in the state, the layer's value and the step: a stack of states
+#: (with a step per row) is stepped as each state alone would be
+_STACKABLE = (forward_euler, heun, rk4)
 
 
 def _distinct(grads: dict) -> dict:

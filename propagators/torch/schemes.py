@@ -3,7 +3,10 @@
 ``f`` is the layer (the right-hand side of the ODE ``u' = f(u)``), ``dt`` the
 step: ``h`` on the layers, ``m h`` on a coarse level with factor ``m``.
 A scheme must be a pure function of its arguments (it is evaluated batched,
-under ``torch.func.vmap``, and differentiated).
+under ``torch.func.vmap``, and differentiated). It gets one state, shaped as the
+layer takes it, and ``dt`` as a 0-d tensor of the state's dtype, as
+:class:`ODENet` gives them (the built-in schemes below, elementwise in ``u``,
+``f(u)`` and ``dt``, are also applied to a stack of states at once).
 """
 from __future__ import annotations
 

@@ -467,6 +467,20 @@ def clipped_gradients():
         fail("clip_grad_norm_ on some ranks while one is in a pass: no error")
     except ValueError:
         pass
+    # a layer every rank holds whose gradient is None on rank 0 only: each rank had its own norm and clipped
+    # its copy by its own factor (11.96 on rank 0, 13.19 on rank 1); now every rank raises, naming it (the
+    # inf-norm is left out: there the largest gradient elsewhere makes the norm the same on every rank)
+    for p in (2.0, 1.0):
+        model.zero_grad()
+        loss_fn(model(x)).backward()
+        if rank == 0:
+            model[0].weight.grad = None
+        try:
+            clip_grad_norm_(model, 0.1, norm_type=p)
+            fail(f"clip_grad_norm_ (p={p}) with a layer's gradient None on rank 0 only: no error")
+        except ValueError as exc:
+            if "outside the LayerParallel blocks differ between the ranks" not in str(exc):
+                fail(f"clip_grad_norm_ (p={p}) with a layer's gradient None on rank 0 only: {exc}")
     # a NaN in one layer's gradient, held by one rank: NaN on every rank, for every norm type (torch's
     # result; the inf-norm dropped it when the NaN was not the first value of Python's max)
     owner = max(lp.layers.indices)
