@@ -21,7 +21,7 @@ and the settings of the table, the script reports
   from serial autograd, relative to the largest gradient entry, after solves
   to a relative residual 1e-12 (at most 60 cycles: without spatial
   coarsening the diffusive net's forward residual stops at a round-off floor
-  near 1e-8 / 1e-10, see docs/cnn_spatial.md);
+  near 2e-9 / 2e-10 (F / FCF), see docs/cnn_spatial.md);
 * ``P=..``: the speedup over the measured serial network (forward + backward
   with autograd) that ``mgrit.model.predict`` predicts on P ranks for a
   forward and an adjoint solve of ``fwd it`` / ``bwd it`` cycles, with per-level

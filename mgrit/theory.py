@@ -251,7 +251,7 @@ def _bidiagonal_sigma_min(abs_mu: float, n: int) -> float:
     ``B^T B`` is tridiagonal (``1 + a^2`` on the diagonal but a last 1, ``-a`` beside it); its eigenvectors
     are ``v_k = sin(k theta)`` with ``sin((n+1) theta) = a sin(n theta)``, eigenvalue
     ``(1 - a)^2 + 4 a sin^2(theta / 2)``. The smallest root lies in ``[pi/(2n+1), pi/(n+1)]`` (the two
-    sharp bounds: the ends are the roots for ``a = 1`` and ``a = 0``), found to rounding by bisection; the
+    sharp bounds: the ends are the roots for ``a = 1`` and ``a = 0``), found to rounding by brentq; the
     dense SVD took O(n^3) time and O(n^2) memory (74 GiB at ``n = 10^5``) for the same digits."""
     from scipy.optimize import brentq
 
