@@ -225,20 +225,31 @@ class _Waiter:
         return job
 
 
-_WAITER: list = []
+#: The helper of each thread that waits (by thread ident): a thread's waits return in its own order.
+#: One helper for the process made two threads on two groups wait for each other for ever (each
+#: process queued their waits in another order, and a wait blocked on one group held up the other's).
+_WAITERS: dict = {}
+_WAITERS_LOCK = threading.Lock()
 
 
 def _waiter() -> _Waiter:
-    if not _WAITER:
-        _WAITER.append(_Waiter())
-    return _WAITER[-1]
+    me = threading.get_ident()
+    w = _WAITERS.get(me)
+    if w is None:
+        with _WAITERS_LOCK:
+            alive = {t.ident for t in threading.enumerate()}
+            for ident in [i for i in _WAITERS if i not in alive]:
+                _WAITERS.pop(ident).q.put(None)  # (a thread that ended: its helper ends after its last wait)
+            w = _WAITERS[me] = _Waiter()
+    return w
 
 
 def _leave_waiter_behind() -> None:
-    """The current helper may be blocked forever on an interrupted wait: use a new one. The old one
+    """This thread's helper may be blocked forever on an interrupted wait: use a new one. The old one
     ends once that wait returns (the peer sent, answered a request for a dummy, or closed)."""
-    if _WAITER:
-        w = _WAITER.pop()
+    with _WAITERS_LOCK:
+        w = _WAITERS.pop(threading.get_ident(), None)
+    if w is not None:
         w.q.put(None)
         _BEHIND.append(w)
 
@@ -291,6 +302,16 @@ atexit.register(_settle_at_exit)
 # -- the state shared by all communicators over one process group ------------------------
 
 
+def _backends(pg) -> dict:
+    """The backend of each device type of a process group: ``{"cpu": "gloo", "cuda": "nccl"}`` (from
+    ``get_backend_config``: ``get_backend`` says 'undefined' for torch's default group and 'cpu:gloo' for
+    a group made with that string)."""
+    import torch.distributed as dist
+
+    pairs = (part.split(":", 1) for part in str(dist.get_backend_config(pg)).split(","))
+    return {dev.strip(): name.strip() for dev, name in (p for p in pairs if len(p) == 2)}
+
+
 class _Group:
     """One per process group: its ranks, the space counter, the notice listener."""
 
@@ -298,8 +319,10 @@ class _Group:
         import torch.distributed as dist
 
         self.pg = pg
-        self.nccl = dist.get_backend(pg) == "nccl"
-        if self.nccl and control is None:
+        backends = _backends(pg)
+        # (NCCL for CUDA tensors: a pure NCCL group, or torch's default 'cpu:gloo,cuda:nccl' on GPUs)
+        self.nccl = backends.get("cuda") == "nccl"
+        if self.nccl and control is None and backends.get("cpu") != "gloo":
             if pg is not dist.group.WORLD and pg is not dist.distributed_c10d._get_default_group():
                 raise ValueError("an NCCL process group needs a gloo `control` group with the same ranks for "
                                  "the handshakes and failure notices: pass control=dist.new_group(ranks, "
@@ -307,8 +330,11 @@ class _Group:
                                  "mgrit.torch_dist.split_group(..., backend='nccl')")
             control = dist.new_group(backend="gloo")
         self.ctl = pg if control is None else control
-        if dist.get_backend(self.ctl) != "gloo":
-            raise ValueError(f"the control group must be a gloo group, got {dist.get_backend(self.ctl)!r}")
+        if _backends(self.ctl).get("cpu") != "gloo":
+            what = "process group" if control is None else "control group"
+            raise ValueError(f"the {what} must use gloo for CPU tensors (backend 'gloo', or torch's default "
+                             f"'cpu:gloo,cuda:nccl'), got {dist.get_backend_config(self.ctl)!r}: initialise with "
+                             "dist.init_process_group('gloo') on CPUs")
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
         self.world = list(dist.get_process_group_ranks(pg))
@@ -625,6 +651,13 @@ class TorchDistComm(_SessionComm):
             if req.peer is not None and _lost(str(job.error)) is not None:
                 raise self._gone(req.peer, f"its connection closed while this rank waited for it "
                                  f"({_reason(job.error)})") from job.error
+            if "Timed out" in str(job.error):
+                who = "" if req.peer is None else f" for {self._who(req.peer)}"
+                raise RuntimeError(
+                    f"torch.distributed timed out while this rank waited{who} ({_reason(job.error)}): the process "
+                    "group's timeout ran out (a rank slower than it, e.g. a validation on one rank only, or a rank "
+                    "that never makes the call); raise it with init_process_group(timeout=...), or make every "
+                    "rank take part") from job.error
             raise RuntimeError(f"torch.distributed failed ({job.error}); a peer process may have died") \
                 from job.error
         req.done = True
@@ -633,8 +666,10 @@ class TorchDistComm(_SessionComm):
         """The error of a wait for (or a message to) rank ``r`` whose process is gone. ``found``: this rank
         found it (``gone=True``: the others may not know; a session passes it on, a gather's root tells
         the other ranks), else a root's :class:`_Gone` told it."""
-        return RemoteRankError(f"{self._who(r)} is gone: {how}; its process ended (its own error, if any, "
-                               "is in its output)", rank=r, world_rank=self.world_rank(r), gone=found)
+        _signal()  # (a failure message came: settle at exit, see _settle_at_exit)
+        return RemoteRankError(f"{self._who(r)} is gone: {how}; its process ended, or its wait for this "
+                               "rank timed out (its own error, if any, is in its output)",
+                               rank=r, world_rank=self.world_rank(r), gone=found)
 
     # -- sending and receiving on a channel --------------------------------------
     def _route(self, buf):
@@ -770,7 +805,7 @@ class TorchDistComm(_SessionComm):
             return obj
         return self._recv_obj(ch, 0, tag, log)
 
-    def open(self, failure=None, signature=None, share=None):
+    def _open(self, failure=None, signature=None, share=None):
         if failure is not None and self._broken is not None:
             return None
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left

@@ -319,3 +319,17 @@ def test_a_group_this_rank_is_not_in_is_named():
         as_communicator(dist.GroupMember.NON_GROUP_MEMBER)
     with pytest.raises(TypeError, match="got int"):
         as_communicator(7)
+
+
+@pytest.mark.parametrize("case", ["threads", "default", "timeout"])
+def test_threads_backend_strings_and_the_groups_timeout(case):
+    """A review of the engine: two threads on two groups hung for ever (one helper waited for every gloo
+    handle of the process in turn); two threads in one block aborted a process with gloo's size mismatch
+    (now a RuntimeError naming the other thread); torch's default init_process_group() and 'cpu:gloo'
+    were refused as not gloo; the group's timeout read as "a peer process may have died"
+    (tests/dist_scripts/threads.py)."""
+    rc, out = launch(2, "threads.py", case, timeout=120)
+    lines = {"threads": 2, "default": 2, "timeout": 1}[case]  # (per rank)
+    assert rc == 0 and " FAIL " not in out, out[-5000:]
+    assert sorted(re.findall(rf"rank (\d) {case} ok", out)) == ["0"] * lines + ["1"] * lines, out[-5000:]
+    assert "terminate called" not in out, out[-5000:]
