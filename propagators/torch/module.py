@@ -19,6 +19,7 @@ import copy
 import functools
 import math
 import operator
+import pickle
 import warnings
 import zlib
 from typing import Sequence
@@ -614,6 +615,51 @@ def _layer_key_order(key: str) -> tuple:
     return 1, 0, key
 
 
+def _digests(state_dict) -> dict:
+    """A check of every entry of a state dict, to compare what the ranks were given: the crc32 of a
+    tensor's bytes with its dtype and shape (other values by their pickle, or their repr)."""
+    out = {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor):
+            t = v.detach()
+            crc = None if t.is_meta else zlib.crc32(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            out[k] = (str(t.dtype), tuple(t.shape), crc)
+        else:
+            try:
+                out[k] = zlib.crc32(pickle.dumps(v))
+            except Exception:  # noqa: BLE001 - any object a user put there
+                out[k] = repr(v)
+    return out
+
+
+def _same_state_dicts(digests: list, prefix: str = "") -> None:
+    """Raise ValueError (on every rank: each has every rank's ``digests``) when a rank was given another
+    state dict than rank 0: each rank would keep its own layers from its own file, and the network would
+    mix the two."""
+    for r, d in enumerate(digests[1:], 1):
+        if d != digests[0]:
+            key = next((k for k in sorted(set(d) | set(digests[0]), key=_layer_key_order)
+                        if d.get(k) != digests[0].get(k)), "?")
+            raise ValueError(f"rank {r} was given another state dict than rank 0 (entry {prefix + key!r} differs, or "
+                             "is in one of them only): load the same checkpoint on every rank")
+
+
+def _prefix_hint(missing: list, unexpected: list) -> str:
+    """When the unexpected keys are the missing ones behind one prefix (a wrapper's ``module.``, a larger
+    model's ``net.1.``), how to strip it; else ''."""
+    want, counts = set(missing), collections.Counter()
+    for u in unexpected:
+        for i in (i + 1 for i, ch in enumerate(u) if ch == "."):
+            if u[i:] in want:
+                counts[u[:i]] += 1
+                break
+    if not counts:
+        return ""
+    p = counts.most_common(1)[0][0]
+    return (f"; its keys carry the prefix {p!r} (a wrapper's, such as DDP's 'module.', or a larger model's): pass "
+            f"{{k[len({p!r}):]: v for k, v in state_dict.items() if k.startswith({p!r})}}")
+
+
 def _iterations(value, name: str):
     """A solve's cycles as given: None (the default, see :class:`_SolveCycles`) or an integer >= 1."""
     if value is None:
@@ -683,6 +729,15 @@ class _SolveCycles:
     bwd_tol = property(lambda self: self._tols["bwd"], _setter("tol", "bwd"),
                        doc="Residual tolerance of the adjoint solve (None: run bwd_iters cycles).")
     del _setter
+
+
+def _halo_follows_assign(lp, incompatible_keys) -> None:
+    """A load-state-dict post-hook of :class:`LayerParallel`: after ``load_state_dict(..., assign=True)``
+    the halo copies take the owned layers' new dtype and device (they kept the old ones, and the next pass
+    on several ranks raised that the owner's and the copy's tensors differ)."""
+    if getattr(lp, "_assigned", False):
+        lp._assigned = False
+        lp._halo_like_owned()
 
 
 class LayerParallel(_SolveCycles, nn.Module):
@@ -850,6 +905,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         self.layers = LayerDict({j: modules[j] for j in self.owned_layers})
         self._halo = {j: modules[j] for j in held if j not in self.owned_layers}
         self._owner_flags: dict = {}  # mode -> {halo layer: its owner's flags at the last pass}
+        self.register_load_state_dict_post_hook(_halo_follows_assign)
         self._build_kernel()
         self._warm: tuple | None = None
         #: mgrit.Result of the last forward and adjoint solve, without their states (Result.without_states:
@@ -986,9 +1042,26 @@ class LayerParallel(_SolveCycles, nn.Module):
         # conversion of the block to another dtype or device changes alike on every rank)
         return out
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
+        # load_state_dict(assign=True) puts the checkpoint's tensors in the owned layers, in its dtype and on its
+        # device; once the layers are loaded, _halo_follows_assign brings the halo copies along, as .to() does
+        self._assigned = bool(local_metadata.get("assign_to_params_buffers", False))
+
+    def _halo_like_owned(self) -> None:
+        """Give the halo copies the one device and floating dtype of the owned layers' tensors (their values
+        come from the owners at every pass; a copy built on the meta device gets storage). Nothing when the
+        owned layers mix dtypes or devices."""
+        kinds = {(t.device, t.dtype) for t in (*self.layers.parameters(), *self.layers.buffers())
+                 if t.is_floating_point()}
+        if len(kinds) != 1:
+            return
+        (device, dtype), = kinds
+        for m in self._halo.values():
+            if any(t.is_meta for t in (*m.parameters(), *m.buffers())):
+                m.to_empty(device=device)
+            m.to(device=device, dtype=dtype)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -1702,6 +1775,20 @@ class LayerParallel(_SolveCycles, nn.Module):
         assert self._comm.size == 1
         return ODENet([self.layers[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` of this rank's own entries; on several ranks a full serial state dict
+        loads with :meth:`load_serial` (the error torch gives for other layers' entries says so)."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as exc:
+            others = {j for j in (_layer_key_order(k)[1] for k in state_dict if _layer_key_order(k)[0] == 0)
+                      if j not in self.owned_layers}
+            if self._comm.size == 1 or not others:
+                raise
+            raise RuntimeError(f"{exc}\nThis rank holds {len(self.owned_layers)} of the block's {self.n_layers} "
+                               f"layers, and the state dict has entries of {len(others)} others: load a full serial "
+                               "state dict with lp.load_serial(state_dict), on every rank") from exc
+
     def load_serial(self, state_dict: dict, strict: bool = True, *, prefix: str = "", _also=None):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
 
@@ -1720,13 +1807,17 @@ class LayerParallel(_SolveCycles, nn.Module):
                 _also[0]()
             own = self.state_dict()
             every = set(own)
-            if self._comm.size > 1:  # the serial network's keys: every rank's own
-                every = {k for part in self._comm.gather(sorted(own), root=None) for k in part}
+            if self._comm.size > 1:  # the serial network's keys: every rank's own, and what each was given
+                parts = self._comm.gather((sorted(own), _digests(state_dict)), root=None)
+                every = {k for part, _ in parts for k in part}
+                _same_state_dicts([d for _, d in parts], prefix)
             missing = sorted(every - set(state_dict), key=_layer_key_order)
             unexpected = sorted(set(state_dict) - every, key=_layer_key_order)
             if strict and missing:
+                hint = _prefix_hint(missing, unexpected)
+                rest = " (pass strict=False to load the others)" if len(missing) < len(every) and not hint else ""
                 raise KeyError(f"the state dict lacks {len(missing)} entries of the serial network's layers, "
-                               f"e.g. {[prefix + k for k in missing[:3]]} (pass strict=False to load the others)")
+                               f"e.g. {[prefix + k for k in missing[:3]]}{hint}{rest}")
             if strict and unexpected:
                 hint = "" if prefix else (" or keys with a prefix (load_serial takes the block's own serial state "
                                           "dict, ODENet.state_dict() or to_serial().state_dict())")

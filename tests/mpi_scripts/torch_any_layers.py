@@ -493,7 +493,50 @@ def clipped_gradients():
             fail(f"grad_norm (p={p}) of gradients with a NaN on one rank: not NaN on every rank")
 
 
+def checkpoints_review():
+    """A review of checkpoints on several ranks: ranks given different state dicts by load_serial kept each its
+    own layers from its own file (a network of both, 0.66 off either) and now raise ValueError naming an entry;
+    load_state_dict(assign=True) that changed the owned layers' dtype, or filled a block built on the meta
+    device, left the halo copies behind (LayerError at the next pass; now they follow, and the pass equals
+    the serial network's); keys behind a prefix ('module.') got the advice strict=False, which loads nothing
+    (now: how to strip the prefix); a full serial state dict given to load_state_dict names load_serial."""
+    torch.manual_seed(5)
+    make = lambda: [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(10)]  # noqa: E731
+    A, B = ODENet(make(), T=1.0), ODENet(make(), T=1.0)
+    lp = LayerParallel(make(), T=1.0, cf=2, comm=world, **TIGHT)
+    x = torch.randn(3, 4)
+    try:
+        lp.load_serial((A if rank == 0 else B).state_dict())
+        fail("load_serial of different state dicts on the ranks: no error")
+    except ValueError as exc:
+        if "was given another state dict than rank 0" not in str(exc) or "layers.0.0.bias" not in str(exc):
+            fail(f"load_serial of different state dicts on the ranks: {exc}")
+    lp.load_serial(A.state_dict())
+    check("load_serial of the same state dict", lp(x), A(x), tol=1e-12)
+    sd = A.state_dict()
+    try:
+        lp.load_serial({"module." + k: v for k, v in sd.items()})
+        fail("load_serial of prefixed keys: no error")
+    except KeyError as exc:
+        if "carry the prefix 'module.'" not in str(exc) or "strict=False" in str(exc):
+            fail(f"load_serial of prefixed keys: {exc}")
+    try:
+        lp.load_state_dict(sd)
+        fail("load_state_dict of a full serial state dict on several ranks: no error")
+    except RuntimeError as exc:
+        if "lp.load_serial(state_dict)" not in str(exc):
+            fail(f"load_state_dict of a full serial state dict: {exc}")
+    lp32 = LayerParallel([m.float() for m in make()], T=1.0, cf=2, comm=world, **TIGHT)
+    with torch.device("meta"):
+        ghost = make()
+    lp_meta = LayerParallel(ghost, T=1.0, cf=2, comm=world, **TIGHT)
+    for name, block in (("a float32 block given float64 tensors", lp32), ("a block built on meta", lp_meta)):
+        block.load_state_dict({k: sd[k] for k in block.state_dict()}, assign=True)
+        check(f"load_state_dict(assign=True) into {name}", block(x), A(x), tol=1e-12)
+
+
 try:
+    checkpoints_review()
     clipped_gradients()
     changed_after_construction()
     harmless_changes()
