@@ -2492,3 +2492,42 @@ def test_a_users_scheme_sees_one_state_and_a_tensor_step_on_dense_layers(scheme)
             assert a.grad is None or not a.grad.any()
         else:
             assert rel(a.grad, b.grad) < 1e-12
+
+
+def test_optimizer_state_by_name_round_trips_and_names_what_does_not_fit():
+    """gather_optimizer_state / load_optimizer_state on one process (several ranks, both ways:
+    tests/mpi_scripts/torch_any_layers.py): the state and the groups' hyperparameters come back under the
+    parameters' names, into a model built anew; an optimizer of another model, other groups or another
+    network is a clear error."""
+    from propagators.torch import gather_optimizer_state, load_optimizer_state
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+                                                             for _ in range(6)], cf=2))
+
+    def groups(m, lr=0.1):
+        return [{"params": m[0].parameters(), "lr": lr}, {"params": m[1].parameters(), "lr": 0.01}]
+
+    model = build()
+    opt = torch.optim.SGD(groups(model), momentum=0.9)
+    loss_fn(model(torch.randn(5, 3))).backward()
+    opt.step()
+    state = gather_optimizer_state(opt, model)
+    assert [g["lr"] for g in state["param_groups"]] == [0.1, 0.01]
+    twin = build()
+    opt2 = torch.optim.SGD(groups(twin, lr=0.5), momentum=0.9)
+    load_optimizer_state(opt2, twin, state)
+    assert [g["lr"] for g in opt2.param_groups] == [0.1, 0.01]
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[q]["momentum_buffer"]), n
+    with pytest.raises(ValueError, match="not in the model given"):
+        gather_optimizer_state(opt, twin)
+    with pytest.raises(ValueError, match="2 parameter groups, the optimizer 1"):
+        load_optimizer_state(torch.optim.SGD(twin.parameters()), twin, state)
+    other = nn.Sequential(nn.Linear(3, 4), LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+                                                          for _ in range(8)], cf=2))
+    with pytest.raises(KeyError, match=r"lacks 4 of this optimizer's parameters, e.g. \['1.layers.6.0.weight'"):
+        load_optimizer_state(torch.optim.SGD(groups(other)), other, state)
+    with pytest.raises(TypeError, match="pass the model"):
+        gather_optimizer_state(opt, list(model.parameters()))

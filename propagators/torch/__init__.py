@@ -32,6 +32,7 @@ from .lstm import ParallelLSTM
 from .kernel import DenseRHS, KernelPass, LayerError, LayerKernel, layer_signature
 from .module import ConvergenceWarning, LayerDict, LayerParallel, ODENet, serial_forward
 from .multistage import MultiStage, Stage, load_digits_images, residual_cnn
+from .optim_state import gather_optimizer_state, load_optimizer_state
 from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
 from .schemes import dt_aware, forward_euler, heun, inject_layer, rk4
@@ -43,7 +44,7 @@ __all__ = [
     "LayerKernel", "KernelPass", "LayerError", "DenseRHS", "layer_signature",
     "ODEPropagator", "LayerStack", "AdjointPropagator", "parameter_vjp",
     "DistributionPlan", "LayerParallel", "LayerDict", "ConvergenceWarning", "ODENet", "serial_forward",
-    "allreduce_gradients", "grad_norm", "clip_grad_norm_",
+    "allreduce_gradients", "grad_norm", "clip_grad_norm_", "gather_optimizer_state", "load_optimizer_state",
     "ParallelGRU", "ParallelLSTM",
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",

@@ -43,7 +43,7 @@ from torch import nn
 from checks import TIGHT, check, fail, rank, size, world
 from mgrit import RemoteRankError
 from propagators.torch import LayerError
-from layer_zoo import Conv, Scaled, loss_fn
+from layer_zoo import Conv, Scaled, loss_fn, rel
 from propagators.torch import LayerParallel, ODENet, clip_grad_norm_, grad_norm
 
 torch.set_default_dtype(torch.float64)
@@ -535,7 +535,69 @@ def checkpoints_review():
         check(f"load_state_dict(assign=True) into {name}", block(x), A(x), tol=1e-12)
 
 
+def optimizer_state_across_rank_counts():
+    """Adam's state saved on P ranks resumes on one process and the reverse (gather_optimizer_state /
+    load_optimizer_state, keyed by the serial network's names): three more steps equal the uninterrupted
+    serial run's six; a restarted optimizer does not (the state matters here)."""
+    from propagators.torch import gather_optimizer_state, load_optimizer_state
+
+    torch.manual_seed(7)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]
+    head, tail = nn.Linear(3, 4), nn.Linear(4, 2)
+    batches = [torch.randn(5, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+
+    def build(comm):
+        block = ODENet(copy.deepcopy(layers), T=1.0) if comm == "serial" else \
+            LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=comm, **TIGHT)
+        return nn.Sequential(copy.deepcopy(head), block, copy.deepcopy(tail))
+
+    def train(model, opt, steps):
+        for x in steps:
+            opt.zero_grad()
+            loss_fn(model(x)).backward()
+            opt.step()
+
+    ref = build("serial")
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=0.02)
+    train(ref, opt_ref, batches)
+    want = dict(ref.named_parameters())
+
+    def resume(saved_by, load_on):
+        model = build(saved_by)
+        opt = torch.optim.Adam(model.parameters(), lr=0.02)
+        train(model, opt, batches[:3])
+        state = gather_optimizer_state(opt, model)
+        net = model[1].to_serial(root=0)
+        weights = {**{f"0.{k}": v for k, v in model[0].state_dict().items()},
+                   **{f"2.{k}": v for k, v in model[2].state_dict().items()},
+                   **({} if net is None else {f"1.{k}": v for k, v in net.state_dict().items()})}
+        if saved_by is world:
+            state, weights = world.bcast(state, root=0), world.bcast(weights, root=0)
+        out = {}
+        for restart in (False, True):
+            again = build(load_on)
+            again[0].load_state_dict({k[2:]: v for k, v in weights.items() if k.startswith("0.")})
+            again[2].load_state_dict({k[2:]: v for k, v in weights.items() if k.startswith("2.")})
+            again[1].load_serial({k[2:]: v for k, v in weights.items() if k.startswith("1.")})
+            opt2 = torch.optim.Adam(again.parameters(), lr=0.02)
+            if not restart:
+                load_optimizer_state(opt2, again, state)
+            train(again, opt2, batches[3:])
+            out[restart] = max(rel(p, want[n]) for n, p in again.named_parameters())
+        return out
+
+    for saved_by, load_on, what in ((world, None, f"saved on {size} ranks, resumed on one process"),
+                                    (None, world, f"saved on one process, resumed on {size} ranks")):
+        got = resume(saved_by, load_on)
+        if not got[False] < 1e-9:
+            fail(f"optimizer state {what}: the resumed run differs from the uninterrupted one by {got[False]:.2e}")
+        if not got[True] > 1e-4:
+            fail(f"optimizer state {what}: a restarted optimizer gives the same run ({got[True]:.2e}): the test "
+                 "cannot tell")
+
+
 try:
+    optimizer_state_across_rank_counts()
     checkpoints_review()
     clipped_gradients()
     changed_after_construction()
