@@ -117,7 +117,6 @@ import operator
 import os
 import pickle
 import sys
-import threading
 import time
 import weakref
 import zlib
@@ -1075,9 +1074,6 @@ def _keyval(MPI) -> int:
     return _KEYVAL[0]
 
 
-_OWNER_LOCK = threading.Lock()  # (guards _SessionComm._owner)
-
-
 class _SessionComm(Communicator):
     """The engine-independent half of the session protocol (module docstring):
     the handshake's verdict, ``close``, ``finish``, the reductions built on a
@@ -1092,31 +1088,6 @@ class _SessionComm(Communicator):
     _finishing = False  # in finish() of the innermost session
     _handshaking = False  # in the handshake of a session (or of split)
     _exited: frozenset = frozenset()  # ranks whose program ended (their exit alarms), see MPIComm._poll
-    _owner = None  # the thread (its ident) whose sessions are open or opening; None: none
-
-    def open(self, failure=None, signature=None, share=None):
-        self._claim()
-        try:
-            return self._open(failure, signature, share)
-        finally:
-            if len(self._stack) == 1:
-                self._owner = None
-
-    def _claim(self) -> None:
-        """Raise, before anything is sent, when another thread has a session open (or opening) on this
-        communicator: two threads' messages on one channel mix (a hang over MPI; over gloo a size
-        mismatch that aborts the process)."""
-        me = threading.get_ident()
-        with _OWNER_LOCK:
-            owner = self._owner
-            if owner is not None and owner != me:
-                name = next((t.name for t in threading.enumerate() if t.ident == owner), f"ident {owner}")
-                raise RuntimeError(
-                    f"this communicator is in a session of another thread ({name!r}): a communicator, and a "
-                    "block built on it, serves one thread at a time. Call the blocks of one communicator from "
-                    "one thread, or give each thread its own communicator (MPI: comm.Dup(); torch.distributed: "
-                    "dist.new_group(...), called on every rank) and build that thread's blocks on it")
-            self._owner = me
 
     @staticmethod
     def _verdict(notes: list):
@@ -1190,13 +1161,6 @@ class _SessionComm(Communicator):
         return self._recv_obj(ch, 0, tag)
 
     def close(self, error=None):
-        try:
-            self._close(error)
-        finally:
-            if len(self._stack) == 1:
-                self._owner = None
-
-    def _close(self, error=None):
         if len(self._stack) == 1:
             return
         ch = self._top
@@ -1637,7 +1601,7 @@ class MPIComm(_SessionComm):
             return obj
         return self._recv_obj(ch, 0, tag)
 
-    def _open(self, failure=None, signature=None, share=None):
+    def open(self, failure=None, signature=None, share=None):
         if failure is not None and self._broken is not None:
             return None  # the caller re-raises its own exception
         self._usable()

@@ -805,7 +805,7 @@ class TorchDistComm(_SessionComm):
             return obj
         return self._recv_obj(ch, 0, tag, log)
 
-    def _open(self, failure=None, signature=None, share=None):
+    def open(self, failure=None, signature=None, share=None):
         if failure is not None and self._broken is not None:
             return None
         self._poll()  # an alarm that arrived meanwhile: raise before posting to a peer that left

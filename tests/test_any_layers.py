@@ -2450,6 +2450,12 @@ def test_review_of_grad_norm_complex_tied_and_torch_conventions():
     small(torch.ones(1, 2, dtype=torch.float32)).sum().backward()
     norm, want = clip_grad_norm_(small, 1.0), torch.nn.utils.clip_grad_norm_(small.parameters(), 1.0)
     assert norm.dtype == want.dtype == torch.float32 and norm.device == want.device
+    mixed = nn.Sequential(nn.Linear(4, 4).half(), LayerParallel([nn.Linear(4, 4, dtype=torch.float32)]))
+    for q in mixed.parameters():
+        q.grad = torch.full_like(q, 1e-2)
+    mixed[1].layers[0].weight.grad[0, 0] = 3e4  # (a norm beyond float16's range: torch's is float32)
+    norm, want = clip_grad_norm_(mixed, 1.0), torch.nn.utils.get_total_norm([q.grad for q in mixed.parameters()])
+    assert norm.dtype == want.dtype == torch.float32 and torch.isfinite(norm)
     bare = nn.Sequential(nn.Linear(2, 2))  # (no gradients: torch's 0.0)
     assert clip_grad_norm_(bare, 1.0).dtype == torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0).dtype
 

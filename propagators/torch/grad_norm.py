@@ -10,6 +10,7 @@ norm and scales by the same factor.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -117,8 +118,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` for a model with LayerParallel
     blocks on several ranks: scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the
     norm of :func:`grad_norm` (the serial network's, the same on every rank). Returns the norm as
-    torch's function does: a 0-d tensor in the first gradient's (real) dtype, on its device (0.0 in
-    torch's default dtype without gradients). ``foreach`` is taken as torch takes it (None: the fused multiply where the
+    torch's function does: a 0-d tensor in the gradients' (real) dtypes promoted, on the first one's
+    device (0.0 in torch's default dtype without gradients). ``foreach`` is taken as torch takes it (None: the fused multiply where the
     gradients allow it).
 
     On one process it equals torch's function (up to rounding; norm types > 0 and inf), a NaN or Inf
@@ -144,5 +145,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             torch._foreach_mul_(grads, coef)
     if not grads:
         return torch.tensor(0.0)
-    g = grads[0]
-    return torch.tensor(total, dtype=g.dtype.to_real() if g.is_complex() else g.dtype, device=g.device)
+    # (torch stacks the per-tensor norms: the gradients' real dtypes promoted, on the first one's device)
+    dtype = functools.reduce(torch.promote_types, (g.dtype.to_real() if g.is_complex() else g.dtype for g in grads))
+    return torch.tensor(total, dtype=dtype, device=grads[0].device)

@@ -19,7 +19,7 @@ import copy
 import functools
 import math
 import operator
-import pickle
+import threading
 import warnings
 import zlib
 from typing import Sequence
@@ -615,20 +615,69 @@ def _layer_key_order(key: str) -> tuple:
     return 1, 0, key
 
 
+_THREADS = threading.Lock()  # (guards the blocks' _in_thread)
+
+
+class _one_thread:  # noqa: N801 - used like a function
+    """``session`` (a block's), entered only when no other thread is in one of ``block``'s sessions: a
+    block serves one thread at a time (two threads' passes mixed their messages on one channel: a hang
+    over MPI, an abort over gloo). Raises RuntimeError before anything is sent. Nested sessions of one
+    thread, and threads that take turns (a backward pass on autograd's thread), pass. ``shared`` is the
+    session's."""
+
+    __slots__ = ("block", "session")
+
+    def __init__(self, block, session):
+        self.block, self.session = block, session
+
+    @property
+    def shared(self):
+        return self.session.shared
+
+    def __enter__(self):
+        me, block = threading.get_ident(), self.block
+        with _THREADS:
+            owner, depth = block.__dict__.get("_in_thread", (None, 0))
+            if owner is not None and owner != me:
+                name = next((t.name for t in threading.enumerate() if t.ident == owner), f"ident {owner}")
+                raise RuntimeError(
+                    f"this {type(block).__name__} is in a call of another thread ({name!r}): a block serves one "
+                    "thread at a time. Call it from one thread, or give each thread its own blocks, on their own "
+                    "communicator (MPI: comm.Dup(); torch.distributed: dist.new_group(...), on every rank)")
+            block.__dict__["_in_thread"] = (me, depth + 1)
+        try:
+            return self.session.__enter__()
+        except BaseException:
+            self._release()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return self.session.__exit__(*exc)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with _THREADS:
+            owner, depth = self.block.__dict__["_in_thread"]
+            self.block.__dict__["_in_thread"] = (None, 0) if depth == 1 else (owner, depth - 1)
+
+
 def _digests(state_dict) -> dict:
-    """A check of every entry of a state dict, to compare what the ranks were given: the crc32 of a
-    tensor's bytes with its dtype and shape (other values by their pickle, or their repr)."""
+    """A check of every tensor of a state dict, to compare what the ranks were given: its shape and the
+    crc32 of its values in the widest type of their kind (a float32 tensor and its float64 copy agree).
+    Other entries are left out (a set's pickle, an object's repr differ between processes)."""
     out = {}
     for k, v in state_dict.items():
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and not v.is_meta:
             t = v.detach()
-            crc = None if t.is_meta else zlib.crc32(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            out[k] = (str(t.dtype), tuple(t.shape), crc)
-        else:
+            wide = (torch.complex128 if t.is_complex() else torch.float64 if t.is_floating_point()
+                    else torch.bool if t.dtype == torch.bool else torch.int64)
             try:
-                out[k] = zlib.crc32(pickle.dumps(v))
-            except Exception:  # noqa: BLE001 - any object a user put there
-                out[k] = repr(v)
+                data = t.to("cpu", wide).contiguous().reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError):  # (a quantized or other special tensor: its raw bytes)
+                data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[k] = (tuple(t.shape), zlib.crc32(data))
     return out
 
 
@@ -636,12 +685,11 @@ def _same_state_dicts(digests: list, prefix: str = "") -> None:
     """Raise ValueError (on every rank: each has every rank's ``digests``) when a rank was given another
     state dict than rank 0: each rank would keep its own layers from its own file, and the network would
     mix the two."""
-    for r, d in enumerate(digests[1:], 1):
-        if d != digests[0]:
-            key = next((k for k in sorted(set(d) | set(digests[0]), key=_layer_key_order)
-                        if d.get(k) != digests[0].get(k)), "?")
-            raise ValueError(f"rank {r} was given another state dict than rank 0 (entry {prefix + key!r} differs, or "
-                             "is in one of them only): load the same checkpoint on every rank")
+    for r, d in enumerate(digests[1:], 1):  # (entries that both hold: strict=False may load a rank's own share)
+        key = next((k for k in sorted(set(d) & set(digests[0]), key=_layer_key_order) if d[k] != digests[0][k]), None)
+        if key is not None:
+            raise ValueError(f"rank {r} was given another state dict than rank 0 (entry {prefix + key!r} differs): "
+                             "load the same checkpoint on every rank")
 
 
 def _prefix_hint(missing: list, unexpected: list) -> str:
@@ -735,9 +783,9 @@ def _halo_follows_assign(lp, incompatible_keys) -> None:
     """A load-state-dict post-hook of :class:`LayerParallel`: after ``load_state_dict(..., assign=True)``
     the halo copies take the owned layers' new dtype and device (they kept the old ones, and the next pass
     on several ranks raised that the owner's and the copy's tensors differ)."""
-    if getattr(lp, "_assigned", False):
-        lp._assigned = False
-        lp._halo_like_owned()
+    before = lp.__dict__.pop("_assigned", None)
+    if before is not None:
+        lp._halo_like_owned(before)
 
 
 class LayerParallel(_SolveCycles, nn.Module):
@@ -1047,21 +1095,33 @@ class LayerParallel(_SolveCycles, nn.Module):
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
         # load_state_dict(assign=True) puts the checkpoint's tensors in the owned layers, in its dtype and on its
         # device; once the layers are loaded, _halo_follows_assign brings the halo copies along, as .to() does
-        self._assigned = bool(local_metadata.get("assign_to_params_buffers", False))
+        if local_metadata.get("assign_to_params_buffers", False) and self._halo:
+            self._assigned = self._owned_kinds()
 
-    def _halo_like_owned(self) -> None:
-        """Give the halo copies the one device and floating dtype of the owned layers' tensors (their values
-        come from the owners at every pass; a copy built on the meta device gets storage). Nothing when the
-        owned layers mix dtypes or devices."""
-        kinds = {(t.device, t.dtype) for t in (*self.layers.parameters(), *self.layers.buffers())
-                 if t.is_floating_point()}
-        if len(kinds) != 1:
+    def _owned_kinds(self) -> dict:
+        """``{name: (device, dtype)}`` of the owned layers' parameters and buffers."""
+        return {n: (t.device, t.dtype) for n, t in (*self.layers.named_parameters(), *self.layers.named_buffers())}
+
+    def _halo_like_owned(self, before: dict) -> None:
+        """Move the halo copies' tensors as a load with ``assign=True`` moved the owned layers' (``before``:
+        their kinds before it): each (device, dtype) that the owned tensors of that kind all left for one
+        other goes there in the copies too (their values come from the owners at every pass; a copy on the
+        meta device gets storage). Kinds that changed in different ways, or not at all, stay."""
+        after, moves = self._owned_kinds(), {}
+        for n, old in before.items():
+            moves.setdefault(old, set()).add(after.get(n, old))
+        moves = {old: next(iter(new)) for old, new in moves.items() if len(new) == 1 and old not in new}
+        if not moves:
             return
-        (device, dtype), = kinds
+
+        def move(t):
+            new = moves.get((t.device, t.dtype))
+            if new is None:
+                return t
+            return torch.empty_like(t, device=new[0], dtype=new[1]) if t.is_meta else t.to(new[0], new[1])
+
         for m in self._halo.values():
-            if any(t.is_meta for t in (*m.parameters(), *m.buffers())):
-                m.to_empty(device=device)
-            m.to(device=device, dtype=dtype)
+            m._apply(move)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -1255,7 +1315,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         if self._comm.size > 1:
             name = "building a LayerParallel" if self._uid is None else \
                 f"{what} of LayerParallel #{self._uid} ({self.n_layers} layers)"
-            return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
+            return _one_thread(self, self._comm.session(signature=Call(name, (self._uid, signature), agree),
+                                                        share=share))
         return contextlib.nullcontext()
 
     def _network(self) -> tuple:

@@ -26,7 +26,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
-from .module import LayerParallel, _announced, check_root
+from .module import LayerParallel, _announced, _one_thread, check_root
 
 _OWN = ("comm", "data_comm")
 
@@ -247,7 +247,7 @@ class MultiStage(nn.Module):
         if self._comm.size > 1:
             ids = tuple(p._uid for p in self.stages)  # (its stages' ids tell two MultiStages apart)
             name = f"{what} of the MultiStage of LayerParallel " + ", ".join(f"#{u}" for u in ids)
-            return self._comm.session(Call(name, (ids, signature), agree))
+            return _one_thread(self, self._comm.session(Call(name, (ids, signature), agree)))
         return contextlib.nullcontext()
 
     # -- forward ----------------------------------------------------------------

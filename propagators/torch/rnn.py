@@ -33,7 +33,7 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_pe
 
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
                      _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active,
-                     _input_sums, _nan_like, _no_transforms, _SolveCycles, _uids, _warn_solve)
+                     _input_sums, _nan_like, _no_transforms, _one_thread, _SolveCycles, _uids, _warn_solve)
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -494,7 +494,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         the call, ``what``, and compares the module's id: ranks in different calls raise naming each one's."""
         if self._comm.size > 1:
             name = f"{what} of {type(self).__name__} #{self._uid}"
-            return self._comm.session(signature=Call(name, (self._uid, signature), agree), share=share)
+            return _one_thread(self, self._comm.session(signature=Call(name, (self._uid, signature), agree),
+                                                        share=share))
         return contextlib.nullcontext()
 
     def _layout(self, L: int) -> _Layout:

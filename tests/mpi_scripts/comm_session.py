@@ -308,44 +308,6 @@ def _split(c) -> None:
         part.free()
 
 
-def check_second_thread(c, bad_lines: list) -> None:
-    """A second thread that opens a session while the first has one open on the same communicator raises
-    RuntimeError naming the first thread, before sending anything (the two threads' messages mixed on one
-    channel: a hang over MPI, an abort over gloo); the first thread's session completes, and the
-    communicator works afterwards."""
-    import threading
-
-    inside, errors, done = threading.Event(), [], []
-
-    def first():
-        with c.session(signature=Call("threads")):
-            inside.set()
-            time.sleep(0.5)
-            done.append(c.allreduce(1.0))
-
-    def second():
-        try:
-            with c.session(signature=Call("threads")):
-                pass
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
-    a = threading.Thread(target=first, name="first")
-    a.start()
-    inside.wait(30)
-    b = threading.Thread(target=second, name="second")
-    b.start()
-    b.join(30)
-    a.join(30)
-    if len(errors) != 1 or "in a session of another thread ('first')" not in errors[0]:
-        bad_lines.append(f"a second thread's session: {errors!r}")
-    if done != [float(c.size)] or a.is_alive() or b.is_alive():
-        bad_lines.append(f"a second thread's session: the first thread's session gave {done!r}")
-    with c.session():
-        if c.allreduce(2.0) != 2.0 * c.size:
-            bad_lines.append("a second thread's session: the communicator does not work afterwards")
-
-
 def check_agree_against_a_session(c, bad_lines: list) -> None:
     """One rank in one collective call, the others in another, either way round: a session's handshake
     against ``agree`` (split_comm's), and ``split`` against both. Every rank raises ValueError naming both
@@ -515,7 +477,6 @@ def main() -> int:
     check_clean(c, bad_lines)
     check_waited(c, bad_lines)
     check_agree_against_a_session(c, bad_lines)
-    check_second_thread(c, bad_lines)
     for line in bad_lines:
         print(f"rank {r}: MISMATCH {line}", flush=True)
     if not bad_lines:

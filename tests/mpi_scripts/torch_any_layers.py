@@ -533,6 +533,59 @@ def checkpoints_review():
     for name, block in (("a float32 block given float64 tensors", lp32), ("a block built on meta", lp_meta)):
         block.load_state_dict({k: sd[k] for k in block.state_dict()}, assign=True)
         check(f"load_state_dict(assign=True) into {name}", block(x), A(x), tol=1e-12)
+    # the review of these fixes: what must keep working. Layers of another dtype on each rank, and complex
+    # weights with a real gain, reloaded with assign=True and unchanged dtypes (the first version cast the
+    # copies to this rank's own dtype); a set in a layer's extra state (its pickle differs between
+    # processes); each rank loading only its own entries with strict=False; a float64 copy of the values
+    for name, make_layer, xin in (("mixed", lambda i: Cast(torch.float64 if i < 3 else torch.float32), x),
+                                  ("complex", lambda i: CGain(), x.to(torch.complex128))):
+        layers = [make_layer(i) for i in range(8)]
+        blk, ref = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, comm=world, **TIGHT), ODENet(layers, T=1.0)
+        blk.load_state_dict({k: v.clone() for k, v in blk.state_dict().items()}, assign=True)
+        check(f"load_state_dict(assign=True) of unchanged {name} dtypes", blk(xin), ref(xin), tol=1e-7)
+    tagged = LayerParallel([Tagged() for _ in range(6)], T=1.0, cf=2, comm=world, **TIGHT)
+    serial = ODENet([Tagged() for _ in range(6)], T=1.0)
+    tagged.load_serial(serial.state_dict())
+    check("load_serial with a set in the extra state", tagged(x), serial(x), tol=1e-12)
+    share = {k: v for k, v in serial.state_dict().items() if k in tagged.state_dict()}
+    tagged.load_serial({k: v.double() if torch.is_tensor(v) else v for k, v in share.items()}, strict=False)
+    check("load_serial of each rank's own entries", tagged(x), serial(x), tol=1e-12)
+
+
+class Cast(nn.Module):
+    """A layer that computes in its own dtype."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=dtype)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u.to(self.lin.weight.dtype))).to(u.dtype)
+
+
+class CGain(nn.Module):
+    """A complex weight and a real gain."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(0.3 * torch.randn(4, 4, dtype=torch.complex128))
+        self.g = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, u):
+        return self.g * torch.tanh(u @ self.w)
+
+
+class Tagged(nn.Sequential):
+    """Linear + tanh with a set of names in its extra state."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(4, 4), nn.Tanh())
+
+    def get_extra_state(self):
+        return {"tags": {"relu", "tanh", "gelu", "silu", "elu", "selu"}}
+
+    def set_extra_state(self, state):
+        pass
 
 
 def optimizer_state_across_rank_counts():
