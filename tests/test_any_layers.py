@@ -2537,3 +2537,27 @@ def test_optimizer_state_by_name_round_trips_and_names_what_does_not_fit():
         load_optimizer_state(torch.optim.SGD(groups(other)), other, state)
     with pytest.raises(TypeError, match="pass the model"):
         gather_optimizer_state(opt, list(model.parameters()))
+
+
+def test_weighted_c_relaxation_and_settings_from_choose_settings():
+    """LayerParallel takes c_weight (mgrit.choose_settings returns it among the options, and the block raised
+    TypeError on them): weighted C-relaxation in the forward and the adjoint solve converges to serial's
+    output and gradients; a bad weight is named."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh()) for _ in range(16)]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    serial = ODENet(copy.deepcopy(layers))
+    xs = x.clone().requires_grad_(True)
+    loss_fn(serial(xs)).backward()
+    for w in (1.3, (1.0, 1.3)):
+        lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", c_weight=w, fwd_tol=1e-13,
+                           bwd_tol=1e-13)
+        assert "C weight 1.3" in str(lp.hierarchy)
+        xl = x.clone().requires_grad_(True)
+        y = lp(xl)
+        loss_fn(y).backward()
+        assert rel(y, serial(x)) < 1e-13 and rel(xl.grad, xs.grad) < 1e-12
+        for a, b in zip(lp.parameters(), serial.parameters()):
+            assert rel(a.grad, b.grad) < 1e-12
+    with pytest.raises(ValueError, match="c_weight"):
+        LayerParallel(copy.deepcopy(layers), c_weight=-1.0)

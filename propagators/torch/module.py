@@ -818,8 +818,9 @@ class LayerParallel(_SolveCycles, nn.Module):
         Needed with a factory.
     T : float
         Final time; the layer step is ``h = T / n_layers``.
-    cf, max_levels, min_coarse, relax, cycle
-        MGRIT settings (see :func:`mgrit.solve`); default ``relax=("F", "FCF")``:
+    cf, max_levels, min_coarse, relax, cycle, c_weight
+        MGRIT settings (see :func:`mgrit.solve`; ``mgrit.choose_settings(...).options`` fits them,
+        README "Choosing settings from theory"); default ``relax=("F", "FCF")``:
         F-relaxation on the layers, FCF on coarse levels (TorchBraid's).
     fwd_iters, bwd_iters : int, optional
         Cycles of the forward and the adjoint solve: 2 and 1 by default; with a
@@ -883,7 +884,7 @@ class LayerParallel(_SolveCycles, nn.Module):
     _pass_note = ""  # what the passes' handshakes add to their names (SerialSwitch's measurement says so)
 
     def __init__(self, layers, n_layers: int | None = None, T: float = 1.0, *, cf: int = 4,
-                 max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V",
+                 max_levels: int = 3, min_coarse: int = 2, relax=("F", "FCF"), cycle: str = "V", c_weight=1.0,
                  fwd_iters: int | None = None, bwd_iters: int | None = None, fwd_tol: float | None = None,
                  bwd_tol: float | None = None, tol_type: str = "abs", skip: bool = True, warm_start: bool = False,
                  exact_eval: bool = True,
@@ -915,6 +916,8 @@ class LayerParallel(_SolveCycles, nn.Module):
             self._h = self._T / N
             self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
                                 relax=frozen_per_level(relax), cycle=cycle)
+            if not (np.ndim(c_weight) == 0 and c_weight == 1.0):  # (unweighted: options as before it existed)
+                self.options["c_weight"] = frozen_per_level(c_weight)
             self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             if tol_type not in ("abs", "rel"):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
@@ -930,7 +933,7 @@ class LayerParallel(_SolveCycles, nn.Module):
             self.streams = int(streams)
             self.callback = callback
             self.t = np.arange(N + 1, dtype=np.float64) * self.h
-            self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax)
+            self.hierarchy = build_hierarchy(self.t, cf, max_levels, min_coarse, relax, c_weight)
             self.spatial = self._checked_spatial(spatial)
             P, r = self._comm.size, self._comm.rank
             self.plan = DistributionPlan.build(N, self.hierarchy, self.layer_index, P)
@@ -1090,9 +1093,22 @@ class LayerParallel(_SolveCycles, nn.Module):
         # conversion of the block to another dtype or device changes alike on every rank)
         return out
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
+        if strict and self._comm.size > 1:  # a serial network's entries, as torch's habit saves them: say what loads
+            head = prefix + "layers."
+            held = {k[len(head):].split(".", 1)[0] for k in state_dict if k.startswith(head)}
+            others = {int(j) for j in held if j.isdigit()} - set(self.owned_layers)
+            if others:
+                error_msgs.append(
+                    f"the LayerParallel {prefix[:-1] or 'block'!r} holds {len(self.owned_layers)} of its "
+                    f"{self.n_layers} layers on this rank, and the state dict has entries of {len(others)} others, "
+                    "as a serial network's: load those with lp.load_serial(state_dict) on every rank"
+                    + (f" (its entries without the prefix {prefix!r}), the rest of the model with strict=False"
+                       if prefix else ""))
         # load_state_dict(assign=True) puts the checkpoint's tensors in the owned layers, in its dtype and on its
         # device; once the layers are loaded, _halo_follows_assign brings the halo copies along, as .to() does
         if local_metadata.get("assign_to_params_buffers", False) and self._halo:
@@ -1836,20 +1852,6 @@ class LayerParallel(_SolveCycles, nn.Module):
         assert self._comm.size == 1
         return ODENet([self.layers[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` of this rank's own entries; on several ranks a full serial state dict
-        loads with :meth:`load_serial` (the error torch gives for other layers' entries says so)."""
-        try:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        except RuntimeError as exc:
-            others = {j for j in (_layer_key_order(k)[1] for k in state_dict if _layer_key_order(k)[0] == 0)
-                      if j not in self.owned_layers}
-            if self._comm.size == 1 or not others:
-                raise
-            raise RuntimeError(f"{exc}\nThis rank holds {len(self.owned_layers)} of the block's {self.n_layers} "
-                               f"layers, and the state dict has entries of {len(others)} others: load a full serial "
-                               "state dict with lp.load_serial(state_dict), on every rank") from exc
-
     def load_serial(self, state_dict: dict, strict: bool = True, *, prefix: str = "", _also=None):
         """Load a full serial state dict (``ODENet.state_dict()`` or ``to_serial().state_dict()``).
 
@@ -1916,7 +1918,8 @@ class LayerParallel(_SolveCycles, nn.Module):
 
     @property
     def forward_residual(self) -> float | None:
-        """Residual norm of the output trajectory of the last forward solve (0: exact).
+        """Residual norm of the output trajectory of the last forward solve (0: exact; an eval-mode pass
+        with ``exact_eval`` is one, a sequential solve: read a training pass's before evaluating).
 
         The histories above follow XBraid: entry k is measured before the
         coarse correction of cycle k, so it lags the returned solution by one

@@ -520,12 +520,15 @@ def checkpoints_review():
     except KeyError as exc:
         if "carry the prefix 'module.'" not in str(exc) or "strict=False" in str(exc):
             fail(f"load_serial of prefixed keys: {exc}")
-    try:
-        lp.load_state_dict(sd)
-        fail("load_state_dict of a full serial state dict on several ranks: no error")
-    except RuntimeError as exc:
-        if "lp.load_serial(state_dict)" not in str(exc):
-            fail(f"load_state_dict of a full serial state dict: {exc}")
+    wrapped = nn.Sequential(nn.Linear(4, 4), lp)  # (through a parent's load_state_dict too)
+    for model, full in ((lp, sd), (wrapped, {**{f"0.{k}": v for k, v in wrapped[0].state_dict().items()},
+                                             **{f"1.{k}": v for k, v in sd.items()}})):
+        try:
+            model.load_state_dict(full)
+            fail("load_state_dict of a full serial state dict on several ranks: no error")
+        except RuntimeError as exc:
+            if "lp.load_serial(state_dict) on every rank" not in str(exc):
+                fail(f"load_state_dict of a full serial state dict: {exc}")
     lp32 = LayerParallel([m.float() for m in make()], T=1.0, cf=2, comm=world, **TIGHT)
     with torch.device("meta"):
         ghost = make()
