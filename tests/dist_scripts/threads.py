@@ -30,8 +30,7 @@ from mgrit.comm import Call
 
 from propagators.torch import LayerParallel
 
-CASE = sys.argv[1]
-RANK = int(os.environ["RANK"])
+CASE, RANK = "", -1  # (set in main: pytest imports this file to collect its doctests)
 
 
 def say(ok: bool, what: str = "") -> None:
@@ -54,6 +53,8 @@ def step(lp) -> tuple:
 
 
 def main():
+    global CASE, RANK
+    CASE, RANK = sys.argv[1], int(os.environ["RANK"])
     if CASE == "default":
         dist.init_process_group()
     elif CASE == "timeout":
