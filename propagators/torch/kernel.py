@@ -933,7 +933,10 @@ class KernelPass:
         if hit is None:
             if len(self._dt_one) > 64:
                 self._dt_one.clear()
-            hit = self._dt_one[key] = torch.full((1,) * dims, dt, dtype=U.dtype, device=U.device)
+            # (through float64, as the sweeps' steps are made: a step beyond the dtype's range becomes inf, which
+            # the solve reports as a divergence, where torch.full raised an overflow error)
+            hit = torch.as_tensor(dt, dtype=torch.float64, device=U.device).to(U.dtype).reshape((1,) * dims)
+            self._dt_one[key] = hit
         return hit
 
     def _stack(self, cid: int, reverse: bool = False):
