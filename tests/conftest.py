@@ -8,6 +8,10 @@ comparisons need bit-identical time grids).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,3 +118,18 @@ def float64():
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240601)
+
+
+@pytest.fixture(scope="session")
+def vs_model_parallel_quick(tmp_path_factory) -> tuple:
+    """One quick run of benchmarks/vs_model_parallel.py (2 rounds, its JSON and its stdout saved beside it),
+    shared by its smoke test and notebook 07's quick run: (stdout, path of the JSON)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed.pipelining")
+    out = tmp_path_factory.mktemp("vs_model_parallel") / "quick.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_model_parallel.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--rounds", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"vs_model_parallel.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    out.with_suffix(".txt").write_text(proc.stdout)
+    return proc.stdout, out

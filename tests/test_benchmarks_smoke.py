@@ -74,11 +74,10 @@ def test_gpu_script_runs_dry_on_the_cpu_and_skips_cleanly_without_cuda():
         assert "no CUDA device" in run_benchmark("gpu.py", timeout=120)
 
 
-def test_vs_model_parallel_quick_run_prints_the_table():
-    """Model parallel, GPipe, 1F1B and LayerParallel on 1 and 2 gloo ranks (N 64): exit 0 and the tables."""
-    pytest.importorskip("torch")
-    pytest.importorskip("torch.distributed.pipelining")
-    out = run_benchmark("vs_model_parallel.py", "--quick", "--rounds", "2")
+def test_vs_model_parallel_quick_run_prints_the_table(vs_model_parallel_quick):
+    """Model parallel, GPipe, 1F1B and LayerParallel on 1 and 2 gloo ranks (N 64): exit 0 and the tables
+    (the run is shared with notebook 07's quick run: tests/conftest.py)."""
+    out = vs_model_parallel_quick[0]
     assert "time per step" in out and "LayerParallel ms" in out and "model check at P = 2" in out
     # the launch-by-launch check: per method the median of the 2 rounds' differences, inside their range
     per = out.split("the same check launch by launch")[1].splitlines()

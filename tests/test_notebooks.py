@@ -74,7 +74,9 @@ def test_kernel_runs_this_interpreter(kernel_env, tmp_path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, kernel_env):
+def test_notebook_runs(path, kernel_env, request, monkeypatch):
+    if path.name.startswith("07_"):  # its quick run of the benchmark is the smoke test's (tests/conftest.py)
+        monkeypatch.setenv("MGRIT_NB_VS_JSON", str(request.getfixturevalue("vs_model_parallel_quick")[1]))
     nb = nbformat.read(path, as_version=4)  # executed in memory: the committed file is not changed
     t0 = time.monotonic()
     try:
