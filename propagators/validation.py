@@ -163,8 +163,7 @@ class AdvectionDiffusion1D(FixedParameters, Propagator):
 
     def step(self, u, t0, t1):
         check_states(self, u, (self.size,), batched=False)
-        u = u if B.is_torch(u) else np.asarray(u)  # (torch states are stepped in torch)
-        return self.step_batch(u[None], np.array([t0], dtype=np.float64),
+        return self.step_batch(np.asarray(u)[None], np.array([t0], dtype=np.float64),
                                np.array([t1], dtype=np.float64))[0]
 
     def step_batch(self, U, t0, t1):

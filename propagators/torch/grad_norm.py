@@ -95,7 +95,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:
     rtol = min(1e-3, 100 * max((torch.finfo(g.dtype).eps for g in rest), default=0.0))
     for b in blocks:
         # (a parameter two blocks hold, tied on one rank, counts once, as in model.parameters())
-        own = [q.grad for q in b.parameters() if id(q) not in seen and not seen.add(id(q)) and q.grad is not None]
+        mine = [q for q in b.parameters() if id(q) not in seen]
+        seen.update(id(q) for q in mine)
+        own = [q.grad for q in mine if q.grad is not None]
         # in a session of the block: a rank that is in another call of the block (a pass) raises
         # instead of waiting
         with b._session("grad_norm / clip_grad_norm_", p, agree="norm types"):
@@ -119,8 +121,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     blocks on several ranks: scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the
     norm of :func:`grad_norm` (the serial network's, the same on every rank). Returns the norm as
     torch's function does: a 0-d tensor in the gradients' (real) dtypes promoted, on the first one's
-    device (0.0 in torch's default dtype without gradients). ``foreach`` is taken as torch takes it (None: the fused multiply where the
-    gradients allow it).
+    device (0.0 in torch's default dtype without gradients). ``foreach`` as torch's: False multiplies
+    the gradients one by one, otherwise one fused multiply.
 
     On one process it equals torch's function (up to rounding; norm types > 0 and inf), a NaN or Inf
     gradient included (a NaN norm makes every gradient NaN). Collective: call it on every rank,

@@ -1184,8 +1184,7 @@ class KernelPass:
                         return torch.autograd.grad(out, ua, v)[0]
                 except Exception:  # noqa: BLE001 - the general path below names the layer
                     pass
-        dts = torch.full((1,), dt, dtype=u.dtype, device=u.device)
-        return self.vjp_state(u[None], v[None], np.array([j]), dts)[0]
+        return self.vjp_state(u[None], v[None], np.array([j]), self._dt_of_one(dt, u, 1))[0]
 
     def step(self, U, idx: np.ndarray, dt):
         """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
