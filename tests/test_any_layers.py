@@ -20,6 +20,7 @@ from torch import nn  # noqa: E402
 
 from propagators.torch import LayerError, LayerParallel, ODENet  # noqa: E402
 from propagators.torch.kernel import layer_signature  # noqa: E402
+from propagators.torch.module import LARGE_RESIDUAL  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
 from layer_zoo import Conv, Scaled, check_equals_serial, loss_fn, rel  # noqa: E402
@@ -1498,6 +1499,84 @@ def test_a_tolerance_below_the_rounding_floor_says_so():
                            iterations=6)
     with pytest.warns(ConvergenceWarning, match="far above the rounding of the states"):
         _warn_solve(flat, "forward", "fwd_iters", 1e-3, "abs", torch.bfloat16)
+
+
+def _stiff_linear(a: float, noise: float, N: int = 64, width: int = 8) -> list:
+    """``f(u) = A u + b``, ``A = -a I + noise``: stable fine steps while ``h a < 2``, unstable coarse ones beyond."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(N):
+        lin = nn.Linear(width, width).double()
+        with torch.no_grad():
+            lin.weight.copy_(-a * torch.eye(width, dtype=torch.float64) + noise * torch.randn(width, width))
+        layers.append(lin)
+    return layers
+
+
+def test_fixed_cycles_warn_when_the_residual_is_as_large_as_the_states():
+    """A review's network: stiff layers whose fine steps are stable (h a = 0.31) and whose coarsest step
+    (5.0) is not. At the default 2 / 1 cycles the output was 196x off serial and the input gradient 7e12x,
+    without a warning: the residual fell from the first one measured (1599, after the skipped cycle had
+    blown the iterate up) to 256. The returned residual is now compared with the size of the states at the
+    block's ends (benchmarks/fixed_cycles.py); a network of standard initialisation passes without one."""
+    from propagators.torch import ConvergenceWarning
+
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gy = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    lp = LayerParallel(_stiff_linear(5.0, 0.1), T=4.0)
+    xx = x.clone().requires_grad_(True)
+    with pytest.warns(ConvergenceWarning) as caught:
+        y = lp(xx)
+        y.backward(gy)
+    said = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert any(m.startswith("the forward MGRIT solve returned a residual of") and "times the size of the states"
+               in m and "its output and the gradients are probably off" in m for m in said), said
+    assert any(m.startswith("the adjoint MGRIT solve returned a residual of") and "the gradients are probably off"
+               in m for m in said), said
+    serial = lp.to_serial()
+    x2 = x.clone().requires_grad_(True)
+    y2 = serial(x2)
+    y2.backward(gy)
+    assert rel(y.detach(), y2.detach()) > 1 and rel(xx.grad, x2.grad) > 1  # what the warnings say: far off
+    # the same network with a tolerance: the tolerance decides, and it is met (no warning)
+    tight = LayerParallel(_stiff_linear(5.0, 0.1), T=4.0, max_levels=2, fwd_tol=1e-10, bwd_tol=1e-10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        y3 = tight(x.clone().requires_grad_(True))
+        y3.backward(gy)
+    assert rel(y3.detach(), y2.detach()) < 1e-9
+    # standard initialisation at the defaults: about 3% off serial, and no warning
+    torch.manual_seed(0)
+    plain = LayerParallel([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(64)], T=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        plain(torch.randn(16, 16, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+    assert plain.forward_residual < 0.1 * LARGE_RESIDUAL["forward"] * 16  # (far from the threshold)
+
+
+def test_a_stall_near_the_rounding_of_a_blown_up_residual_names_both_causes():
+    """A review's float64 solve stalled at 9.6e-8 with states of about 0.06 at the block's ends; the
+    largest residual it measured (2.8e6, after unstable coarse levels blew up the skipped cycle) set the
+    rounding floor, and the warning said to raise the tolerance: with max_levels=2 the same solve
+    converges to 1e-15. A stall above the rounding of the states at the ends but below that of the
+    largest residual now names both causes; one near the states' rounding still says rounding."""
+    from types import SimpleNamespace
+
+    from propagators.torch import ConvergenceWarning
+    from propagators.torch.module import _warn_solve
+
+    ends = (torch.full((4, 8), 0.06, dtype=torch.float64),)
+    blown = SimpleNamespace(residuals=[None, 2.8e6, 3e2, 9.6e-8, 9.7e-8, 9.6e-8, 9.6e-8], final_residual=9.6e-8,
+                            converged=False, iterations=7)
+    with pytest.warns(ConvergenceWarning, match="near the rounding of the largest residual measured "
+                      r"\(2\.800e\+06.*either the states inside the block are that large.*or unstable coarse "
+                      r"levels blew the first cycles' iterate up, and fewer levels \(max_levels\)"):
+        _warn_solve(blown, "forward", "fwd_iters", 1e-8, "abs", torch.float64, ends)
+    at_states = SimpleNamespace(residuals=[None, 1.0, 1e-3, 1e-17, 1.1e-17, 1e-17, 1e-17], final_residual=1e-17,
+                                converged=False, iterations=7)
+    with pytest.warns(ConvergenceWarning, match=r"float64 rounds at about 2e-16 of the states\): raise the "
+                                                r"tolerance$"):
+        _warn_solve(at_states, "forward", "fwd_iters", 1e-20, "abs", torch.float64, ends)
 
 
 def test_inference_mode_gives_what_no_grad_gives():

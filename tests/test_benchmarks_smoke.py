@@ -56,6 +56,22 @@ def test_step_memory_quick_run_prints_both_networks():
         assert (parallel - 0.5) / (serial + 0.5) - 0.005 <= ratio <= (parallel + 0.5) / (serial - 0.5) + 0.005
 
 
+def test_fixed_cycles_quick_run_warns_where_its_ratios_say():
+    """Each network's row: a forward ratio of 0.5 or more warned ('f'), an adjoint ratio of 1 or more ('a');
+    and the errors are at least half the ratios (the warning's "off by about as much, or more")."""
+    pytest.importorskip("torch")
+    out = run_benchmark("fixed_cycles.py", "--quick")
+    rows = [line.split() for line in out.splitlines() if line.rstrip().endswith(("-", "f", "a", "fa"))
+            and "," in line and line.split()[-6:-5]]
+    rows = [r[-6:] for r in rows]
+    assert len(rows) == 4, out
+    for fwd, err, adj, dx, _dw, warns in rows:
+        fwd, err, adj, dx = map(float, (fwd, err, adj, dx))
+        assert ("f" in warns) == (fwd >= 0.5) and ("a" in warns) == (adj >= 1.0), out
+        assert err >= 0.5 * fwd and dx >= 0.5 * adj, out
+    assert sum(r[-1] == "fa" for r in rows) == 2, out  # the scaled tanh network and the unstable coarse steps
+
+
 def test_warm_start_quick_run_exits_cleanly():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
