@@ -113,7 +113,8 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
 _ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.SiLU, nn.GELU, nn.ELU, nn.LeakyReLU, nn.Softplus,
-                nn.Identity)
+                nn.Identity, nn.Mish, nn.Hardtanh, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.CELU,
+                nn.Softsign, nn.LogSigmoid, nn.Tanhshrink)
 
 
 class LayerError(RuntimeError):
@@ -168,15 +169,28 @@ def layer_signature(module: nn.Module) -> tuple:
     subs = []
     for name, m in module.named_modules():
         attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _REGISTRIES))
-        subs.append((name, type(m), m.training, attrs))
+        subs.append((name, _class_of(m), m.training, attrs))
     params = tuple((n, tuple(p.shape), p.dtype, str(p.device), p.requires_grad)
                    for n, p in module.named_parameters())
     buffers = tuple((n, tuple(b.shape), b.dtype, str(b.device)) for n, b in module.named_buffers())
     return (tuple(subs), params, buffers)
 
 
+def _class_of(m: nn.Module):
+    """``type(m)``; for a module under ``torch.nn.utils.parametrize`` (weight_norm, orthogonal), which makes
+    a class of its own for every instance, the class it was made from and the names of its parametrized
+    tensors: two such classes compute alike (their parametrizations are submodules, compared as any)."""
+    cls = type(m)
+    if getattr(cls, "__module__", None) == "torch.nn.utils.parametrize" and "parametrizations" in m._modules \
+            and len(cls.__bases__) == 1:
+        return ("parametrized", cls.__bases__[0], tuple(m._modules["parametrizations"].keys()))
+    return cls
+
+
 _ACTIVATION_FUNCTIONS = {torch.tanh, torch.relu, torch.sigmoid, torch.sin, torch.cos, torch.exp,
-                         F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.sigmoid, F.tanh}
+                         F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.softplus, F.sigmoid, F.tanh,
+                         F.mish, F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.softsign,
+                         F.logsigmoid, F.tanhshrink}
 _ACTIVATION_METHODS = {"tanh", "relu", "sigmoid", "sin", "cos", "exp"}
 _SCALAR_OPS = {operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add}
 #: entries a kernel's pattern caches hold before they start afresh (sweeps repeat a few dozen patterns)
@@ -451,8 +465,8 @@ def _traced_dense(module: nn.Module):
         k += 1
     lin = nodes[k]
     if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
-        weight, W = f"{lin.target}.weight", subs[lin.target].weight
-        bias = f"{lin.target}.bias" if subs[lin.target].bias is not None else None
+        weight, W, b = f"{lin.target}.weight", subs[lin.target].weight, subs[lin.target].bias
+        bias = f"{lin.target}.bias" if b is not None else None
     elif lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
         args = list(lin.args[1:]) + [lin.kwargs.get(a) for a in ("weight", "bias") if a in lin.kwargs]
         if not args or args[0] not in attrs or (len(args) > 1 and args[1] is not None and args[1] not in attrs):
@@ -461,11 +475,13 @@ def _traced_dense(module: nn.Module):
         bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
         if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
             return None
-        W = params[weight]
+        W, b = params[weight], None if bias is None else params[bias]
     else:
         return None
     if W.shape[0] != W.shape[1]:
         return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
+    if b is not None and tuple(b.shape) != (W.shape[0],):
+        return None  # a bias that broadcasts (a 0-d or (1,) parameter): the stacked kernels add one per row
     prev = lin
     for node in nodes[k + 1: -1]:
         op = _elementwise(node, prev, subs)
