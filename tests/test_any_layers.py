@@ -2029,6 +2029,46 @@ def test_more_activations_take_the_dense_path_and_equal_serial(make):
     check_equals_serial(lp, layers, torch.randn(3, 4, dtype=torch.float64), 1.0)
 
 
+def test_tracing_layers_leaves_nothing_in_torchs_global_caches():
+    """A review: every build of the layer kernel (each train() / eval() switch, each changed attribute)
+    traced the dense class with torch.fx.symbolic_trace, whose GraphModule registers its generated source
+    in torch's process-wide caches: 2,000 entries per 1,000 train/eval switches, never freed."""
+    import linecache
+
+    from torch.fx import graph_module
+
+    torch.manual_seed(0)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2)
+    x = torch.randn(3, 4)
+    lp(x).sum().backward()
+    before = (len(graph_module._loader.eval_cache), len(linecache.cache))
+    for _ in range(20):
+        lp.eval()
+        with torch.no_grad():
+            lp(x)
+        lp.train()
+        lp(x).sum().backward()
+    assert (len(graph_module._loader.eval_cache), len(linecache.cache)) == before
+    assert lp.kernel.describe()[0].endswith("dense")
+
+
+def test_what_a_class_learns_per_state_shape_is_bounded(monkeypatch):
+    """A review: a vmapped class kept one entry per state shape (batch size, image size) of which parameters
+    its output does not depend on, for ever; it now starts afresh at the kernels' cache limit, with the same
+    gradients."""
+    from propagators.torch import kernel
+
+    monkeypatch.setattr(kernel, "_CACHE_LIMIT", 3)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh()).double() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    assert "vmap" in lp.kernel.describe()[0]
+    for batch in (1, 2, 3, 4, 5, 6, 7):
+        check_equals_serial(lp, layers, torch.randn(batch, 4, dtype=torch.float64), 1.0)
+        assert all(len(c.unused) <= 3 for c in lp.kernel.classes) and lp.kernel.classes[0].unused
+        lp.zero_grad()
+
+
 class HookedOutput(nn.Module):
     def __init__(self, width=4):
         super().__init__()

@@ -434,7 +434,8 @@ def _traced_dense(module: nn.Module):
                 if type(v) in (list, dict) and k not in _REGISTRIES]
     try:
         with _functions_called() as functions:
-            graph = fx.symbolic_trace(module).graph
+            graph = fx.Tracer().trace(module)  # (the graph only: no GraphModule, whose generated source
+            #                                   torch keeps for the whole process, for every trace)
         if functions:  # a custom autograd.Function: the trace inlines its forward and loses its backward
             return None
     except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
@@ -1543,6 +1544,8 @@ class KernelPass:
             return []
         key = (tuple(u.shape), u.dtype, tuple(need))
         if key not in c.unused:
+            if len(c.unused) >= _CACHE_LIMIT:  # (one entry per state shape: batch sizes, image sizes)
+                c.unused.clear()
             one = self._vjp_params_one(j, u, w, dt)
             c.unused[key] = frozenset(n for n in need if one[n] is None)
         return [n for n in need if n not in c.unused[key]]

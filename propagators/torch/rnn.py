@@ -76,6 +76,8 @@ def _affine_compose(a, b):
 
 #: the least steps of a piece of the weight gradients (_ParallelRNN._step_gradients)
 _PIECE_STEPS = 64
+#: sequence lengths whose layouts (plans of the time grid over the ranks) a module keeps, the oldest dropped first
+_LAYOUTS_KEPT = 64
 #: what the ranks of a layer's solve must agree on (named by the handshake's error when they do not)
 _SOLVE_AGREE = ("sequence lengths, batch sizes or dtypes, train() / eval() modes, return_sequence, or solve "
                 "settings (fwd_iters, bwd_iters, tolerances, the MGRIT options: set them alike on every rank)")
@@ -501,6 +503,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
     def _layout(self, L: int) -> _Layout:
         lay = self._layouts.get(L)
         if lay is None:
+            if len(self._layouts) >= _LAYOUTS_KEPT:  # (one per sequence length: a data set of many lengths
+                self._layouts.pop(next(iter(self._layouts)))  # held them all, growing as their squares)
             lay = self._layouts[L] = _Layout(L, self.options, self._comm.size, self._comm.rank)
         return lay
 
