@@ -153,7 +153,12 @@ def solve(
         V-cycles, or F-cycles (each level visits its coarse level twice).
     tol : float or None
         Stop after the cycle whose level-0 residual norm is ``<= tol`` (abs) or
-        ``<= tol * first residual`` (rel); None runs ``max_iter`` cycles.
+        ``<= tol * first residual`` (rel); None runs ``max_iter`` cycles. The
+        residual cannot fall below the rounding of the states: about ``1e-7``
+        of their size in float32 (``1e-16`` in float64), so the default ``1e-9``
+        is out of reach for float32 states of size 0.01 and more (the solve then
+        runs all ``max_iter`` cycles and reports ``Status.MAX_ITER``, without a
+        warning): give float32 states a tolerance above their rounding.
     tol_type : {"abs", "rel"}
     norm : {2, 1, inf}
         Temporal norm of the C-point residuals (spatial norm: ``propagator.norms``).
