@@ -57,19 +57,23 @@ def test_step_memory_quick_run_prints_both_networks():
 
 
 def test_fixed_cycles_quick_run_warns_where_its_ratios_say():
-    """Each network's row: a forward ratio of 0.5 or more warned ('f'), an adjoint ratio of 1 or more ('a');
-    and the errors are at least half the ratios (the warning's "off by about as much, or more")."""
+    """Each network's row: a forward ratio of 0.5 or more warned ('f'), an adjoint ratio of 0.75 or more ('a');
+    a warned output or input gradient is far off serial (the warning's "probably far off"), an unwarned one
+    within 0.6."""
     pytest.importorskip("torch")
+    from propagators.torch.module import LARGE_RESIDUAL
+
     out = run_benchmark("fixed_cycles.py", "--quick")
-    rows = [line.split() for line in out.splitlines() if line.rstrip().endswith(("-", "f", "a", "fa"))
-            and "," in line and line.split()[-6:-5]]
-    rows = [r[-6:] for r in rows]
+    rows = [line.split()[-6:] for line in out.splitlines() if "," in line and line.split()
+            and line.split()[-1] in ("-", "f", "a", "fa")]
     assert len(rows) == 4, out
     for fwd, err, adj, dx, _dw, warns in rows:
         fwd, err, adj, dx = map(float, (fwd, err, adj, dx))
-        assert ("f" in warns) == (fwd >= 0.5) and ("a" in warns) == (adj >= 1.0), out
-        assert err >= 0.5 * fwd and dx >= 0.5 * adj, out
-    assert sum(r[-1] == "fa" for r in rows) == 2, out  # the scaled tanh network and the unstable coarse steps
+        assert ("f" in warns) == (fwd >= LARGE_RESIDUAL["forward"]), out
+        assert ("a" in warns) == (adj >= LARGE_RESIDUAL["adjoint"]), out
+        assert err >= 0.9 if "f" in warns else err < 0.6, out
+        assert dx >= 0.6 if "a" in warns else dx < 0.6, out
+    assert [r[-1] for r in rows] == ["-", "fa", "fa", "fa"], out  # (a default network; scaled; unstable; damping)
 
 
 def test_warm_start_quick_run_exits_cleanly():
