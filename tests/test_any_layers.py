@@ -2001,6 +2001,22 @@ def test_parametrized_layers_are_stepped_together_and_equal_serial():
         check_equals_serial(lp, layers, torch.randn(3, 4, dtype=torch.float64), 1.0)
 
 
+def test_serial_state_dict_is_the_serial_networks_and_a_copy():
+    """lp.serial_state_dict() holds what lp.to_serial().state_dict() holds (parametrized layers too, which
+    to_serial cannot send between ranks: tests/mpi_scripts/torch_any_layers.py), as copies."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(2)
+    layers = [nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()) if j % 2 else nn.Sequential(nn.Linear(4, 4))
+              for j in range(6)]
+    lp = LayerParallel(layers, cf=2)
+    state, ref = lp.serial_state_dict(), lp.to_serial().state_dict()
+    assert list(state) == list(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+    with torch.no_grad():
+        lp.layers[0][0].bias.add_(1.0)
+    assert not torch.equal(state["layers.0.0.bias"], lp.layers[0][0].bias)
+
+
 class _Activated(nn.Module):
     """``f(self.lin(u))`` for an activation function ``f``."""
 

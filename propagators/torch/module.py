@@ -1844,6 +1844,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         """
         check_root(root, self._comm.size)
         with self._session("to_serial()", root, agree="roots"):
+            if self._comm.size > 1:
+                _check_picklable(self.layers, root)
             # one deep copy of all layers: parameters tied between layers (one rank only) stay tied
             mine = copy.deepcopy(dict(self.layers.items()))
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
@@ -1851,6 +1853,22 @@ class LayerParallel(_SolveCycles, nn.Module):
             return None
         every = {j: m for part in parts for j, m in part.items()}
         return ODENet([every[j] for j in range(self.n_layers)], T=self.T, scheme=self.scheme)
+
+    def serial_state_dict(self, root: int = 0):
+        """The serial network's state dict (what ``lp.to_serial(root).state_dict()`` holds, keyed as
+        ``ODENet(layers).state_dict()``), gathered from every rank's layers: on rank ``root``, None on the
+        others. Collective over the layer communicator. It sends the tensors only, not the modules, so it
+        also serves layers that torch does not pickle (``torch.nn.utils.parametrize``'s)."""
+        check_root(root, self._comm.size)
+        with self._session("serial_state_dict()", root, agree="roots"):
+            mine = self.state_dict()
+            parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
+        if parts is None:
+            return None
+        out = collections.OrderedDict()
+        for part in parts:  # (the ranks hold the layers in order; copies: this rank's are the layers' own)
+            out.update((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in part.items())
+        return out
 
     def _serial_view(self) -> ODENet:
         """On one rank: the serial network over this block's own layers (not copies), for a caller that
@@ -2161,6 +2179,19 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             "do that. Use relax='FCF', fewer levels or a smaller cf (mgrit.choose_settings picks them), raise `"
             + iters + "`, set a tolerance, or let propagators.torch.SerialSwitch manage the cycles",
             ConvergenceWarning, stacklevel=_user_stacklevel())
+
+
+def _check_picklable(layers, root: int) -> None:
+    """A ``TypeError`` naming the first layer under ``torch.nn.utils.parametrize``, which torch refuses to
+    pickle, so that :meth:`LayerParallel.to_serial` cannot send it to rank ``root``."""
+    from torch.nn.utils import parametrize
+
+    for j, m in layers.items():
+        if any(parametrize.is_parametrized(sub) for sub in m.modules()):
+            raise TypeError(
+                f"layer {j} is parametrized (torch.nn.utils.parametrize), and torch does not pickle such modules, "
+                f"so to_serial() cannot send it to rank {root}: build the serial network on rank {root} yourself "
+                f"(ODENet of the same layers) and load lp.serial_state_dict(root={root}) into it")
 
 
 def _foreign_leaves(out, allowed: set) -> list:

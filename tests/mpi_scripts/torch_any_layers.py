@@ -171,6 +171,38 @@ def checkpoints():
     checkpoint_errors(fresh, state)
 
 
+def parametrized_serial_state():
+    """Layers under torch.nn.utils.parametrize (weight_norm), which torch does not pickle: to_serial raised
+    torch's "Serialization of parametrized modules is only supported through state_dict()" from another
+    rank; it now names the layer and serial_state_dict, whose gathered tensors load into a serial network
+    built on the root, which then equals the block."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def make():
+        return [nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).double() for _ in range(12)]
+
+    torch.manual_seed(5)
+    lp = LayerParallel(make(), T=1.0, cf=2, max_levels=3, relax="FCF", comm=world, **TIGHT)
+    try:
+        lp.to_serial(root=0)
+        fail("to_serial of parametrized layers did not raise")
+    except (TypeError, RemoteRankError) as exc:
+        if "serial_state_dict" not in str(exc):
+            fail(f"to_serial of parametrized layers: {type(exc).__name__}: {exc}")
+    state = lp.serial_state_dict(root=0)
+    if (state is None) != (rank != 0):
+        fail("serial_state_dict returned a dict on a non-root rank, or none on the root")
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = lp(x)
+    if rank == 0:
+        torch.manual_seed(123)
+        net = ODENet(make(), T=1.0)
+        net.load_state_dict(state)
+        with torch.no_grad():
+            check("a serial network loaded from serial_state_dict equals the block", net(x), y)
+
+
 def checkpoint_errors(lp, state):
     """What a hostile review found: a checkpoint of another network (one more layer, a key no layer has)
     loaded without an error, and to_serial with a root out of range or differing between the ranks
@@ -667,6 +699,7 @@ try:
     replaced_parameters()
     memory_split()
     checkpoints()
+    parametrized_serial_state()
     eval_exact()
     if size >= 3:
         idle_ranks()
