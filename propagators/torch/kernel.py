@@ -468,17 +468,22 @@ def _traced_dense(module: nn.Module):
     if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
         weight, W, b = f"{lin.target}.weight", subs[lin.target].weight, subs[lin.target].bias
         bias = f"{lin.target}.bias" if b is not None else None
-    elif lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
-        args = list(lin.args[1:]) + [lin.kwargs.get(a) for a in ("weight", "bias") if a in lin.kwargs]
-        if not args or args[0] not in attrs or (len(args) > 1 and args[1] is not None and args[1] not in attrs):
-            return None
-        weight = attrs[args[0]]
-        bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
+    else:
+        if lin.op == "call_function" and lin.target is F.linear and lin.args and lin.args[0] is x:
+            args = list(lin.args[1:]) + [lin.kwargs.get(a) for a in ("weight", "bias") if a in lin.kwargs]
+            if not args or args[0] not in attrs or (len(args) > 1 and args[1] is not None and args[1] not in attrs):
+                return None
+            weight = attrs[args[0]]
+            bias = attrs[args[1]] if len(args) > 1 and args[1] is not None else None
+        else:  # u @ self.W.T (+ self.b), torch.matmul(u, self.W.t()) (+ ...), torch.addmm(self.b, u, self.W.T)
+            found = _matmul_linear(nodes, k, x, attrs)
+            if found is None:
+                return None
+            weight, bias, lin = found
+            k = nodes.index(lin)
         if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
             return None
         W, b = params[weight], None if bias is None else params[bias]
-    else:
-        return None
     if W.shape[0] != W.shape[1]:
         return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
     if b is not None and tuple(b.shape) != (W.shape[0],):
@@ -503,6 +508,41 @@ def _traced_dense(module: nn.Module):
         return z
 
     return DenseRHS(weight, bias, activation, _derivative(ops))
+
+
+_TRANSPOSE = {("call_function", getattr, "T"), ("call_method", "t", None)}
+_MATMUL = (operator.matmul, torch.matmul)
+_ADD = (operator.add, torch.add)
+
+
+def _matmul_linear(nodes: list, k: int, x, attrs: dict):
+    """``(weight, bias or None, node)`` when the nodes from ``k`` on compute ``x W^T (+ b)`` of parameters read
+    directly: ``x @ self.W.T``, ``torch.matmul(x, self.W.t())``, either plus ``self.b``, or
+    ``torch.addmm(self.b, x, self.W.T)``; ``node`` is the one holding the result (attributes read on the way
+    are added to ``attrs``); else None."""
+    t = nodes[k]
+    key = (t.op, t.target, t.args[1] if t.op == "call_function" and len(t.args) == 2 else None)
+    if key not in _TRANSPOSE or not t.args or t.args[0] not in attrs or t.kwargs or k + 1 >= len(nodes):
+        return None
+    weight, node = attrs[t.args[0]], nodes[k + 1]
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is torch.addmm and len(node.args) == 3 and node.args[1] is x and node.args[2] is t \
+            and node.args[0] in attrs:
+        return weight, attrs[node.args[0]], node
+    if node.target not in _MATMUL or node.args != (x, t):
+        return None
+    j = k + 2
+    while nodes[j].op == "get_attr":  # (fx reads an attribute where it is first used: the bias after the product)
+        attrs[nodes[j]] = nodes[j].target
+        j += 1
+    add = nodes[j]
+    if add.op == "call_function" and add.target in _ADD and not add.kwargs and len(add.args) == 2 \
+            and node in add.args:
+        other = add.args[1] if add.args[0] is node else add.args[0]
+        if other in attrs:
+            return weight, attrs[other], add
+    return (weight, None, node) if j == k + 2 else None
 
 
 def _random_states() -> tuple:
