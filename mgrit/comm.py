@@ -1069,26 +1069,9 @@ _KEYVAL: list = []  # the MPI attribute key under which as_communicator caches i
 
 
 def _keyval(MPI) -> int:
-    if not _KEYVAL:  # not copied by Dup; a user's comm.Free() releases the wrapper's channels
-        _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_on_user_free))
+    if not _KEYVAL:
+        _KEYVAL.append(MPI.Comm.Create_keyval())  # not copied by Dup
     return _KEYVAL[0]
-
-
-def _on_user_free(comm, keyval, wrapper) -> None:
-    """MPI's delete callback of the wrapper cached on a raw communicator, called when its attribute goes:
-    when the user frees that communicator (``comm.Free()``), the wrapper's own duplicates (its base
-    channel and pooled session channels) are freed with it; MPICH runs out of communicators after about
-    a thousand wrappers left behind. Nothing is done for a wrapper already freed or inside a session,
-    nor for the predefined communicators (their attributes go at MPI_Finalize, when peers may be gone)."""
-    if not isinstance(wrapper, MPIComm) or wrapper._freed or len(wrapper._stack) > 1:
-        return
-    MPI = wrapper._MPI
-    if comm == MPI.COMM_WORLD or comm == MPI.COMM_SELF or MPI.Is_finalized():
-        return
-    try:
-        wrapper._free_channels()
-    except Exception:  # noqa: BLE001 - an error inside MPI's callback cannot reach the user's Free()
-        wrapper._freed = True
 
 
 class _SessionComm(Communicator):
@@ -1786,18 +1769,6 @@ class MPIComm(_SessionComm):
         if len(self._stack) > 1:
             raise RuntimeError("free() inside a session: close the session first")
         MPI = self._MPI
-        self._free_channels()
-        if not MPI.Is_finalized():
-            kv = _keyval(MPI)
-            if self.comm.Get_attr(kv) is self:
-                self.comm.Delete_attr(kv)
-            if self._owns:
-                self.comm.Free()
-
-    def _free_channels(self):
-        """Free the pooled channels and the base channel (abandoned when sends are pending or after an
-        alarm); the wrapper is freed from then on."""
-        self._freed = True
         for ch in self._pool.values():
             ch.comm.Free()
         self._pool.clear()
@@ -1807,6 +1778,13 @@ class MPIComm(_SessionComm):
             base.comm.Free()
         else:
             self._abandon(base)
+        if not MPI.Is_finalized():
+            kv = _keyval(MPI)
+            if self.comm.Get_attr(kv) is self:
+                self.comm.Delete_attr(kv)
+            if self._owns:
+                self.comm.Free()
+        self._freed = True
 
 
 def as_communicator(comm) -> Communicator:
@@ -1829,8 +1807,7 @@ def as_communicator(comm) -> Communicator:
         if isinstance(wrapper, MPIComm) and not wrapper._freed:
             return wrapper
         wrapper = MPIComm(comm)
-        if comm.Get_attr(_keyval(MPI)) is not wrapper:  # (setting it again would call the delete callback on it)
-            comm.Set_attr(_keyval(MPI), wrapper)
+        comm.Set_attr(_keyval(MPI), wrapper)
         return wrapper
     if _is_process_group(comm):
         from .torch_dist import wrap

@@ -251,7 +251,7 @@ def test_an_exception_whose_str_fails_still_alarms_the_others():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n, where", [(2, "skip"), (3, "skip"), (3, "skiplate")])
+@pytest.mark.parametrize("n, where", [(2, "skip"), (3, "skip"), (3, "skiplate"), (2, "skipfree")])
 def test_a_rank_that_exits_while_the_others_wait_alarms_them(n, where):
     """The last rank skips the backward pass the others enter and its program ends without an
     error: the others raise RemoteRankError saying that it exited (they hung before). ``skiplate``:

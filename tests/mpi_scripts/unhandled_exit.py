@@ -14,6 +14,8 @@ they wait to duplicate it with a rank that never comes, and must raise RemoteRan
 an exception whose ``__str__`` raises.
 ``skip``: the last rank runs a LayerParallel forward pass and ends without an error, skipping the
 backward pass the others enter: they must raise RemoteRankError saying that it exited.
+``skipfree``: the same on a duplicate of the world communicator that the last rank frees before it
+ends (a version of the library that freed its own duplicates with the user's left the others waiting).
 ``skiplate``: the same on 3 or more ranks, rank 1 building its error only after rank 0 died of it: rank 1's
 error must not cite rank 0's death of this same exit as an earlier failure (a consequence, not news).
 ``done``: every rank runs forward and backward, and rank 0 is slow to finish the backward pass's
@@ -48,7 +50,7 @@ if where == "between":
     if last:
         raise RuntimeError(f"user code failed on rank {rank}")
     y.sum().backward()
-elif where in ("skip", "skiplate", "done"):
+elif where in ("skip", "skiplate", "done", "skipfree"):
     if where == "skiplate" and rank == 1:
         import mgrit.comm as mc
         original_error = MPIComm._exited_error
@@ -71,9 +73,12 @@ elif where in ("skip", "skiplate", "done"):
 
         MPIComm._complete_sends = slow
     torch.manual_seed(0)
+    comm = world.Dup() if where == "skipfree" else world
     lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)], T=1.0, cf=2,
-                       max_levels=3, comm=world)
+                       max_levels=3, comm=comm)
     y = lp(torch.randn(3, 4))
+    if where == "skipfree" and last:
+        comm.Free()  # the user's communicator freed: the block's own duplicates still carry the exit alarm
     if where == "done" or not last:
         y.sum().backward()
     if where == "done":
