@@ -17,12 +17,12 @@ the same network (``lp.to_serial()``, the same input and output gradient):
 Networks: residual layers ``u + h f(u)`` with ``f = tanh(W u + b)`` (PyTorch's default
 initialisation, weights optionally scaled) and stiff linear layers ``f(u) = A u + b``,
 ``A = -a I + noise``, whose coarse steps (``cf**l * h * a``) go unstable while the fine ones are not
-(``h * a < 2``), or which damp the state by orders of magnitude. Default settings otherwise (cf 4,
+(``h * a < 2``), or which damp the state by orders of magnitude (the last two rows: ``a < 0``, growing). Default settings otherwise (cf 4,
 3 levels, F / FCF, skip).
 
 Run::
 
-    .venv/bin/python benchmarks/fixed_cycles.py            # 30 networks, a few seconds
+    .venv/bin/python benchmarks/fixed_cycles.py            # 32 networks, a few seconds
     .venv/bin/python benchmarks/fixed_cycles.py --quick    # 4 networks
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ DENSE = [(32, 32, 1.0, 64, 1, "f32"), (64, 16, 1.0, 16, 1, "f32"), (64, 16, 4.0,
 STIFF = [(1.0, 0.1, 2.0, 64), (1.0, 0.1, 16.0, 64), (1.0, 1.0, 2.0, 64), (1.0, 1.0, 4.0, 64), (5.0, 0.1, 2.0, 64),
          (5.0, 0.1, 4.0, 64), (5.0, 1.0, 2.0, 64), (5.0, 1.0, 4.0, 64), (20.0, 0.1, 2.0, 64), (20.0, 1.0, 2.0, 64),
          (50.0, 0.1, 2.0, 64), (50.0, 1.0, 2.0, 64), (2.0, 0.3, 8.0, 256), (1.0, 0.1, 16.0, 256),
-         (1.0, 0.3, 24.0, 1024), (1.0, 0.1, 8.0, 64)]
+         (1.0, 0.3, 24.0, 1024), (1.0, 0.1, 8.0, 64), (-1.0, 0.1, 4.0, 64), (-1.5, 0.1, 4.0, 64)]
 QUICK_DENSE, QUICK_STIFF = [DENSE[1], DENSE[11]], [STIFF[5], STIFF[12]]
 
 

@@ -1588,6 +1588,23 @@ def test_fixed_cycles_warn_when_the_residual_is_as_large_as_the_states():
     assert plain.backward_residual < 0.5 * LARGE_RESIDUAL["adjoint"] * float(xp.grad.norm())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fixed_cycles_warn_in_half_precision_with_a_peaked_output_gradient(dtype):
+    """A review of the warning: its guard against outputs at the rounding of larger states was 0.1 of the
+    largest entry times the root of the entry count in 16-bit types, more than 0.75 of a peaked input
+    gradient's norm: the same unstable network, its input gradient 6.6e12x off serial in bfloat16, warned for
+    its forward solve only."""
+    from propagators.torch import ConvergenceWarning
+
+    lp = LayerParallel([m.to(dtype) for m in _stiff_linear(5.0, 0.1)], T=4.0)
+    gy = torch.zeros(16, 8, dtype=dtype)
+    gy[0, 0] = 1.0
+    with pytest.warns(ConvergenceWarning) as caught:
+        lp(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_(True)).backward(gy)
+    said = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert any(m.startswith("the adjoint MGRIT solve returned a residual") for m in said), said
+
+
 def test_a_stall_near_the_rounding_of_a_blown_up_residual_names_both_causes():
     """A review's float64 solve stalled at 9.6e-8 with states of about 0.06 at the block's ends; the
     largest residual it measured (2.8e6, after unstable coarse levels blew up the skipped cycle) set the
@@ -2015,6 +2032,47 @@ def test_serial_state_dict_is_the_serial_networks_and_a_copy():
     with torch.no_grad():
         lp.layers[0][0].bias.add_(1.0)
     assert not torch.equal(state["layers.0.0.bias"], lp.layers[0][0].bias)
+
+
+def test_serial_state_dicts_of_multistage_and_the_vit_are_their_serial_networks():
+    """MultiStage and the ViT have serial_state_dict too (the TypeError of to_serial for parametrized layers
+    names it): their to_serial()'s state dict, as copies; extra state deep-copied (a review: the root's
+    layers' extra state was their live object)."""
+    from propagators.torch import make_vit
+    from propagators.torch.multistage import residual_cnn
+
+    torch.manual_seed(4)
+    for model in (residual_cnn(4, (4, 4), cf=2), make_vit(4, dim=8, heads=2, cf=2)):
+        state, ref = model.serial_state_dict(), model.to_serial().state_dict()
+        assert list(state) == list(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+        first = next(p for p in model.parameters())
+        with torch.no_grad():
+            first.add_(1.0)
+        assert not any(torch.equal(v, first) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class _Counting(nn.Module):
+    """A layer with extra state (a dict it updates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 4), {"calls": 0}
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u))
+
+    def get_extra_state(self):
+        return self.calls
+
+    def set_extra_state(self, state):
+        self.calls = dict(state)
+
+
+def test_serial_state_dict_copies_extra_state():
+    lp = LayerParallel([_Counting() for _ in range(4)], cf=2)
+    state = lp.serial_state_dict()
+    lp.layers[0].calls["calls"] = 99
+    assert state["layers.0._extra_state"] == {"calls": 0}
 
 
 class _Activated(nn.Module):

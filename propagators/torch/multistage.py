@@ -26,7 +26,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
-from .module import LayerParallel, _announced, _one_thread, check_root
+from .module import LayerParallel, _announced, _copied, _one_thread, check_root
 
 _OWN = ("comm", "data_comm")
 
@@ -292,6 +292,19 @@ class MultiStage(nn.Module):
         if not here:
             return None
         return nn.Sequential(*out).train(self.training)
+
+    def serial_state_dict(self, root: int = 0):
+        """:meth:`to_serial`'s state dict (copies), gathered as tensors: on rank ``root``, None on the others.
+        Collective over the layer communicator (:meth:`LayerParallel.serial_state_dict`); it also serves
+        layers that torch does not pickle."""
+        check_root(root, self._comm.size)
+        out = {}
+        for i, p in enumerate(self):
+            part = p.serial_state_dict(root) if isinstance(p, LayerParallel) else \
+                (_copied(p.state_dict()) if self._comm.rank == root else None)
+            if part is not None:
+                out.update((f"{i}.{k}", v) for k, v in part.items())
+        return out if self._comm.rank == root else None
 
     def load_serial(self, state_dict: dict, strict: bool = True):
         """Load a full serial state dict (``to_serial().state_dict()``) on every rank.

@@ -42,7 +42,7 @@ from torch import nn
 
 from mgrit.hierarchy import check_flag, check_integer, check_real, is_integer
 
-from .module import LayerParallel, ODENet
+from .module import LayerParallel, ODENet, _copied
 from .switch import SerialSwitch, Switchable
 
 __all__ = ["AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "PatchEmbedding",
@@ -277,6 +277,20 @@ class ViT(nn.Module):
         if blocks is None:
             return None
         return ViT(copy.deepcopy(self.open), blocks, copy.deepcopy(self.close)).train(self.training)
+
+    def serial_state_dict(self, root: int = 0):
+        """:meth:`to_serial`'s state dict (copies), gathered as tensors: on rank ``root``, None on the others
+        (:meth:`LayerParallel.serial_state_dict`; collective). It also serves layers torch does not pickle."""
+        lp = self.lp
+        if lp is None:
+            return _copied(self.state_dict())
+        blocks = lp.serial_state_dict(root)
+        if blocks is None:
+            return None
+        out = {f"open.{k}": v for k, v in _copied(self.open.state_dict()).items()}
+        out.update((f"blocks.{k}", v) for k, v in blocks.items())
+        out.update((f"close.{k}", v) for k, v in _copied(self.close.state_dict()).items())
+        return out
 
     def load_serial(self, state_dict: dict, strict: bool = True):
         """Load a serial ViT's state dict (``to_serial().state_dict()``, or a ``parallel=False``
