@@ -1605,6 +1605,21 @@ def test_fixed_cycles_warn_in_half_precision_with_a_peaked_output_gradient(dtype
     assert any(m.startswith("the adjoint MGRIT solve returned a residual") for m in said), said
 
 
+def test_fixed_cycles_warn_for_gradients_whose_squares_underflow():
+    """A review: the size of an input gradient of entries near 1e-170 was 0 (its squares underflow), and the
+    adjoint check was skipped; the residual, 57 times the gradient's size, said nothing."""
+    from propagators.torch import ConvergenceWarning
+    from propagators.torch.module import _size
+
+    assert _size((torch.full((4,), 1e-170, dtype=torch.float64),)) == pytest.approx(2e-170, rel=1e-12)
+    lp = LayerParallel(_stiff_linear(5.0, 0.1), T=4.0)
+    gy = 1e-170 * torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(ConvergenceWarning) as caught:
+        lp(torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+           .requires_grad_(True)).backward(gy)
+    assert any(str(w.message).startswith("the adjoint MGRIT solve returned a residual") for w in caught)
+
+
 def test_a_stall_near_the_rounding_of_a_blown_up_residual_names_both_causes():
     """A review's float64 solve stalled at 9.6e-8 with states of about 0.06 at the block's ends; the
     largest residual it measured (2.8e6, after unstable coarse levels blew up the skipped cycle) set the

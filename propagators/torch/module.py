@@ -1843,9 +1843,11 @@ class LayerParallel(_SolveCycles, nn.Module):
         ``root`` (every layer, as a deep copy) and None on the other ranks.
         """
         check_root(root, self._comm.size)
-        with self._session("to_serial()", root, agree="roots"):
-            if self._comm.size > 1:
-                _check_picklable(self.layers, root)
+        P = self._comm.size
+        session = self._session("to_serial()", root, agree="roots", share=_parametrized(self.layers) if P > 1 else None)
+        with session:
+            if P > 1:  # every rank raises alike, naming the first such layer of all ranks
+                _check_picklable([j for j in session.shared if j is not None], root)
             # one deep copy of all layers: parameters tied between layers (one rank only) stay tied
             mine = copy.deepcopy(dict(self.layers.items()))
             parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
@@ -2095,9 +2097,16 @@ LARGE_RESIDUAL = {"forward": 0.5, "adjoint": 0.75}
 
 
 def _size(like) -> float:
-    """The largest Frobenius norm of the tensors ``like``, in float64."""
-    return max((float(torch.linalg.vector_norm(v.detach().to(torch.complex128 if v.is_complex() else torch.float64)))
-                for v in like if v.numel()), default=0.0)
+    """The largest Frobenius norm of the tensors ``like``, in float64, scaled by the largest entry first (the
+    squares of entries near 1e-170 underflow: a review's input gradient had a norm of 0 and went unchecked)."""
+    out = 0.0
+    for v in like:
+        if v.numel():
+            w = v.detach().to(torch.complex128 if v.is_complex() else torch.float64)
+            top = float(w.abs().max())
+            if top > 0 and math.isfinite(top):
+                out = max(out, top * float(torch.linalg.vector_norm(w / top)))
+    return out
 
 
 _HERE = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__, mgrit.__file__))
@@ -2189,18 +2198,24 @@ def _copied(state: dict) -> dict:
                                    for k, v in state.items())
 
 
-def _check_picklable(layers, root: int) -> None:
-    """A ``TypeError`` naming the first layer under ``torch.nn.utils.parametrize``, which torch refuses to
-    pickle, so that :meth:`LayerParallel.to_serial` cannot send it to rank ``root``."""
+def _parametrized(layers):
+    """The index of the first of ``layers`` (a :class:`LayerDict`) with a module under
+    ``torch.nn.utils.parametrize``, which torch refuses to pickle; None when there is none."""
     from torch.nn.utils import parametrize
 
-    for j, m in layers.items():
-        if any(parametrize.is_parametrized(sub) for sub in m.modules()):
-            raise TypeError(
-                f"layer {j} is parametrized (torch.nn.utils.parametrize), and torch does not pickle such modules, "
-                f"so to_serial() cannot send it to rank {root}: build the serial network on rank {root} yourself "
-                f"(ODENet of the same layers, or the model around it) and load serial_state_dict(root={root}) of "
-                "this block (or of the model: MultiStage and the ViT have one too) into it")
+    return next((int(j) for j, m in layers.items() if any(parametrize.is_parametrized(sub) for sub in m.modules())),
+                None)
+
+
+def _check_picklable(found: list, root: int) -> None:
+    """A ``TypeError`` naming the first of the layers ``found`` (those :func:`_parametrized` found on the
+    ranks): :meth:`LayerParallel.to_serial` cannot send them to rank ``root``."""
+    if found:
+        raise TypeError(
+            f"layer {min(found)} is parametrized (torch.nn.utils.parametrize), and torch does not pickle such "
+            f"modules, so to_serial() cannot send it to rank {root}: build the serial network on rank {root} "
+            f"yourself (ODENet of the same layers, or the model around it) and load serial_state_dict(root={root}) "
+            "of this block (or of the model: MultiStage and the ViT have one too) into it")
 
 
 def _foreign_leaves(out, allowed: set) -> list:

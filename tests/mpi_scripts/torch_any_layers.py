@@ -174,21 +174,28 @@ def checkpoints():
 def parametrized_serial_state():
     """Layers under torch.nn.utils.parametrize (weight_norm), which torch does not pickle: to_serial raised
     torch's "Serialization of parametrized modules is only supported through state_dict()" from another
-    rank; it now names the layer and serial_state_dict, whose gathered tensors load into a serial network
-    built on the root, which then equals the block."""
+    rank; it now raises TypeError on every rank (also those that hold no such layer), naming the first one
+    and serial_state_dict, whose gathered tensors load into a serial network built on the root, which then
+    equals the block."""
     from torch.nn.utils.parametrizations import weight_norm
 
     def make():
         return [nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).double() for _ in range(12)]
 
     torch.manual_seed(5)
+    one = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(12)]
+    one[7][0] = weight_norm(one[7][0])
+    for layers in (make(), one):  # every layer parametrized; only layer 7 (one rank holds it)
+        block = LayerParallel(layers, T=1.0, cf=2, max_levels=3, relax="FCF", comm=world, **TIGHT)
+        try:
+            block.to_serial(root=0)
+            fail("to_serial of parametrized layers did not raise")
+        except TypeError as exc:  # on every rank alike, naming the first such layer of all ranks
+            first = 0 if layers is not one else 7
+            if f"layer {first} is parametrized" not in str(exc) or "serial_state_dict" not in str(exc):
+                fail(f"to_serial of parametrized layers: {exc}")
+    torch.manual_seed(5)
     lp = LayerParallel(make(), T=1.0, cf=2, max_levels=3, relax="FCF", comm=world, **TIGHT)
-    try:
-        lp.to_serial(root=0)
-        fail("to_serial of parametrized layers did not raise")
-    except (TypeError, RemoteRankError) as exc:
-        if "serial_state_dict" not in str(exc):
-            fail(f"to_serial of parametrized layers: {type(exc).__name__}: {exc}")
     state = lp.serial_state_dict(root=0)
     if (state is None) != (rank != 0):
         fail("serial_state_dict returned a dict on a non-root rank, or none on the root")
