@@ -1850,7 +1850,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                 _check_picklable([j for j in session.shared if j is not None], root)
             # one deep copy of all layers: parameters tied between layers (one rank only) stay tied
             mine = copy.deepcopy(dict(self.layers.items()))
-            parts = self._comm.gather(mine, root=root) if self._comm.size > 1 else [mine]
+            parts = self._comm.gather(mine, root=root) if P > 1 else [mine]
         if parts is None:
             return None
         every = {j: m for part in parts for j, m in part.items()}
@@ -2068,11 +2068,15 @@ def _tolerance(value, name: str):
     return value if value is None else float(value) + 0.0  # (+ 0.0: -0.0 is 0.0, alike on every rank)
 
 
+def _eps(dtype) -> float:
+    """The machine epsilon of ``dtype`` (float32 when not known)."""
+    return torch.finfo(torch.float32 if dtype is None else dtype).eps
+
+
 def _rounding(dtype) -> str:
     """How finely ``dtype`` (float32 when not known) resolves the states, in words."""
-    dtype = torch.float32 if dtype is None else dtype
-    eps = torch.finfo(dtype).eps
-    return f"{str(dtype).replace('torch.', '')} rounds at about {eps:.0e} of the states"
+    name = str(torch.float32 if dtype is None else dtype).replace("torch.", "")
+    return f"{name} rounds at about {_eps(dtype):.0e} of the states"
 
 
 def _rounding_floor(seen: list, dtype, like=()) -> float:
@@ -2084,7 +2088,7 @@ def _rounding_floor(seen: list, dtype, like=()) -> float:
     for v in like:
         if v.numel():
             scale = max(scale, float(v.detach().abs().max()) * math.sqrt(v.numel()))
-    return min(1e4 * torch.finfo(torch.float32 if dtype is None else dtype).eps, 0.1) * scale
+    return min(1e4 * _eps(dtype), 0.1) * scale
 
 
 #: with a fixed number of cycles, a returned residual at least this multiple of the size of what the solve
@@ -2107,6 +2111,11 @@ def _size(like) -> float:
             if top > 0 and math.isfinite(top):
                 out = max(out, top * float(torch.linalg.vector_norm(w / top)))
     return out
+
+
+def _largest(like) -> float:
+    """The largest magnitude of an entry of the tensors ``like`` (exact in their own dtype, no copy)."""
+    return max((float(torch.linalg.vector_norm(v.detach(), ord=math.inf)) for v in like if v.numel()), default=0.0)
 
 
 _HERE = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__, mgrit.__file__))
@@ -2139,18 +2148,17 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
             stalled = len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]  # three cycles that did not halve it
+            finer = "" if dtype in (torch.float64, torch.complex128) else " or compute in float64"
             if stalled and seen[-1] <= _rounding_floor([] if like else seen, dtype, like):  # ... near the rounding
                 #                                                                                 of the states
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
-                        f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance"
-                        + ("" if dtype in (torch.float64, torch.complex128) else " or compute in float64"))
+                        f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance{finer}")
             elif stalled and seen[-1] <= _rounding_floor(seen, dtype, like):  # near the rounding of the largest
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before) near the "  # residual
                         f"rounding of the largest residual measured ({max(seen):.3e}, far larger than the states "
                         f"at the block's ends; {_rounding(dtype)}): either the states inside the block are that "
-                        "large, and the tolerance is below what the arithmetic resolves (raise it"
-                        + ("" if dtype in (torch.float64, torch.complex128) else " or compute in float64")
-                        + "), or unstable coarse levels blew the first cycles' iterate up, and fewer levels "
+                        f"large, and the tolerance is below what the arithmetic resolves (raise it{finer}), "
+                        "or unstable coarse levels blew the first cycles' iterate up, and fewer levels "
                         "(max_levels), relax='FCF' or a smaller cf converge further (mgrit.choose_settings picks "
                         "them)")
             elif stalled:  # far above it: the cycles no longer improve the iterate, more of them will not help
@@ -2178,10 +2186,11 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             "that stays where it started can also be the rounding of much larger states between the input and the "
             "output (then compute in float64)", ConvergenceWarning, stacklevel=_user_stacklevel())
         return
-    size = _size(ends) if tol is None and ends else 0.0
-    eps = torch.finfo(torch.float32 if dtype is None else dtype).eps
-    if size > 0 and last >= LARGE_RESIDUAL[which] * size and last > 10 * eps * _size(like):  # (not the rounding
-        #                                                      of larger states, for an output or gradient near 0)
+    if tol is not None or not ends or not last >= LARGE_RESIDUAL[which] * _largest(ends):
+        return  # (the norm is at least the largest entry: no warning, and no float64 copy of the output per pass)
+    size = _size(ends)
+    if size > 0 and last >= LARGE_RESIDUAL[which] * size and last > 10 * _eps(dtype) * _size(like):  # (not the
+        #                                                     rounding of larger states, for an output or gradient near 0)
         warnings.warn(  # (a single cycle that skips has no first residual: this is the check it gets)
             f"the {which} MGRIT solve returned a residual of {last:.3e} after {res.iterations} cycle(s), "
             f"{last / size:.2g} times the size of " + ("its output" if which == "forward" else "the input gradient")
