@@ -297,6 +297,68 @@ def test_train_eval_of_some_layers_only_regroups_them():
     check_equals_serial(LayerParallel(copy.deepcopy(bn), cf=2, max_levels=3, relax="FCF", **TIGHT), bn, x, 1.0)
 
 
+class ModeScaled(nn.Module):
+    """A dense layer in both modes, computing something else in eval mode, with a plain attribute."""
+
+    def __init__(self, width, s=1.0):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.s = s
+
+    def forward(self, u):
+        z = self.s * self.lin(u)
+        return torch.tanh(z) if self.training else torch.sin(z)
+
+
+def _freeze(layer):
+    layer.lin.weight.requires_grad_(False)
+
+
+def _rescale(layer):
+    layer.s = 2.0
+
+
+def _hook(layer):
+    layer.register_forward_hook(lambda m, i, out: 0.5 * out)
+
+
+def _set_modes(nets, train: bool):
+    for net in nets:
+        for m in (net.values() if isinstance(net, nn.ModuleDict) else net):
+            m.train(train)
+
+
+@pytest.mark.parametrize("change", [None, _freeze, _rescale, _hook])
+def test_a_train_eval_switch_inspects_each_mode_once_unless_the_layers_changed(change):
+    """Switching the layers between training and eval mode every epoch takes the kernel inspected before
+    for the mode again; a change made in between (a parameter frozen, an attribute set, a hook registered)
+    is inspected anew, and the pass equals the serial network's."""
+    torch.manual_seed(21)
+    layers = [ModeScaled(4) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)
+    x = torch.randn(3, 4)
+    check_equals_serial(lp, layers, x, 1.0)
+    trained = lp.kernel
+    for _ in range(2):
+        _set_modes((lp.layers, layers), train=False)
+        lp.zero_grad(set_to_none=True)
+        check_equals_serial(lp, layers, x, 1.0)
+        assert lp.kernel is not trained
+        evaluated = lp.kernel
+    if change is not None:
+        for j in (2, 5):
+            change(lp.layers[j])
+            change(layers[j])
+    _set_modes((lp.layers, layers), train=True)
+    lp.zero_grad(set_to_none=True)
+    check_equals_serial(lp, layers, x, 1.0)
+    assert (lp.kernel is trained) == (change is None)
+    _set_modes((lp.layers, layers), train=False)
+    lp.zero_grad(set_to_none=True)
+    check_equals_serial(lp, layers, x, 1.0)
+    assert (lp.kernel is evaluated) == (change is None)
+
+
 def test_layer_failure_names_the_layer():
     layers = [nn.Linear(3, 3) for _ in range(6)] + [nn.Linear(4, 4)] + [nn.Linear(3, 3)]
     lp = LayerParallel(layers, cf=2)

@@ -189,6 +189,17 @@ def test_families_quick_run_two_ranks_give_one_process_gradients():
         assert float(r[7]) <= 1e-5, f"{name}: 2-rank gradients differ from one process's: {r}"
 
 
+def test_train_eval_quick_run_prints_the_table():
+    """The run with a refresh() at every switch and the run that takes each mode's kernel again evaluate
+    bitwise alike (the script exits non-zero otherwise)."""
+    pytest.importorskip("torch")
+    out = run_benchmark("train_eval.py", "--quick")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 16 |")]
+    assert len(rows) == 1, out
+    times = [float(c.split()[0]) for c in rows[0][2:5]]
+    assert all(t > 0 for t in times), out
+
+
 @pytest.mark.parametrize("script, args, message", [
     ("overhead.py", ["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
     ("layer_parallel.py", ["--layers", "0"], "argument --layers: '0' is not an integer >= 1"),
@@ -196,6 +207,7 @@ def test_families_quick_run_two_ranks_give_one_process_gradients():
     ("warm_start.py", ["--T", "nan"], "argument --T: 'nan' is not a finite number > 0"),
     ("multistage_digits.py", ["--seed", "-1"], "argument --seed: '-1' is not an integer >= 0"),
     ("adaptive_cycles.py", ["--ratio", "nan"], "argument --ratio: 'nan' is not a number >= 0 (inf allowed)"),
+    ("train_eval.py", ["--steps", "1,0"], "argument --steps: '0' is not an integer >= 1"),
 ])
 def test_benchmark_arguments_out_of_range_are_usage_errors(script, args, message):
     """``--repeats 0`` ran the default 5 repetitions, ``--layers 0`` divided by zero, ``--ranks 0`` too

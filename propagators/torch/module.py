@@ -561,6 +561,20 @@ def _attribute_values(slots) -> tuple | None:
         return None
 
 
+#: kernels a LayerParallel keeps for the training flags its layers had (see _build_kernel)
+_KERNELS_KEPT = 4
+
+
+def _tensor_layout(kernel) -> tuple | None:
+    """Shape, dtype, device and ``requires_grad`` of every parameter and buffer of ``kernel``'s layers, which
+    their grouping depends on; None when one was deleted or set to None."""
+    try:
+        ts = [d[k] for d, k in kernel._pflat] + [d[k] for d, k in kernel._bflat]
+        return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in ts)
+    except (KeyError, AttributeError):
+        return None
+
+
 def _unchanged(slots, stamp) -> bool:
     """Whether the attributes and submodules in ``slots`` are (identical or equal to) those of ``stamp``."""
     now = _attribute_values(slots)
@@ -967,7 +981,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         self.last_backward: mgrit.Result | None = None
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
-    _DERIVED = ("kernel", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_repeated", "_checked",
+    _DERIVED = ("kernel", "_kernels", "_subs", "_modes", "_special", "_shared_subs", "_probed", "_repeated", "_checked",
                 "_dropout_key",
                 "_dropout_calls", "_slots", "_stamp")
 
@@ -1016,18 +1030,36 @@ class LayerParallel(_SolveCycles, nn.Module):
     def _held(self) -> dict:
         return {**{j: m for j, m in self.layers.items()}, **self._halo}
 
-    def _build_kernel(self):
+    def _build_kernel(self, modes_only: bool = False):
+        """Inspect the layers (group them into classes, trace the dense ones) and reset the checks of the
+        next pass. ``modes_only``: only training flags changed since the last inspection (no attribute,
+        submodule or hook): a kernel inspected before under the same flags is taken again, when the
+        parameters and buffers have the shapes, dtypes, devices and ``requires_grad`` it saw (a
+        train()/eval() switch every epoch inspects each mode once)."""
         modules = self._held()
-        self.kernel = LayerKernel(modules, self.scheme, self.batched, self.streams)
-        self._subs = [s for j in sorted(modules) for s in modules[j].modules()]
+        if not modes_only or self.__dict__.get("_kernels") is None:
+            self._kernels: dict = {}  # (training flags, tensor layout) -> LayerKernel, latest last
+            self._subs = [s for j in sorted(modules) for s in modules[j].modules()]
+            self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
+                             if isinstance(s, _STATEFUL + _RANDOM)]
+            held_in = collections.Counter(id(s) for m in modules.values() for s in m.modules())
+            self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
+            # the layers' plain attributes and submodules as the kernel saw them: a change (an attribute set,
+            # a submodule replaced or deleted) is found at the next forward pass, which inspects them again
+            self._slots = _attribute_slots([self.layers, *self._subs])
+            kernel = None
+        else:
+            kernel = self.kernel
+        layout = _tensor_layout(kernel) if kernel is not None else None
+        key = (bytes(map(_TRAINING, self._subs)), layout)
+        kernel = self._kernels.pop(key, None) if layout is not None else None
+        if kernel is None:
+            kernel = LayerKernel(modules, self.scheme, self.batched, self.streams)
+            key = (key[0], _tensor_layout(kernel))
+        self.kernel = self._kernels[key] = kernel
+        while len(self._kernels) > _KERNELS_KEPT:
+            del self._kernels[next(iter(self._kernels))]
         self._modes = _modes(self._subs)
-        self._special = [(j, s) for j in sorted(modules) for s in modules[j].modules()
-                         if isinstance(s, _STATEFUL + _RANDOM)]
-        held_in = collections.Counter(id(s) for m in modules.values() for s in m.modules())
-        self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
-        # the layers' plain attributes and submodules as the kernel saw them: a change (an attribute set, a
-        # submodule replaced or deleted) is found at the next forward pass, which inspects the layers again
-        self._slots = _attribute_slots([self.layers, *self._subs])
         self._restamp()
         self._probed = False  # the layers' autograd graphs are checked at the next forward pass
         self._repeated = False  # ... and, at the next pass that is not exact inference, their repeatability
@@ -1294,9 +1326,11 @@ class LayerParallel(_SolveCycles, nn.Module):
             x = x.clone()
         try:
             modes = _modes(self._subs, self._modes)
-            if modes != self._modes or not _unchanged(self._slots, self._stamp):
-                # train/eval, hooks, attributes or submodules changed for some layers: inspect them again
-                self._build_kernel()
+            same = _unchanged(self._slots, self._stamp)
+            if modes != self._modes or not same:
+                # train/eval, hooks, attributes or submodules changed for some layers: inspect them again (only
+                # the flags, when no hook was registered since the last pass: its hook counts are current)
+                self._build_kernel(modes_only=same and modes[1:] == self._modes[1:])
             else:
                 self._modes = modes  # the new hook-handle counter
             try:
@@ -1419,7 +1453,7 @@ class LayerParallel(_SolveCycles, nn.Module):
             # a halo copy took its owner's training flags (every rank returned None): regroup the layers
             # and run the pass again (collective; the synced flags belong to the copies alone, so once)
             with _announced(self._comm):
-                self._build_kernel()
+                self._build_kernel(modes_only=True)
                 kp = self.kernel.bind(one_pass=True)
         raise LayerError(  # every rank decides alike (from the flags all of them shared): no one waits
             "the training flags of the layers' halo copies (kept by the neighbouring ranks) do not settle on "
