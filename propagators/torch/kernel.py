@@ -211,8 +211,12 @@ class DenseRHS:
     kernel launches.
     """
 
-    def __init__(self, weight: str, bias: str | None, activation=None, derivative=None):
+    def __init__(self, weight: str, bias: str | None, activation=None, derivative=None, shift=None):
         self.weight, self.bias, self.activation = weight, bias, activation
+        #: ``(buffer name, +1 or -1)`` of a buffer the layer adds to (subtracts from) its linear map before
+        #: the element-wise operations (``torch.tanh(self.lin(u) + self.t)``): the steps are those of a layer
+        #: whose bias is ``bias ± buffer`` (:meth:`fold`), the bias's gradient is unchanged; None: no such buffer
+        self.shift = shift
         #: ``act'(z)`` for activations whose derivative is known in closed form (tanh, ReLU, sigmoid,
         #: none); None: the vector-Jacobian products go through autograd
         self.derivative = derivative if activation is not None else _ones_like
@@ -228,6 +232,17 @@ class DenseRHS:
         else:
             dense = _trace_dense(module)
         return dense if dense is not None and _agrees(dense, module) else None
+
+    def fold(self, params: dict, buffers: dict) -> dict:
+        """``params`` with the bias replaced by ``bias ± buffer`` (:attr:`shift`; ``params`` itself when the
+        layer adds no buffer): what every method here takes, for one layer or ``n`` stacked along axis 0
+        (a buffer of one entry or of the bias's length; stacked, ``(n,)`` or ``(n, out)``)."""
+        if self.shift is None:
+            return params
+        name, sign = self.shift
+        b = params[self.bias]
+        s = buffers[name].reshape(tuple(b.shape[:-1]) + (-1,))
+        return {**params, self.bias: b + s if sign > 0 else b - s}
 
     def _z_single(self, params, u):
         """``W x + b`` of one layer (unstacked ``params``) on one state."""
@@ -488,8 +503,13 @@ def _traced_dense(module: nn.Module):
         return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
     if b is not None and tuple(b.shape) != (W.shape[0],):
         return None  # a bias that broadcasts (a 0-d or (1,) parameter): the stacked kernels add one per row
-    prev = lin
-    for node in nodes[k + 1: -1]:
+    prev, rest = lin, nodes[k + 1: -1]
+    shift = _buffer_shift(rest, lin, attrs, dict(module.named_buffers()), W) if b is not None else None
+    if shift is not None:
+        (name, sign), prev = shift
+        rest = rest[rest.index(prev) + 1:]
+        shift = (name, sign)
+    for node in rest:
         op = _elementwise(node, prev, subs)
         if op is None:
             return None
@@ -497,22 +517,55 @@ def _traced_dense(module: nn.Module):
         prev = node
     if nodes[-1].args[0] is not prev:
         return None
-    if not ops:
-        return DenseRHS(weight, bias)
-    if len(ops) == 1 and isinstance(ops[0], nn.Module) and type(ops[0]) is nn.Identity:
-        return DenseRHS(weight, bias)
+    if not ops or (len(ops) == 1 and isinstance(ops[0], nn.Module) and type(ops[0]) is nn.Identity):
+        return DenseRHS(weight, bias, shift=shift)
 
     def activation(z):
         for op in ops:
             z = op(z)
         return z
 
-    return DenseRHS(weight, bias, activation, _derivative(ops))
+    return DenseRHS(weight, bias, activation, _derivative(ops), shift=shift)
+
+
+def _buffer_shift(rest: list, lin, attrs: dict, buffers: dict, W):
+    """``((buffer name, +1 or -1), node)`` when the first nodes of ``rest`` (those after the linear map
+    ``lin``) read a buffer of the layer and add it to, or subtract it from, ``lin``'s output, and nothing
+    else reads it (``self.lin(u) + self.t``, ``self.t + self.lin(u)``, ``self.lin(u) - self.t``); else None.
+    The buffer must broadcast as a bias does: a floating tensor of the weight's dtype with one entry or
+    one per output."""
+    reads = dict(attrs)  # (read before the linear map: self.t + self.lin(u))
+    for i, node in enumerate(rest):
+        if node.op != "get_attr":
+            break
+        reads[node] = node.target
+    else:
+        return None
+    op = rest[i]
+    if op.kwargs or len(op.args) != 2:
+        return None
+    a, c = op.args
+    adds = (op.op == "call_function" and op.target in _ADD) or (op.op == "call_method" and op.target == "add")
+    subs = (op.op == "call_function" and op.target in _SUB) or (op.op == "call_method" and op.target == "sub")
+    if a is lin and c in reads and (adds or subs):
+        name, sign = reads[c], (1.0 if adds else -1.0)
+    elif c is lin and a in reads and adds:
+        name, sign = reads[a], 1.0
+    else:
+        return None
+    t = buffers.get(name)
+    if (t is None or not t.is_floating_point() or t.dtype != W.dtype or t.dim() > 1
+            or t.numel() not in (1, W.shape[0])):
+        return None
+    if len((c if c in reads else a).users) != 1:
+        return None  # the buffer's value is used again later
+    return (name, sign), op
 
 
 _TRANSPOSE = {("call_function", getattr, "T"), ("call_method", "t", None)}
 _MATMUL = (operator.matmul, torch.matmul)
 _ADD = (operator.add, torch.add)
+_SUB = (operator.sub, torch.sub)
 
 
 def _matmul_linear(nodes: list, k: int, x, attrs: dict):
@@ -599,7 +652,9 @@ def _agrees(dense: DenseRHS, module: nn.Module) -> bool:
     results = []
     try:
         with _random_states_kept(W.device):
-            for evaluate in (lambda p, u: functional_call(module, p, (u,)), dense.single):
+            buffers = dict(module.named_buffers())
+            for evaluate in (lambda p, u: functional_call(module, p, (u,)),
+                             lambda p, u: dense.single(dense.fold(p, buffers), u)):
                 leaves = {n: params[n].detach().requires_grad_(True) for n in names}
                 u = x.clone().requires_grad_(True)
                 with torch.enable_grad():
@@ -815,7 +870,11 @@ class LayerKernel:
             if not batched or has_hooks(tpl):
                 mode, dense = "loop", None
             else:
-                dense = DenseRHS.of(tpl) if not bn else None
+                dense = DenseRHS.of(tpl)
+                if bn and (dense is None or dense.shift is None or bn != (dense.shift[0],)):
+                    # buffers other than one added to the linear map: the paths that call forward (a buffer
+                    # the trace does not read may still be changed by code a global switches on)
+                    dense = None
                 mode = "dense" if dense is not None else "vmap"
             cid = len(self.classes)
             self.classes.append(LayerClass(np.array(members), tpl, pn, bn, mode, dense))
@@ -909,6 +968,7 @@ class KernelPass:
         #: where the parameters' data lay at bind time (a pass of LayerParallel: checked by its backward pass)
         self._param_data = list(map(torch.Tensor.data_ptr, self.params)) if one_pass else None
         self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
+        self._folded: dict = {}  # layer -> (its _detached parameters, those its dense map takes: _dense_values)
         self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
         self._req = None
         self._stacked: dict = {}
@@ -973,6 +1033,18 @@ class KernelPass:
             k = next(i for i, (p, d) in enumerate(zip(self.params, self._param_data)) if p.data_ptr() != d)
             raise _new_data_error(next(j for j, (p0, pn, _, _) in self.k._span.items() if p0 <= k < p0 + len(pn)))
 
+    def _dense_values(self, c: LayerClass, j):
+        """Layer ``j``'s :meth:`_detached` parameters as its class's dense map takes them
+        (:meth:`DenseRHS.fold`; kept with them)."""
+        p, b = self._detached(j)
+        if c.dense.shift is None:
+            return p
+        hit = self._folded.get(j)
+        if hit is None or hit[0] is not p:
+            with torch.no_grad():
+                hit = self._folded[j] = (p, c.dense.fold(p, b))
+        return hit[1]
+
     def _bound_one(self, c: LayerClass, j, p):
         """``DenseRHS.bound`` of layer ``j``'s :meth:`_detached` parameters ``p`` as a stack of one
         layer (kept with them): the right-hand side of the batched sweeps' fused step for one state."""
@@ -1011,6 +1083,8 @@ class KernelPass:
                 with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
                     hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
                            {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
+                    if c.mode == "dense":  # (a buffer added to the linear map goes into the bias it steps with)
+                        hit = (c.dense.fold(*hit), hit[1])
                     self._note_copies(cid, hit[1])
                     if self.masks is not None and int(c.members[0]) in self.masks:
                         ms = [self.masks[int(j)] for j in members]
@@ -1206,7 +1280,7 @@ class KernelPass:
         version = u._version
         scheme, out = self.k.scheme, None
         if c.mode == "dense" and scheme in _STACKABLE:
-            p = self._detached(j)[0]
+            p = self._dense_values(c, j)
             try:
                 if scheme is forward_euler and isinstance(dt, float):
                     # the fused step of a batched sweep (stepper) on a batch of one: the same operations,
@@ -1230,7 +1304,7 @@ class KernelPass:
             self._groups(np.array([j]))  # raises the plan-bug error
         c = self.k.classes[int(self.k.class_of[j])]
         if c.mode == "dense":
-            p = self._detached(j)[0]
+            p = self._dense_values(c, j)
             if self._closed_form(c, v):
                 return c.dense.euler_vjp_single(p, u, v, dt, d)
             if self.k.scheme in _STACKABLE:

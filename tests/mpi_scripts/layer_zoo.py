@@ -23,6 +23,18 @@ class Scaled(nn.Module):
         return torch.tanh(self.s * self.lin(u))
 
 
+class Timed(nn.Module):
+    """A layer whose time is a buffer added to its linear map (the traced dense path folds it into the bias)."""
+
+    def __init__(self, width, t):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("t", torch.tensor(float(t)))
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u) + self.t)
+
+
 class Conv(nn.Module):
     """A convolution with a kernel size of its own (``same`` padding)."""
 
