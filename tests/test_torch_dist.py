@@ -102,6 +102,16 @@ def test_layer_by_data_grid_of_process_groups_matches_full_batch():
     assert all(f"rank {r} OK" in out for r in range(4)), out[-5000:]
 
 
+@pytest.mark.parametrize("n, mode", [(2, "data"), (4, "grid")])
+def test_distributed_data_parallel_around_a_block_matches_the_full_batch(n, mode):
+    """PyTorch's DistributedDataParallel around a model holding a block: every process holding the whole
+    block (comm=None), or the block over the layer group of a 2 x 2 grid and DDP over the data group, trains
+    as the serial network on the whole batch (gradients and weights after three steps, 1e-9)."""
+    rc, out = launch(n, "ddp.py", mode)
+    assert rc == 0, out[-5000:]
+    assert all(f"rank {r} OK" in out for r in range(n)), out[-5000:]
+
+
 # --------------------------------------------------------------------------- failures
 def _reports(out):
     return {(c, int(r)): (kind, msg, float(s)) for c, r, kind, msg, s in
