@@ -7,8 +7,8 @@ time of one forward+backward pass of
   strongest serial baseline: no module calls),
 * the serial network ``ODENet`` (the same layers as modules, autograd),
 * LayerParallel on 1 rank with the layers as ``nn.Sequential(nn.Linear, nn.Tanh)``,
-  as a custom module class, and as one with its time in a buffer, ``tanh(lin(u) + t)``
-  (all on the batched dense path),
+  as a custom module class, as one with its time in a buffer, ``tanh(lin(u) + t)``, and
+  as one storing its weight transposed, ``tanh(u @ W + b)`` (all on the batched dense path),
 * LayerParallel on 1 rank with looped relaxation (one layer call per interval),
 * under ``mpiexec -n 2`` (the script relaunches itself), interleaved: the plain loop and
   a one-process LayerParallel on every rank at once (each on its own core), and
@@ -109,8 +109,22 @@ class TimedTanhLinear(TanhLinear):
         return torch.tanh(self.lin(u) + self.t)
 
 
+class TransposedTanh(nn.Module):
+    """The same layer with its weight stored transposed, ``tanh(u @ W + b)`` (as ``x @ W`` code often does)."""
+
+    def __init__(self, width):
+        super().__init__()
+        lin = nn.Linear(width, width)
+        self.W, self.b = nn.Parameter(lin.weight.detach().T.clone()), nn.Parameter(lin.bias.detach().clone())
+
+    def forward(self, u):
+        return torch.tanh(u @ self.W + self.b)
+
+
 def layers(a, custom=False):
     torch.manual_seed(0)
+    if custom == "transposed":
+        return [TransposedTanh(a.width) for _ in range(a.layers)]
     if custom == "timed":
         return [TimedTanhLinear(a.width, j / a.layers) for j in range(a.layers)]
     if custom:
@@ -284,11 +298,11 @@ def main(argv=None):
     serial = ODENet(layers(a), T=1.0)
     lp = build_lp(a)
     lp_custom = build_lp(a, custom=True)
-    lp_timed = build_lp(a, custom="timed")
+    lp_timed, lp_transposed = build_lp(a, custom="timed"), build_lp(a, custom="transposed")
     looped = build_lp(a, batched=False)
-    t_plain, t_serial, t_lp, t_custom, t_timed = interleaved(
-        [plain_loop(a, x), fwd_bwd(serial, x), fwd_bwd(lp, x), fwd_bwd(lp_custom, x), fwd_bwd(lp_timed, x)],
-        a.repeat)
+    t_plain, t_serial, t_lp, t_custom, t_timed, t_transposed = interleaved(
+        [plain_loop(a, x), fwd_bwd(serial, x), fwd_bwd(lp, x), fwd_bwd(lp_custom, x), fwd_bwd(lp_timed, x),
+         fwd_bwd(lp_transposed, x)], a.repeat)
     # the looped one (about 20x slower) in fewer repetitions, interleaved with the batched one for their ratio
     t_lp_pair, t_loop = interleaved([fwd_bwd(lp, x), fwd_bwd(looped, x)], max(1, a.repeat // 5))
     t_lp2 = ranks = None
@@ -302,12 +316,13 @@ def main(argv=None):
           f"{a.repeat} interleaved repetitions")
     print(f"propagator calls per forward solve (per level): {res.counts}; layer classes: "
           f"{lp.kernel.describe()} / custom: {lp_custom.kernel.describe()} / time in a buffer: "
-          f"{lp_timed.kernel.describe()}")
+          f"{lp_timed.kernel.describe()} / transposed: {lp_transposed.kernel.describe()}")
     print()
     print(f"{'forward+backward':<44}{'time [ms]':>10}{'this / plain loop':>19}")
     rows = [("plain loop x + h tanh(F.linear(x, W, b))", t_plain), ("serial network ODENet (modules)", t_serial),
             ("LayerParallel, 1 rank, nn.Sequential layers", t_lp), ("LayerParallel, 1 rank, custom module", t_custom),
-            ("LayerParallel, 1 rank, time in a buffer", t_timed), ("LayerParallel, 1 rank, looped", t_loop)]
+            ("LayerParallel, 1 rank, time in a buffer", t_timed),
+            ("LayerParallel, 1 rank, weight transposed", t_transposed), ("LayerParallel, 1 rank, looped", t_loop)]
     for name, t in rows:
         print(f"{name:<44}{1e3 * t:>10.2f}{t / t_plain:>19.3f}")
     print(f"\nbatched vs looped relaxation: {t_loop / t_lp_pair:.1f}x faster (interleaved, "

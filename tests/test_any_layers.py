@@ -2281,6 +2281,10 @@ class _Matmul(nn.Module):
         "b + u @ W.T": lambda u, W, b: torch.relu(b + u @ W.T) * 0.5,
         "u @ W.T": lambda u, W, b: torch.tanh(u @ W.T),
         "u @ W + b": lambda u, W, b: torch.tanh(u @ W + b),
+        "u @ W": lambda u, W, b: torch.sigmoid(u @ W),
+        "addmm(b, u, W)": lambda u, W, b: torch.tanh(torch.addmm(b, u, W)),
+        "b + matmul(u, W)": lambda u, W, b: F.silu(b + torch.matmul(u, W)),
+        "W @ u": lambda u, W, b: torch.tanh((W @ u.T).T + b),
         "u @ W.T + u": lambda u, W, b: torch.tanh(u @ W.T + u),
         "add(u @ W.T, b, alpha=2)": lambda u, W, b: torch.tanh(torch.add(u @ W.T, b, alpha=2.0)),
     }
@@ -2296,12 +2300,14 @@ class _Matmul(nn.Module):
 
 @pytest.mark.parametrize("form, dense", [("u @ W.T + b", True), ("addmm(b, u, W.t())", True),
                                          ("matmul(u, W.t()) + b", True), ("b + u @ W.T", True), ("u @ W.T", True),
-                                         ("u @ W + b", False), ("u @ W.T + u", False),
+                                         ("u @ W + b", True), ("u @ W", True), ("addmm(b, u, W)", True),
+                                         ("b + matmul(u, W)", True), ("W @ u", False), ("u @ W.T + u", False),
                                          ("add(u @ W.T, b, alpha=2)", False)])
 def test_layers_written_with_matrix_products_take_the_dense_path(form, dense):
     """A review: a layer written ``tanh(u @ self.W.T + self.b)`` or with ``torch.addmm`` fell off the dense
-    path (vmap, about 1.5x the time of Linear + Tanh at N 1024). These forms are dense now; others still
-    run vmapped, and every form equals serial."""
+    path (vmap, about 1.5x the time of Linear + Tanh at N 1024). These forms are dense now, and so are those
+    whose weight is stored transposed (``u @ self.W + self.b``: the dense map takes a transposed view, the
+    weight's gradient is transposed back); others still run vmapped, and every form equals serial."""
     torch.manual_seed(0)
     layers = [_Matmul(form).double() for _ in range(16)]
     lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", **TIGHT)

@@ -211,12 +211,18 @@ class DenseRHS:
     kernel launches.
     """
 
-    def __init__(self, weight: str, bias: str | None, activation=None, derivative=None, shift=None):
+    def __init__(self, weight: str, bias: str | None, activation=None, derivative=None, shift=None,
+                 transposed: bool = False):
         self.weight, self.bias, self.activation = weight, bias, activation
         #: ``(buffer name, +1 or -1)`` of a buffer the layer adds to (subtracts from) its linear map before
         #: the element-wise operations (``torch.tanh(self.lin(u) + self.t)``): the steps are those of a layer
         #: whose bias is ``bias ± buffer`` (:meth:`fold`), the bias's gradient is unchanged; None: no such buffer
         self.shift = shift
+        #: the weight parameter holds ``W^T`` (``u @ self.W + self.b``): :meth:`fold` gives the methods here a
+        #: transposed view of it, and :meth:`unfold` transposes its gradient back
+        self.transposed = transposed
+        #: whether :meth:`fold` changes anything
+        self.folds = shift is not None or transposed
         #: ``act'(z)`` for activations whose derivative is known in closed form (tanh, ReLU, sigmoid,
         #: none); None: the vector-Jacobian products go through autograd
         self.derivative = derivative if activation is not None else _ones_like
@@ -237,12 +243,25 @@ class DenseRHS:
         """``params`` with the bias replaced by ``bias ± buffer`` (:attr:`shift`; ``params`` itself when the
         layer adds no buffer): what every method here takes, for one layer or ``n`` stacked along axis 0
         (a buffer of one entry or of the bias's length; stacked, ``(n,)`` or ``(n, out)``)."""
-        if self.shift is None:
+        if not self.folds:
             return params
-        name, sign = self.shift
-        b = params[self.bias]
-        s = buffers[name].reshape(tuple(b.shape[:-1]) + (-1,))
-        return {**params, self.bias: b + s if sign > 0 else b - s}
+        out = dict(params)
+        if self.transposed:
+            out[self.weight] = params[self.weight].transpose(-1, -2)
+        if self.shift is not None:
+            name, sign = self.shift
+            b = params[self.bias]
+            s = buffers[name].reshape(tuple(b.shape[:-1]) + (-1,))
+            out[self.bias] = b + s if sign > 0 else b - s
+        return out
+
+    def unfold(self, grads: dict) -> dict:
+        """Gradients by the parameters :meth:`fold` gave (``grads``, stacked or not) as gradients by the
+        layer's own parameters: the weight's transposed back where the layer stores ``W^T``."""
+        g = grads.get(self.weight)
+        if not self.transposed or g is None:
+            return grads
+        return {**grads, self.weight: g.transpose(-1, -2)}
 
     def _z_single(self, params, u):
         """``W x + b`` of one layer (unstacked ``params``) on one state."""
@@ -479,7 +498,7 @@ def _traced_dense(module: nn.Module):
     while nodes[k].op == "get_attr":  # parameters read directly (F.linear(u, self.W, self.b))
         attrs[nodes[k]] = nodes[k].target
         k += 1
-    lin = nodes[k]
+    lin, transposed = nodes[k], False
     if lin.op == "call_module" and type(subs.get(lin.target)) is nn.Linear and lin.args == (x,) and not lin.kwargs:
         weight, W, b = f"{lin.target}.weight", subs[lin.target].weight, subs[lin.target].bias
         bias = f"{lin.target}.bias" if b is not None else None
@@ -494,11 +513,13 @@ def _traced_dense(module: nn.Module):
             found = _matmul_linear(nodes, k, x, attrs)
             if found is None:
                 return None
-            weight, bias, lin = found
+            weight, bias, lin, transposed = found
             k = nodes.index(lin)
         if weight not in params or (bias is not None and bias not in params) or params[weight].dim() != 2:
             return None
         W, b = params[weight], None if bias is None else params[bias]
+        if transposed:
+            W = W.T
     if W.shape[0] != W.shape[1]:
         return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
     if b is not None and tuple(b.shape) != (W.shape[0],):
@@ -518,14 +539,14 @@ def _traced_dense(module: nn.Module):
     if nodes[-1].args[0] is not prev:
         return None
     if not ops or (len(ops) == 1 and isinstance(ops[0], nn.Module) and type(ops[0]) is nn.Identity):
-        return DenseRHS(weight, bias, shift=shift)
+        return DenseRHS(weight, bias, shift=shift, transposed=transposed)
 
     def activation(z):
         for op in ops:
             z = op(z)
         return z
 
-    return DenseRHS(weight, bias, activation, _derivative(ops), shift=shift)
+    return DenseRHS(weight, bias, activation, _derivative(ops), shift=shift, transposed=transposed)
 
 
 def _buffer_shift(rest: list, lin, attrs: dict, buffers: dict, W):
@@ -569,23 +590,32 @@ _SUB = (operator.sub, torch.sub)
 
 
 def _matmul_linear(nodes: list, k: int, x, attrs: dict):
-    """``(weight, bias or None, node)`` when the nodes from ``k`` on compute ``x W^T (+ b)`` of parameters read
-    directly: ``x @ self.W.T``, ``torch.matmul(x, self.W.t())``, either plus ``self.b``, or
-    ``torch.addmm(self.b, x, self.W.T)``; ``node`` is the one holding the result (attributes read on the way
-    are added to ``attrs``); else None."""
+    """``(weight, bias or None, node, transposed)`` when the nodes from ``k`` on compute ``x W^T (+ b)`` of
+    parameters read directly: ``x @ self.W.T``, ``torch.matmul(x, self.W.t())``, either plus ``self.b``, or
+    ``torch.addmm(self.b, x, self.W.T)``; or, ``transposed``, the same with the weight stored as ``W^T``
+    (``x @ self.W + self.b``, ``torch.addmm(self.b, x, self.W)``); ``node`` is the one holding the result
+    (attributes read on the way are added to ``attrs``); else None."""
     t = nodes[k]
     key = (t.op, t.target, t.args[1] if t.op == "call_function" and len(t.args) == 2 else None)
-    if key not in _TRANSPOSE or not t.args or t.args[0] not in attrs or t.kwargs or k + 1 >= len(nodes):
-        return None
-    weight, node = attrs[t.args[0]], nodes[k + 1]
-    if node.op != "call_function" or node.kwargs:
-        return None
-    if node.target is torch.addmm and len(node.args) == 3 and node.args[1] is x and node.args[2] is t \
-            and node.args[0] in attrs:
-        return weight, attrs[node.args[0]], node
-    if node.target not in _MATMUL or node.args != (x, t):
-        return None
-    j = k + 2
+    if t.op == "call_function" and not t.kwargs and (
+            (t.target in _MATMUL and len(t.args) == 2 and t.args[0] is x)
+            or (t.target is torch.addmm and len(t.args) == 3 and t.args[1] is x)) and t.args[-1] in attrs:
+        # the weight stored transposed, read as it is: x @ self.W, torch.addmm(self.b, x, self.W)
+        weight, node, transposed = attrs[t.args[-1]], t, True
+        if t.target is torch.addmm:
+            return (weight, attrs[t.args[0]], t, True) if t.args[0] in attrs else None
+    else:
+        if key not in _TRANSPOSE or not t.args or t.args[0] not in attrs or t.kwargs or k + 1 >= len(nodes):
+            return None
+        weight, node, transposed = attrs[t.args[0]], nodes[k + 1], False
+        if node.op != "call_function" or node.kwargs:
+            return None
+        if node.target is torch.addmm and len(node.args) == 3 and node.args[1] is x and node.args[2] is t \
+                and node.args[0] in attrs:
+            return weight, attrs[node.args[0]], node, False
+        if node.target not in _MATMUL or node.args != (x, t):
+            return None
+    j = nodes.index(node) + 1
     while nodes[j].op == "get_attr":  # (fx reads an attribute where it is first used: the bias after the product)
         attrs[nodes[j]] = nodes[j].target
         j += 1
@@ -594,8 +624,8 @@ def _matmul_linear(nodes: list, k: int, x, attrs: dict):
             and node in add.args:
         other = add.args[1] if add.args[0] is node else add.args[0]
         if other in attrs:
-            return weight, attrs[other], add
-    return (weight, None, node) if j == k + 2 else None
+            return weight, attrs[other], add, transposed
+    return (weight, None, node, transposed) if j == nodes.index(node) + 1 else None
 
 
 def _random_states() -> tuple:
@@ -1037,7 +1067,7 @@ class KernelPass:
         """Layer ``j``'s :meth:`_detached` parameters as its class's dense map takes them
         (:meth:`DenseRHS.fold`; kept with them)."""
         p, b = self._detached(j)
-        if c.dense.shift is None:
+        if not c.dense.folds:
             return p
         hit = self._folded.get(j)
         if hit is None or hit[0] is not p:
@@ -1083,7 +1113,7 @@ class KernelPass:
                 with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
                     hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
                            {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
-                    if c.mode == "dense":  # (a buffer added to the linear map goes into the bias it steps with)
+                    if c.mode == "dense":  # (as its map takes them: a weight stored transposed, a buffer in the bias)
                         hit = (c.dense.fold(*hit), hit[1])
                     self._note_copies(cid, hit[1])
                     if self.masks is not None and int(c.members[0]) in self.masks:
@@ -1616,7 +1646,7 @@ class KernelPass:
             return ps, gs
         p, b = self._gather(cid, idx, U.device)
         if self._closed_form(c, U):
-            G = c.dense.euler_param_vjp(p, U, W, dt, D, overwrite)
+            G = c.dense.unfold(c.dense.euler_param_vjp(p, U, W, dt, D, overwrite))
             G = {n: G.get(n) for n in need}
         elif c.mode == "dense":
             req = {n: v.detach().requires_grad_(n in need) for n, v in p.items()}
@@ -1625,7 +1655,7 @@ class KernelPass:
                 # (a step that never calls its layer leaves out without a graph: no parameter gradients)
                 gs = (torch.autograd.grad(out, [req[n] for n in need], W, allow_unused=True) if out.requires_grad
                       else [None] * len(need))
-            G = _distinct(dict(zip(need, gs)))
+            G = c.dense.unfold(_distinct(dict(zip(need, gs))))
         else:
             need = self._used(c, int(idx[0]), U[0], W[0], dt[0], need)
             single = self._vmapped(c)

@@ -35,6 +35,18 @@ class Timed(nn.Module):
         return torch.tanh(self.lin(u) + self.t)
 
 
+class Transposed(nn.Module):
+    """A layer whose weight is stored transposed, ``tanh(u @ W + b)`` (the dense path takes a view of it)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.b = nn.Parameter(torch.randn(width) / 4)
+
+    def forward(self, u):
+        return torch.tanh(u @ self.W + self.b)
+
+
 class Conv(nn.Module):
     """A convolution with a kernel size of its own (``same`` padding)."""
 

@@ -6,7 +6,8 @@ Checks on every rank, against plain serial autograd in float64 (1e-9 relative):
 * output, input gradient and the gradient of every owned parameter, for mixed
   parameter-free / parametrised layers, two architectures, conv layers of two
   kernel sizes, layers that differ only in a plain attribute, layers whose time is a buffer
-  added to their linear map (the dense path), and replaced
+  added to their linear map and layers whose weight is stored transposed (both on the dense
+  path), and replaced
   parameters (``load_state_dict(assign=True)``), also after optimizer steps;
 * memory split: a factory is called only for the layers this rank needs, and
   the module registers only the layers it owns (parameter names keep global indices);
@@ -44,7 +45,7 @@ from torch import nn
 from checks import TIGHT, check, fail, rank, size, world
 from mgrit import RemoteRankError
 from propagators.torch import LayerError
-from layer_zoo import Conv, Scaled, Timed, loss_fn, rel
+from layer_zoo import Conv, Scaled, Timed, Transposed, loss_fn, rel
 from propagators.torch import LayerParallel, ODENet, clip_grad_norm_, grad_norm
 
 torch.set_default_dtype(torch.float64)
@@ -59,6 +60,7 @@ NETWORKS = {
     "conv_kernels": (lambda i: Conv(2, 3 if i % 2 else 1), 10, (2, 2, 4, 4)),
     "attribute_only": (lambda i: Scaled(4, 0.5 + 0.25 * (i % 4)), 12, (3, 4)),
     "timed": (lambda i: Timed(4, i / 12), 12, (3, 4)),
+    "transposed": (lambda i: Transposed(4), 12, (3, 4)),
 }
 
 
@@ -705,8 +707,8 @@ try:
     different_inputs()
     for name, (make, n, shape) in NETWORKS.items():
         lp, _ = compare_training(name, make, n, shape)
-        if name == "timed" and {c.mode for c in lp.kernel.classes} != {"dense"}:
-            fail(f"timed layers are not on the dense path: {lp.kernel.describe()}")
+        if name in ("timed", "transposed") and {c.mode for c in lp.kernel.classes} != {"dense"}:
+            fail(f"{name} layers are not on the dense path: {lp.kernel.describe()}")
     replaced_parameters()
     memory_split()
     checkpoints()
