@@ -466,10 +466,15 @@ def _traced_dense(module: nn.Module):
     attrs = [(m, dict(vars(m))) for m in module.modules()]
     contents = [(v, list(v)) if isinstance(v, list) else (v, dict(v)) for _, d in attrs for k, v in d.items()
                 if type(v) in (list, dict) and k not in _REGISTRIES]
+    contents += [(m._buffers, dict(m._buffers)) for m in module.modules()]  # (self.calls += 1 stores a proxy)
+    tracer = fx.Tracer()
+    # buffers read as graph nodes, not as their current values: a value read in Python (float(self.t),
+    # self.t.item(), if self.t > 0) would be frozen into the map of every layer of the class
+    tracer.proxy_buffer_attributes = True
     try:
         with _functions_called() as functions:
-            graph = fx.Tracer().trace(module)  # (the graph only: no GraphModule, whose generated source
-            #                                   torch keeps for the whole process, for every trace)
+            graph = tracer.trace(module)  # (the graph only: no GraphModule, whose generated source
+            #                               torch keeps for the whole process, for every trace)
         if functions:  # a custom autograd.Function: the trace inlines its forward and loses its backward
             return None
     except Exception:  # noqa: BLE001 - anything fx cannot trace is simply not dense
@@ -900,7 +905,7 @@ class LayerKernel:
             if not batched or has_hooks(tpl):
                 mode, dense = "loop", None
             else:
-                dense = DenseRHS.of(tpl)
+                dense = DenseRHS.of(tpl) if len(bn) < 2 else None
                 if bn and (dense is None or dense.shift is None or bn != (dense.shift[0],)):
                     # buffers other than one added to the linear map: the paths that call forward (a buffer
                     # the trace does not read may still be changed by code a global switches on)

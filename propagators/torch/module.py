@@ -262,12 +262,16 @@ def _adjoint_pass(ctx, gy):
                                      _DIFFERENT_LOSS))
             if differ is None:
                 kp = ctx.saved[0].kernel
+                # the adjoint calls layers that are not dense: what they set then is not a change, but what
+                # was changed since the forward pass is (the next pass inspects the layers again)
+                calls = any(c.mode != "dense" for c in kp.k.classes)
+                seen = calls and _unchanged(lp._slots, lp._stamp)
                 with _pass_modes(kp.subs, kp.modes, kp.batch_stats), own_saved_tensors(), \
                         uncached_parametrizations():
                     gx, grads = lp._adjoint(ctx.saved, gy if finite else torch.zeros_like(gy), ctx.param_ids)
                 if not finite:  # (every rank alike: the handshake found the same gy, finite or not, on all)
                     gx, grads = _nan_like(gx), [_nan_like(g) for g in grads]
-                if any(c.mode != "dense" for c in kp.k.classes):  # the adjoint called the layers
+                if seen:
                     lp._restamp()
         if differ is not None:
             raise differ  # every rank found it in the handshake: raised after the session (no one waits)
