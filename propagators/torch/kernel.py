@@ -1001,7 +1001,10 @@ class KernelPass:
         #: in between raise (an ODEPropagator's kernel follows such changes instead)
         self.one_pass = one_pass
         #: where the parameters' data lay at bind time (a pass of LayerParallel: checked by its backward pass)
-        self._param_data = list(map(torch.Tensor.data_ptr, self.params)) if one_pass else None
+        try:
+            self._param_data = list(map(torch.Tensor.data_ptr, self.params)) if one_pass else None
+        except TypeError:  # a parameter set to None since the layers were inspected: inspect them again
+            raise KeyError("a parameter was set to None") from None
         self._one_values: dict = {}  # layer -> (its _detached parameters, its bound step on a batch of one)
         self._folded: dict = {}  # layer -> (its _detached parameters, those its dense map takes: _dense_values)
         self._dt_one: dict = {}  # (dt, dtype, device, dims) -> dt as a tensor for a batch of one
