@@ -1130,7 +1130,9 @@ class KernelPass:
             except RuntimeError as exc:
                 raise LayerError(
                     f"the parameters of layers {c.members.tolist()} no longer have equal shapes, dtypes "
-                    f"or devices ({exc}); rebuild the LayerParallel module after changing layer structure"
+                    f"or devices ({exc}): they changed in a way the pass did not see (a tensor written into "
+                    "a module's _parameters or _buffers directly, or torch.func.functional_call with tensors "
+                    "of other shapes than the layers'); call lp.refresh() after such changes"
                 ) from exc
             self._stacked[cid, reverse] = hit
         return hit

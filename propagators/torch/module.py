@@ -542,47 +542,60 @@ def _modes(subs, prev: tuple | None = None) -> tuple:
     return list(map(_TRAINING, subs)), hid, hooks
 
 
-def _attribute_slots(modules) -> tuple:
-    """Where the plain attributes, the submodules, the parameters and the buffers of ``modules`` are kept,
-    for :func:`_attribute_values`."""
+def _attribute_slots(modules, count: "_Registrations") -> tuple:
+    """Where the plain attributes and the submodules of ``modules`` are kept, and ``count``, which counts
+    the parameters, buffers and submodules registered on them from now on, for :func:`_attribute_values`."""
     dicts, keys = [], []
     for m in modules:
         d = vars(m)
         plain = [k for k in d if k not in _REGISTRIES]
         dicts += [d] * len(plain) + [m._modules] * len(m._modules)
         keys += plain + list(m._modules)
-    # submodules added to a module that had some (a container; a leaf's code uses none); parameters,
-    # buffers and submodules registered on any of them are counted by _registered
-    _WATCHED.update(modules)
-    return dicts, keys, [m._modules for m in modules if m._modules], list(modules)
+    for m in modules:
+        _WATCHED.setdefault(m, weakref.WeakSet()).add(count)
+    # submodules added to a module that had some (a container; a leaf's code uses none)
+    return dicts, keys, [m._modules for m in modules if m._modules], list(modules), count
 
 
 def _attribute_values(slots) -> tuple | None:
     """The values in ``slots`` (:func:`_attribute_slots`), the number of submodules of each module
-    that had some, the count of registrations on watched modules and the modules' classes, read by
-    C-level maps (about 0.15 ms for 1,000 layers of three modules); None when an attribute or a
-    submodule was deleted."""
-    dicts, keys, registries, modules = slots
+    that had some, the registrations counted on the modules and the modules' classes, read by C-level
+    maps (about 0.15 ms for 1,000 layers of three modules); None when an attribute or a submodule was
+    deleted."""
+    dicts, keys, registries, modules, count = slots
     try:
-        return (list(map(dict.__getitem__, dicts, keys)), list(map(len, registries)), _REGISTERED[0],
+        return (list(map(dict.__getitem__, dicts, keys)), list(map(len, registries)), count.n,
                 list(map(type, modules)))
     except KeyError:
         return None
 
 
-#: the modules of the layers some LayerParallel holds, and the parameters, buffers and submodules
-#: registered on any of them since this module was imported (``register_parameter``, ``register_buffer``,
-#: assigning an ``nn.Parameter``, a tensor to a buffer's name or a module to an attribute, also
-#: ``load_state_dict(assign=True)``): a pass compares the count with what the last one saw, so that a
-#: parameter or buffer registered, replaced or set to None between passes is inspected (a parameter set to
-#: None, which torch registers without these hooks, is found when the pass binds the parameters)
-_WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-_REGISTERED = [0]
+class _Registrations:
+    """The parameters, buffers and submodules registered on the modules a LayerParallel holds (see
+    :data:`_WATCHED`)."""
+
+    __slots__ = ("n", "__weakref__")
+
+    def __init__(self):
+        self.n = 0
+
+
+#: the counts (:class:`_Registrations`) of the blocks holding each module, which the registration hooks
+#: below advance for a parameter, buffer or submodule registered on it (``register_parameter``,
+#: ``register_buffer``, assigning an ``nn.Parameter``, a tensor to a buffer's name or a module to an
+#: attribute, also ``load_state_dict(assign=True)``): a pass compares its block's count with what the last
+#: one saw, so that a parameter or buffer registered, replaced or set to None between passes is inspected
+#: (a parameter set to None, which torch registers without these hooks, is found when the pass binds the
+#: parameters). Writing ``module._parameters`` or ``_buffers`` directly (private; ``torch.func`` does it
+#: while it calls a module) is not seen.
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def _registered(module, name, value):
-    if module in _WATCHED:
-        _REGISTERED[0] += 1
+    counts = _WATCHED.get(module)
+    if counts:
+        for count in counts:
+            count.n += 1
 
 
 for _register in (nn.modules.module.register_module_parameter_registration_hook,
@@ -1013,8 +1026,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         self.last_backward: mgrit.Result | None = None
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
-    _DERIVED = ("kernel", "_kernels", "_layout", "_subs", "_modes", "_special", "_shared_subs", "_probed",
-                "_repeated", "_checked", "_dropout_key", "_dropout_calls", "_slots", "_stamp")
+    _DERIVED = ("kernel", "_kernels", "_layout", "_registrations", "_subs", "_modes", "_special", "_shared_subs",
+                "_probed", "_repeated", "_checked", "_dropout_key", "_dropout_calls", "_slots", "_stamp")
 
     def __getstate__(self):
         if self._comm.size > 1 or (self._data_comm is not None and self._data_comm.size > 1):
@@ -1079,7 +1092,9 @@ class LayerParallel(_SolveCycles, nn.Module):
             self._shared_subs = {i for i, n in held_in.items() if n > 1}  # submodules of several held layers
             # the layers' plain attributes and submodules as the kernel saw them: a change (an attribute set,
             # a submodule replaced or deleted) is found at the next forward pass, which inspects them again
-            self._slots = _attribute_slots([self.layers, *self._subs])
+            count = self.__dict__.get("_registrations") or _Registrations()
+            self._registrations = count
+            self._slots = _attribute_slots([self.layers, *self._subs], count)
         key = bytes(map(_TRAINING, self._subs))
         kernel = self._kernels.pop(key, None)
         if kernel is None:
@@ -1097,10 +1112,13 @@ class LayerParallel(_SolveCycles, nn.Module):
     def refresh(self):
         """Re-inspect the layers now.
 
-        Every forward pass re-inspects them by itself when a training mode, a hook, an attribute or
-        a submodule of a layer changed since the last pass; call this after changes that check cannot
-        see: a container attribute changed in place, or values a layer reads from outside itself (a
-        global, a closure). On several ranks make changes with :meth:`apply_to_layers`, which calls this.
+        Every forward pass re-inspects them by itself when a training mode, a hook, an attribute, a
+        submodule, a parameter or a buffer of a layer changed since the last pass; call this after changes
+        that check cannot see: a container attribute changed in place, an attribute set on an instance
+        that only its class had before (a class-level default shadowed), a parameter or buffer written
+        into a module's ``_parameters`` / ``_buffers`` directly, or values a layer reads from outside
+        itself (a global, a closure). On several ranks make changes with :meth:`apply_to_layers`, which
+        calls this.
         """
         self._build_kernel()
 
