@@ -529,12 +529,11 @@ def _traced_dense(module: nn.Module):
         return None  # an output that broadcasts against the state (Linear(w, 1)): not a dense step
     if b is not None and tuple(b.shape) != (W.shape[0],):
         return None  # a bias that broadcasts (a 0-d or (1,) parameter): the stacked kernels add one per row
-    prev, rest = lin, nodes[k + 1: -1]
-    shift = _buffer_shift(rest, lin, attrs, dict(module.named_buffers()), W) if b is not None else None
-    if shift is not None:
-        (name, sign), prev = shift
+    prev, rest, shift = lin, nodes[k + 1: -1], None
+    found = _buffer_shift(rest, lin, attrs, dict(module.named_buffers()), W) if b is not None else None
+    if found is not None:  # the element-wise operations start after the addition of the buffer
+        shift, prev = found
         rest = rest[rest.index(prev) + 1:]
-        shift = (name, sign)
     for node in rest:
         op = _elementwise(node, prev, subs)
         if op is None:

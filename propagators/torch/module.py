@@ -551,7 +551,6 @@ def _attribute_slots(modules, count: "_Registrations") -> tuple:
         plain = [k for k in d if k not in _REGISTRIES]
         dicts += [d] * len(plain) + [m._modules] * len(m._modules)
         keys += plain + list(m._modules)
-    for m in modules:
         _WATCHED.setdefault(m, weakref.WeakSet()).add(count)
     # submodules added to a module that had some (a container; a leaf's code uses none); attributes
     # added to a module (one set on an instance where only its class had it before)
