@@ -895,6 +895,52 @@ def test_layers_changed_after_a_pass_are_inspected_again_without_refresh(change,
     check_equals_serial(lp, layers, x2, 1.0)
 
 
+class OptionalShift(nn.Module):
+    """``tanh(lin(u) [+ shift])``: the shift is used when the layer has one (a parameter put into
+    ``_parameters`` directly, as code that bypasses ``register_parameter`` does)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, u):
+        z = self.lin(u)
+        if "shift" in self._parameters:
+            z = z + self._parameters["shift"]
+        return torch.tanh(z)
+
+
+def _put_shift(layers, j):
+    layers[j]._parameters["shift"] = nn.Parameter(torch.randn(4))
+
+
+def _pop_shift(layers, j):
+    del layers[j]._parameters["shift"]
+
+
+@pytest.mark.parametrize("change", [_put_shift, _pop_shift])
+@pytest.mark.parametrize("batched", [True, False])
+def test_parameters_put_into_or_taken_from_the_registry_directly_are_seen(change, batched):
+    """A parameter added to or removed from a module's ``_parameters`` dictionary directly (no registration
+    hook runs) changes the layer's classes: the next pass steps the layers as they are now (a parameter put
+    in so was ignored, 27% off serial)."""
+    torch.manual_seed(16)
+    layers = [OptionalShift(4) for _ in range(8)]
+    if change is _pop_shift:
+        for j in range(8):
+            _put_shift(layers, j)
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", batched=batched, **TIGHT)
+    x = torch.randn(3, 4)
+    check_equals_serial(lp, layers, x, 1.0)
+    lp.zero_grad(set_to_none=True)
+    for j in (1, 4, 6):
+        torch.manual_seed(j)
+        change(layers, j)
+        torch.manual_seed(j)
+        change([lp.layers[i] for i in range(8)], j)
+    check_equals_serial(lp, layers, x, 1.0)
+
+
 def test_borrowed_tensors_that_require_grad_are_a_clear_error():
     shared = nn.Parameter(torch.ones(4))
     lp = LayerParallel([Borrower(4, shared) for _ in range(8)], cf=2)

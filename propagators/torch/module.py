@@ -554,14 +554,17 @@ def _attribute_slots(modules, count: "_Registrations") -> tuple:
         _WATCHED.setdefault(m, weakref.WeakSet()).add(count)
     # submodules added to a module that had some (a container; a leaf's code uses none); attributes
     # added to a module (one set on an instance where only its class had it before)
+    # parameters and buffers put into a module's dictionaries directly (``module._parameters[name] = p``,
+    # which no registration hook sees)
     return (dicts, keys, [m._modules for m in modules if m._modules], list(modules), count,
-            [vars(m) for m in modules])
+            [vars(m) for m in modules] + [m._parameters for m in modules] + [m._buffers for m in modules])
 
 
 def _attribute_values(slots) -> tuple | None:
     """The values in ``slots`` (:func:`_attribute_slots`), the number of submodules of each module
     that had some, the registrations counted on the modules, the modules' classes and the number of
-    attributes of each, read by C-level maps (about 0.2 ms for 1,000 layers of three modules); None
+    attributes, parameters and buffers of each, read by C-level maps (about 0.2 ms for 1,000 layers of
+    three modules); None
     when an attribute or a submodule was deleted."""
     dicts, keys, registries, modules, count, attributes = slots
     try:
@@ -587,8 +590,8 @@ class _Registrations:
 #: attribute, also ``load_state_dict(assign=True)``): a pass compares its block's count with what the last
 #: one saw, so that a parameter or buffer registered, replaced or set to None between passes is inspected
 #: (a parameter set to None, which torch registers without these hooks, is found when the pass binds the
-#: parameters). Writing ``module._parameters`` or ``_buffers`` directly (private; ``torch.func`` does it
-#: while it calls a module) is not seen.
+#: parameters). A tensor put into ``module._parameters`` or ``_buffers`` directly (private; ``torch.func``
+#: does it while it calls a module) is seen only when it adds a name (:func:`_attribute_slots`).
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
@@ -1116,7 +1119,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         Every forward pass re-inspects them by itself when a training mode, a hook, an attribute, a
         submodule, a parameter or a buffer of a layer changed since the last pass; call this after changes
         that check cannot see: a container attribute changed in place, a parameter or buffer written
-        into a module's ``_parameters`` / ``_buffers`` directly, or values a layer reads from outside
+        into a module's ``_parameters`` / ``_buffers`` directly under a name it already holds, or values a layer reads from outside
         itself (a global, a closure). On several ranks make changes with :meth:`apply_to_layers`, which
         calls this.
         """
