@@ -17,8 +17,8 @@ from launch import assert_all_ok, launch, needs_mpiexec
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from propagators.torch import (LayerParallel, MultiStage, ODENet, Stage, load_digits_images,  # noqa: E402
-                               residual_cnn)
+from propagators.torch import (LayerParallel, MultiStage, ODENet, SpatialCoarsening, Stage,  # noqa: E402
+                               load_digits_images, residual_cnn)
 
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
 REL = 1e-9
@@ -204,6 +204,9 @@ def test_errors_say_what_to_do():
         MultiStage(lin)
     with pytest.raises(ValueError, match="'conv' or 'pool'"):
         residual_cnn(transition="max")
+    # a stage's own error names the stage (the options given once fit one stage and not another)
+    with pytest.raises(ValueError, match=r"piece 1, Stage\(n_layers=8\): spatial coarsening of level 1 needs"):
+        residual_cnn(n_layers=(8, 6), spatial=SpatialCoarsening())
 
 
 def test_digits_images_are_the_digits_upscaled_bilinearly():

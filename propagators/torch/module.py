@@ -2351,15 +2351,28 @@ def _packed_size(tensors) -> int:
 
 
 def _unpack(buf, tensors) -> None:
-    """Copy the bytes ``_packed`` made back into ``tensors`` (in place)."""
+    """Copy the bytes ``_packed`` made back into ``tensors`` (in place). A tensor that does not require grad
+    (a frozen parameter, a buffer) is written only when its bytes change: a frozen parameter a halo layer shares
+    with a module outside the block (a stem in MultiStage, which may have used it in this forward pass) keeps
+    its autograd version."""
     off = 0
     for v in tensors:
         size = v.element_size()
         chunk = buf[off: off + v.numel() * size]
         if off % size or chunk.data_ptr() % size:
             chunk = chunk.clone()  # (not aligned for a view as v's dtype)
-        v.copy_(chunk.view(v.dtype).view(v.shape))
+        new = chunk.view(v.dtype).view(v.shape)
+        if v.requires_grad or not _same_bits(v, new):
+            v.copy_(new)
         off += chunk.numel()
+
+
+def _same_bits(a, b) -> bool:
+    """The tensors ``a`` and ``b`` (of one shape and dtype) hold the same bytes (NaNs and signed zeros too)."""
+    try:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except RuntimeError:  # (a dtype without a byte view: taken as changed, copied)
+        return False
 
 
 def serial_forward(layers, x, h: float, scheme=forward_euler):

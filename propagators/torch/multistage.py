@@ -149,7 +149,13 @@ class MultiStage(nn.Module):
                 raise TypeError(f"`{k}` is given once, as MultiStage's own argument")
         for i, p in enumerate(pieces):
             if isinstance(p, Stage):
-                p = pieces[i] = p.build(self._comm, self._data_comm, **defaults)
+                try:
+                    p = pieces[i] = p.build(self._comm, self._data_comm, **defaults)
+                except (ValueError, TypeError) as exc:
+                    if type(exc) not in (ValueError, TypeError):
+                        raise
+                    # (which stage: a setting given once for all of them may fit one and not another)
+                    raise type(exc)(f"piece {i}, {p!r}: {exc}") from exc
             if isinstance(p, LayerParallel) and not _same_ranks(p.comm, self._comm):
                 raise ValueError(
                     f"piece {i} is a LayerParallel on a communicator of {p.comm.size} rank(s) that differs "
@@ -174,27 +180,35 @@ class MultiStage(nn.Module):
         rank: a stage's layer is held by its owner (and the ranks that lend it as a halo) only, so a replicated
         piece tied to it would get that layer's gradient on those ranks and not on the others, and the
         replicas would drift apart. A frozen parameter shared by a replicated piece and a stage layer gets no
-        gradient and is allowed; every pass checks that it is still frozen (:meth:`_check_frozen_ties`)."""
+        gradient and is allowed; every pass checks that it is still frozen (:meth:`_check_frozen_ties`). A
+        buffer so shared (a module without parameters, such as ``BatchNorm1d(affine=False)``, in a stage layer
+        and a replicated piece) is a ValueError too: its owner's updates (running statistics) would reach the
+        replicas of some ranks only."""
         first, tie, frozen = {}, None, set()
         names = {id(q): (i, n) for i, p in enumerate(self) if not isinstance(p, LayerParallel)
                  for n, q in p.named_parameters()}
         for i, p in enumerate(self):
             held = [m for _, m in p.layers.items()] + list(p._halo.values()) if isinstance(p, LayerParallel) else [p]
-            for q in (q for m in held for q in m.parameters()):
+            for what, q in ((w, q) for m in held for w, qs in (("parameter", m.parameters()), ("buffer", m.buffers()))
+                            for q in qs):
                 k = first.setdefault(id(q), i)
                 stage = isinstance(p, LayerParallel) or isinstance(self[k], LayerParallel)
                 if k == i or not stage:  # (replicated pieces alone: every rank holds both)
                     continue
-                if not q.requires_grad and id(q) in names:
+                if what == "parameter" and not q.requires_grad and id(q) in names:
                     frozen.add(names[id(q)])
                 elif tie is None:
-                    tie = (k, i)
+                    tie = (k, i, what)
         seen = self._comm.gather((tie, sorted(frozen)), root=None)  # (a stage layer's ties are seen where held)
         tie = next((t for t, _ in seen if t is not None), None)
         if tie is not None:
-            raise ValueError(f"pieces {tie[0]} and {tie[1]} share a parameter; on several ranks a stage's layers "
-                             "are held by some ranks only, so a tied parameter would get different gradients on "
-                             "different ranks. Give every piece its own parameters, or run on one rank")
+            k, i, what = tie
+            raise ValueError(f"pieces {k} and {i} share a {what}; on several ranks a stage's layers are held by "
+                             "some ranks only, so a tied " + ("parameter would get different gradients" if
+                                                             what == "parameter" else "buffer (running statistics) "
+                                                             "would be updated") + " on different ranks. Give every "
+                             "piece its own " + ("parameters" if what == "parameter" else "modules with buffers "
+                                                 "(copy.deepcopy)") + ", or run on one rank")
         # every rank holds the replicated piece: its own copy of the parameter is checked at each pass
         self._frozen_ties = [(i, n, dict(self[i].named_parameters())[n]) for i, n in sorted({x for _, f in seen
                                                                                               for x in f})]
