@@ -896,3 +896,8 @@ def test_review_of_the_recurrent_modules(cls):
     with pytest.raises(ValueError, match="proj_size argument is only supported for LSTM, not GRU"):
         ParallelGRU(I, H, proj_size=2)
     assert ParallelGRU(I, H, proj_size=0).hidden_size == H
+    # the positional order is torch's (proj_size before device and dtype): the 8th argument was `device` and a
+    # dtype in 10th place was taken for proj_size
+    args = (I, H, 1, True, False, 0.0, False, 0, "cpu", torch.float64)
+    for made in (make(*args), getattr(torch.nn, cls)(*args)):
+        assert made.weight_hh_l0.dtype == torch.float64 and made.proj_size == 0

@@ -251,8 +251,8 @@ class ParallelGRU(_ParallelRNN):
     _adjoint = GRUAdjointPropagator
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
-                 dtype=None, proj_size: int = 0, **options):
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
+                 device=None, dtype=None, **options):
         comm = options.pop("comm", None)
         warn_if_alone(comm, "ParallelGRU")
         comm = as_communicator(comm)
