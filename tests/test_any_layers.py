@@ -479,8 +479,14 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(TypeError, match="torch.Tensor"):
         lp(np.ones((2, 3)))
     for empty in (torch.ones(0, 3), torch.ones(2, 0, 3), torch.ones(0, 3, requires_grad=True)):
-        with pytest.raises(ValueError, match="empty input"):
+        with pytest.raises(ValueError, match="empty input.*skip empty batches"):
             lp(empty)
+    # on a layer x data grid skipping the step would pair this replica's next gradient all-reduce with the
+    # others' current one (silently wrong weights): the message says to join the all-reduce instead
+    from mgrit.comm import SerialComm
+    on_grid = LayerParallel([nn.Linear(3, 3) for _ in range(4)], cf=2, data_comm=SerialComm())
+    with pytest.raises(ValueError, match=r"must not skip it: call allreduce_gradients\(model, data_comm, shard_size=0"):
+        on_grid(torch.ones(0, 3))
     assert torch.isfinite(lp(torch.ones(2, 3))).all()  # the block still works after the error
     with pytest.raises(TypeError, match="layer 1 is a"):
         LayerParallel([nn.Linear(3, 3), "tanh"], cf=2)
@@ -2047,6 +2053,8 @@ def test_the_ranks_input_sums_tell_shuffled_sign_flipped_and_scaled_inputs_not_r
         assert differ(x, flipped), width
         eps = torch.finfo(x.dtype).eps
         assert not differ(x, x * (1 + 8 * eps)) and differ(x, x * (1 + 1e-7)), width
+    # the message gives the relative difference (the sums, printed to 6 digits, looked equal for this one)
+    assert "by 2e-07 relative" in str(_differing_inputs([_input_sums(x), _input_sums(x * (1 + 1e-7))]))
     assert not differ(x.float(), (x * (1 + 1e-7)).float())  # float32: 1e-7 is rounding
     z = torch.randn(3, 5, dtype=torch.complex128)
     assert not differ(z.conj(), z.conj().resolve_conj()) and differ(z, z.conj())

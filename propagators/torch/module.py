@@ -508,12 +508,20 @@ def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError |
         return None
     s = sums[r]
     return ValueError(
-        f"the {what} of rank {r} differs from rank 0's (sum of squares {s[0]:.6g} against "
+        f"the {what} of rank {r} differs from rank 0's by {_input_gap(s, sums[0]):.2g} relative, more than "
+        f"rounding (sum of squares {s[0]:.6g} against "
         f"{sums[0][0]:.6g}, sums weighted by position {s[3]:.6g} against {sums[0][3]:.6g}, sums with "
         f"pseudo-random weights {s[4]:.6g} against {sums[0][4]:.6g}): "
         + (hint or "every layer rank must pass the same input (the same batch in the same order, or the "
            "same output of the layers before this block); seed every rank alike, or broadcast the batch "
            "from one rank"))
+
+
+def _halo_rtol(dtype) -> float:
+    """How far the checks of a layer and of a rank's copy of it (:meth:`LayerParallel._layer_checks`, on the same
+    input) may differ: rounding, 1,000 units in the last place of ``dtype``, at most 1e-5 (float32 and
+    narrower). A change of 1e-4 in a float64 layer moved them by less than 1e-5 and was not seen."""
+    return min(1e-5, 1000 * torch.finfo(dtype).eps)
 
 
 def _same_check(a, b, rtol: float = 1e-5) -> bool:
@@ -1331,17 +1339,20 @@ class LayerParallel(_SolveCycles, nn.Module):
                 with DropoutMasks(masks) if masks else contextlib.nullcontext():
                     self.scheme(m, U[j - g0], dt)
 
-    @staticmethod
-    def _check_input(x):
+    def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"LayerParallel expects a torch.Tensor, got {type(x).__name__}")
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"LayerParallel expects a floating-point input, got dtype {x.dtype}; "
                             "convert it, e.g. x.float()")
         if x.numel() == 0:
+            what = ("skip empty batches before the block (e.g. `if x.shape[0]: ...`)" if self._data_comm is None else
+                    "on a layer x data grid the other data replicas all-reduce their gradients this step, so a "
+                    "replica with an empty shard must not skip it: call allreduce_gradients(model, data_comm, "
+                    "shard_size=0) instead of its forward and backward pass (or drop the last, short batch: "
+                    "DataLoader(..., drop_last=True))")
             raise ValueError(f"LayerParallel got an empty input (shape {tuple(x.shape)}): a solve needs states "
-                             "with at least one element; skip empty batches before the block "
-                             "(e.g. `if x.shape[0]: ...`)")
+                             f"with at least one element; {what}")
         if not bool(torch.isfinite(x).all()):
             raise ValueError("LayerParallel got an input that contains NaN or Inf: check the data and what "
                              "comes before the block")
@@ -1580,7 +1591,7 @@ class LayerParallel(_SolveCycles, nn.Module):
             if P > 1:
                 now = (self.kernel, RemovableHandle.next_id)
                 spread = max(_input_gap(s, sums[0]) for s in sums)
-                self._exchange_halo(pairs, kp, x, check=any(changed), rtol=1e-5 + 100 * spread)  # after the masks
+                self._exchange_halo(pairs, kp, x, check=any(changed), rtol=_halo_rtol(x.dtype) + 100 * spread)  # after the masks
                 self._checked = now
             repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
             called = bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating  # the layers' code ran
