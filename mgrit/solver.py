@@ -177,6 +177,9 @@ def solve(
         Iterate at ``t > t[0]``: None copies ``u0``; a scalar or a state is used
         at every point; an array of shape ``(N + 1, *u0.shape)`` is a whole
         trajectory (warm start); a callable is called as ``initial_guess(t_k)``.
+        On several ranks a scalar or a state must be the same on every rank (compared
+        in the handshake: a ``ValueError`` otherwise); a trajectory or a callable is read
+        at each rank's own points.
     spatial : SpatialTransfer or sequence of (SpatialTransfer or None), optional
         Spatial coarsening between level ``l`` and ``l + 1`` (entry ``l``; last
         repeats); None keeps the spatial grid.
@@ -194,11 +197,17 @@ def solve(
         ``residual="xbraid"`` the history is measured before each cycle's
         coarse correction, so its last entry lags the returned solution by one cycle;
         without a ``callback`` that entry's all-reduce is the final residual's (one
-        synchronisation of the ranks less, the same values).
+        synchronisation of the ranks less, the same values). With an unstable coarse
+        propagator (one that amplifies) that last correction can make the returned
+        states arbitrarily wrong under a ``CONVERGED`` status, and with ``tol_type="rel"``
+        and ``skip`` the first residual it is relative to can be inflated as much: this
+        residual is the one that shows it.
     callback : callable, optional
         Called after every cycle with an :class:`IterationInfo` (once for a
         one-level solve, the sequential stepping, with residual None;
-        ``Result.residuals`` stays empty there).
+        ``Result.residuals`` stays empty there), on every rank, inside the solve's
+        collective call: collective calls made there on some ranks only (a nested
+        solve, a gather) wait forever.
     comm : None, mpi4py communicator, torch.distributed group or Communicator
         Split the time axis over the ranks of this communicator; None runs
         serially. The call is collective: every rank passes the same grid,
@@ -285,12 +294,14 @@ def solve(
         ), "time grids, hierarchies, state shapes or dtypes, spatial transfers or stopping rules")
         # the ranks compare their u0 in the handshake (no message of its own); inside a caller's session
         # (InSession: no handshake to ride on) the caller has compared its inputs itself
-        share = _u0_sums(u0) if comm.size > 1 and not isinstance(comm, InSession) else None
+        share = (_u0_sums(u0), _guess_summary(initial_guess, u0)) \
+            if comm.size > 1 and not isinstance(comm, InSession) else None
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
     shared = comm.open(signature=sig, share=share)
-    differ = None if share is None else _differing_u0(shared)
+    differ = None if share is None else _differing_u0([u for u, _ in shared]) or _differing_guess(
+        [g for _, g in shared])
     if differ is not None:  # every rank found it in the handshake: raised after the session (no one waits)
         comm.close()
         raise differ
@@ -329,6 +340,46 @@ def _differing_u0(sums: list) -> ValueError | None:
         f"{sums[r][3]:.6g}, sum with pseudo-random weights {sums[r][4]:.6g}) against rank 0's ({sums[0][0]:.6g}, "
         f"{sums[0][3]:.6g}, {sums[0][4]:.6g}); every rank must pass the same "
         "initial state: make it alike on every rank (the same data and seed), or broadcast rank 0's")
+
+
+def _guess_summary(guess, u0) -> tuple:
+    """What the ranks compare of their ``initial_guess``: its kind, and the sums (:func:`_u0_sums`) of a scalar
+    or a single state. (Each rank reads a trajectory or a callable at its own points only; they are not
+    compared: comparing a trajectory would read all of it on every rank.)"""
+    if guess is None:
+        return ("none",)
+    if callable(guess):
+        return ("callable",)
+    g = _guess_like_u0(guess, u0, "`initial_guess`")  # (finite: checked there)
+    if tuple(g.shape) not in ((), tuple(u0.shape)):
+        return ("trajectory",)
+    if B.is_torch(g):
+        g = g if g.is_floating_point() or g.is_complex() else g.double()
+    else:
+        g = np.asarray(g, dtype=np.result_type(g, 1.0))
+    return ("scalar" if tuple(g.shape) == () else "state", _u0_sums(g))
+
+
+def _differing_guess(summaries: list) -> ValueError | None:
+    """The error when the ranks' ``initial_guess`` differ (``summaries``: every rank's :func:`_guess_summary`):
+    each rank starts its own points from its own guess, so the iterates of a run of fixed cycles match no
+    one-rank run (a converged solve is unaffected)."""
+    kinds = [s[0] for s in summaries]
+    r = next((r for r, k in enumerate(kinds) if k != kinds[0]), None)
+    if r is None and kinds[0] in ("scalar", "state"):
+        r = differing_rank([s[1] for s in summaries])
+    if r is None:
+        return None
+    return ValueError(
+        f"`initial_guess` differs between ranks: rank {r} gives {_guess_words(summaries[r])}, rank 0 "
+        f"{_guess_words(summaries[0])}; each rank starts its own points from its own guess, so the result would "
+        "match no one-rank solve: pass the same initial_guess on every rank")
+
+
+def _guess_words(summary: tuple) -> str:
+    if summary[0] in ("scalar", "state"):
+        return f"a {summary[0]} (sum of squares {summary[1][0]:.6g}, sum weighted by position {summary[1][3]:.6g})"
+    return {"none": "none", "callable": "a callable", "trajectory": "a trajectory"}[summary[0]]
 
 
 def _check_no_grad(x, name: str) -> None:

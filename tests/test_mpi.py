@@ -89,11 +89,11 @@ def test_failures_reach_every_rank_and_mpi_stays_usable():
     """Failures on one rank in several places, in one launch on 3 ranks: an exception
     early, late and in the final F-relaxation after the last cycle (when the other
     ranks may already be done), a NaN (divergence), bad input (NaN u0, a failing
-    initial guess) and inconsistent input (another time grid, another u0; a u0 one bit
+    initial guess) and inconsistent input (another time grid, another u0, another scalar initial guess; a u0 one bit
     apart, a float16 one a unit apart or a complex one in another memory layout: no error). Afterwards a solve on the same communicator still
     equals the serial one."""
     cases = ["raise:1:1", "raise:0:4", "raise:2:6", "raise:1:0", "nan:1:2", "u0:2", "guess:0", "grid:1", "u0diff:1",
-             "u0ulp:2", "u0layout:1", "u0half:2"]
+             "u0ulp:2", "u0layout:1", "u0half:2", "guessdiff:2"]
     rc, out, _ = launch(3, "failures.py", *cases, timeout=90)
     assert rc == 1, out[-5000:]
     rep = _reports(out)
@@ -111,6 +111,9 @@ def test_failures_reach_every_rank_and_mpi_stays_usable():
                 assert kind == "ValueError" and "differ between ranks" in msg, (spec, r, msg)
             elif mode == "u0diff":
                 assert kind == "ValueError" and "`u0` differs between ranks: rank 1's" in msg, (spec, r, msg)
+            elif mode == "guessdiff":
+                assert kind == "ValueError" and "`initial_guess` differs between ranks: rank 2 gives a scalar" in msg, \
+                    (spec, r, msg)
             elif mode == "nan":  # the NaN may reach a neighbour, and be detected there, first
                 assert kind == "DivergenceError" or (
                     kind == "RemoteRankError" and "DivergenceError: MGRIT diverged" in msg), (spec, r, kind, msg)

@@ -75,3 +75,21 @@ def test_cycle_end_needs_no_more_cycles_than_xbraid_and_rejects_unknown():
     assert b.converged and b.iterations <= a.iterations
     with pytest.raises(ValueError, match="`residual`"):
         mgrit.solve(heat, heat.initial(), t, residual="after")
+
+
+def test_an_unstable_coarse_step_is_shown_by_the_residual_of_the_returned_states():
+    """MGRIT needs a stable coarse step. Forward Euler on u' = -10u, dt 0.05, cf 8 has the coarse factor
+    1 + 8(-0.5) = -3: started from the exact trajectory, the residual measured before the last coarse
+    correction (XBraid's) is 0 and the solve reports CONVERGED, while that correction amplifies the rounding
+    of the coarse right-hand side about 3^64 times. The residual of the returned states (final_residual,
+    or residual="cycle_end", which then never converges) is the one that shows it, as README's Options say."""
+    prop, t, u0 = Dahlquist(-10.0, "fe"), np.linspace(0.0, 25.6, 513), np.array([1.0])
+    exact = sequential(prop, u0, t)
+    res = mgrit.solve(prop, u0, t, cf=8, max_levels=2, initial_guess=exact, skip=False, tol=1e-9,
+                      final_residual=True)
+    assert res.status is mgrit.Status.CONVERGED and res.residuals == [0.0]
+    err = np.abs(res.u - exact).max()
+    assert err > 1e6 and res.final_residual > 1e6
+    end = mgrit.solve(prop, u0, t, cf=8, max_levels=2, initial_guess=exact, skip=False, tol=1e-9,
+                      residual="cycle_end", max_iter=3)
+    assert end.status is not mgrit.Status.CONVERGED
