@@ -50,9 +50,12 @@ def _guess_like_u0(g, u0, name: str):
         raise TypeError(f"{name} must hold numbers, got {given!r:.60}")
     if not B.is_torch(g) and g.dtype.kind == "O":  # Python numbers (Fractions, Decimals): as floats
         try:
-            g = g.astype(np.float64)
-        except TypeError:
-            g = g.astype(np.complex128)
+            try:
+                g = g.astype(np.float64)
+            except TypeError:
+                g = g.astype(np.complex128)
+        except OverflowError:  # (an integer beyond float64, such as 10**400)
+            raise ValueError(f"{name} holds a number beyond float64's range: {given!r:.60}") from None
     if (B.is_torch(g) or g.dtype.kind in "fc") and not B.all_finite(g):
         raise ValueError(f"{name} contains NaN or Inf")
     if B.is_complex(g) and not B.is_complex(u0):
@@ -343,21 +346,26 @@ def _differing_u0(sums: list) -> ValueError | None:
 
 
 def _guess_summary(guess, u0) -> tuple:
-    """What the ranks compare of their ``initial_guess``: its kind, and the sums (:func:`_u0_sums`) of a scalar
-    or a single state. (Each rank reads a trajectory or a callable at its own points only; they are not
-    compared: comparing a trajectory would read all of it on every rank.)"""
+    """What the ranks compare of their ``initial_guess``: its kind, and for a scalar or a single state the sums
+    (:func:`_u0_sums`) of the state it gives, in ``u0``'s shape and dtype (a scalar and the state full of it are
+    the same guess, as are a real and a complex-typed guess of a complex ``u0``). A trajectory or a callable is
+    read at each rank's own points only and not compared (that would read all of it on every rank)."""
     if guess is None:
         return ("none",)
     if callable(guess):
         return ("callable",)
-    g = _guess_like_u0(guess, u0, "`initial_guess`")  # (finite: checked there)
+    shape = getattr(guess, "shape", None)
+    if shape is not None and tuple(shape) not in ((), tuple(u0.shape)):
+        return ("trajectory",)  # (not converted here: _initial_states reads this rank's part)
+    g = _guess_like_u0(guess, u0, "`initial_guess`")  # (finite, and complex only for a complex u0: checked there)
     if tuple(g.shape) not in ((), tuple(u0.shape)):
         return ("trajectory",)
-    if B.is_torch(g):
-        g = g if g.is_floating_point() or g.is_complex() else g.double()
+    if B.is_torch(u0):
+        g = g.to(u0.dtype).expand(u0.shape)
     else:
-        g = np.asarray(g, dtype=np.result_type(g, 1.0))
-    return ("scalar" if tuple(g.shape) == () else "state", _u0_sums(g))
+        with np.errstate(over="ignore"):  # (beyond u0's dtype: named when the iterates are made)
+            g = np.broadcast_to(np.asarray(g).astype(u0.dtype), u0.shape)
+    return ("state", _u0_sums(g))
 
 
 def _differing_guess(summaries: list) -> ValueError | None:
@@ -366,7 +374,7 @@ def _differing_guess(summaries: list) -> ValueError | None:
     one-rank run (a converged solve is unaffected)."""
     kinds = [s[0] for s in summaries]
     r = next((r for r, k in enumerate(kinds) if k != kinds[0]), None)
-    if r is None and kinds[0] in ("scalar", "state"):
+    if r is None and kinds[0] == "state":
         r = differing_rank([s[1] for s in summaries])
     if r is None:
         return None
@@ -377,8 +385,9 @@ def _differing_guess(summaries: list) -> ValueError | None:
 
 
 def _guess_words(summary: tuple) -> str:
-    if summary[0] in ("scalar", "state"):
-        return f"a {summary[0]} (sum of squares {summary[1][0]:.6g}, sum weighted by position {summary[1][3]:.6g})"
+    if summary[0] == "state":
+        return (f"the state (sum of squares {summary[1][0]:.17g}, sum weighted by position {summary[1][3]:.17g}, "
+                f"sum with pseudo-random weights {summary[1][4]:.17g})")
     return {"none": "none", "callable": "a callable", "trajectory": "a trajectory"}[summary[0]]
 
 

@@ -517,16 +517,28 @@ def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError |
            "from one rank"))
 
 
-def _halo_rtol(dtype) -> float:
-    """How far the checks of a layer and of a rank's copy of it (:meth:`LayerParallel._layer_checks`, on the same
-    input) may differ: rounding, 1,000 units in the last place of ``dtype``, at most 1e-5 (float32 and
-    narrower). A change of 1e-4 in a float64 layer moved them by less than 1e-5 and was not seen."""
-    return min(1e-5, 1000 * torch.finfo(dtype).eps)
+def _crc(t: torch.Tensor) -> int:
+    """crc32 of the bytes of ``t`` (on the host)."""
+    return zlib.crc32(t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _halo_rtol(dtype, same_input: bool, spread: float) -> float:
+    """How far the checks of a layer and of a rank's copy of it (:meth:`LayerParallel._layer_checks`) may differ,
+    relative to the larger norm of the step: when every rank's input has the same bits (``same_input``), rounding,
+    1,000 units in the last place of ``dtype``, at most 1e-5 (float32 and narrower: a change of 1e-6 in a float64
+    layer was not seen with 1e-5); otherwise 1e-5 and 100 times the inputs' relative ``spread`` (a layer with a
+    large gain, such as a LayerNorm of nearly equal entries, magnifies inputs a few units apart)."""
+    if same_input:
+        return min(1e-5, 1000 * torch.finfo(dtype).eps)
+    return 1e-5 + 100 * spread
 
 
 def _same_check(a, b, rtol: float = 1e-5) -> bool:
-    """Two layer checks (norms, :meth:`LayerParallel._layer_checks`) agree, NaN matching NaN."""
-    return all(x == y or (x != x and y != y) or abs(x - y) <= rtol * max(x, y) for x, y in zip(a, b))
+    """Two layer checks ``[|s - z|, |s|]`` (:meth:`LayerParallel._layer_checks`) agree to ``rtol`` of the larger
+    of their norms (the first cancels when the state outweighs the layer's update: rounding moves it relative
+    to ``|s|``), NaN matching NaN."""
+    scale = max((abs(v) for v in (*a, *b) if v == v), default=0.0)
+    return all(x == y or (x != x and y != y) or abs(x - y) <= rtol * scale for x, y in zip(a, b))
 
 
 _TRAINING = operator.attrgetter("training")
@@ -1565,7 +1577,7 @@ class LayerParallel(_SolveCycles, nn.Module):
             pairs = self._halo_pairs(kp) if P > 1 else None
             share = (note, self._halo_flags(), _input_sums(x), changed,
                      {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id,
-                     guess is None) if P > 1 else None
+                     guess is None, _crc(x) if changed else None) if P > 1 else None
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
@@ -1573,7 +1585,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         with session:
             notes = None
             if P > 1:
-                notes, flags, sums, changed, nbytes, ids, cold = zip(*session.shared)
+                notes, flags, sums, changed, nbytes, ids, cold, crcs = zip(*session.shared)
                 if any(cold):  # a warm start on every rank or on none (a state dict loaded on some ranks only)
                     guess = None
                 # this pass's id, the same on every rank (after a pass that failed on some rank before its
@@ -1591,7 +1603,8 @@ class LayerParallel(_SolveCycles, nn.Module):
             if P > 1:
                 now = (self.kernel, RemovableHandle.next_id)
                 spread = max(_input_gap(s, sums[0]) for s in sums)
-                self._exchange_halo(pairs, kp, x, check=any(changed), rtol=_halo_rtol(x.dtype) + 100 * spread)  # after the masks
+                rtol = _halo_rtol(x.dtype, None not in crcs and len(set(crcs)) == 1, spread)
+                self._exchange_halo(pairs, kp, x, check=any(changed), rtol=rtol)  # after the masks
                 self._checked = now
             repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
             called = bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating  # the layers' code ran
@@ -1773,8 +1786,9 @@ class LayerParallel(_SolveCycles, nn.Module):
         per (owner, user) pair of ``pairs`` (:meth:`_halo_pairs`), the tensors' bytes packed in halo order.
 
         With ``check`` (see the pass) a check of each layer travels with them: two norms of
-        ``step(x)`` for the pass's input ``x`` (:meth:`_layer_checks`; the ranks' inputs agree to
-        the relative ``spread`` the handshake measured, from which ``rtol`` is made). The user steps
+        ``step(x)`` for the pass's input ``x`` (:meth:`_layer_checks`; ``rtol`` is made from whether the ranks'
+        inputs have the same bits, and else from the relative ``spread`` the handshake measured:
+        :func:`_halo_rtol`). The user steps
         its copy, with the parameters just received, and raises :class:`LayerError` (the others
         then raise RemoteRankError) when they differ: a change made to a layer on its
         owner only (a hook, an attribute, a submodule) would give wrong gradients, whereas changes
@@ -1807,9 +1821,9 @@ class LayerParallel(_SolveCycles, nn.Module):
 
     @staticmethod
     def _layer_checks(kp, js, z):
-        """``[|s_j - z|, |s_j|]`` (2-norms, float64) for ``s_j = step_j(z)`` with step 1, every ``j``
-        (no cancellation: compared with a relative tolerance; a sign flip of the layer changes the
-        second)."""
+        """``[|s_j - z|, |s_j|]`` (2-norms, float64) for ``s_j = step_j(z)`` with step 1, every ``j`` (compared
+        relative to the larger, :func:`_same_check`: the first cancels where ``z`` outweighs the layer's
+        update; a sign flip of the layer changes the second)."""
         norm, acc = torch.linalg.vector_norm, torch.complex128 if z.is_complex() else torch.float64
         out = []
         for j in js:

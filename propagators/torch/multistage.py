@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-import zlib
 from typing import Sequence
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
-from .module import LayerParallel, _announced, _copied, _one_thread, check_root
+from .module import _STATEFUL, LayerParallel, _announced, _copied, _crc, _one_thread, check_root
 
 _OWN = ("comm", "data_comm")
 
@@ -67,8 +66,10 @@ def _same_ranks(a, b) -> bool:
     return [a.world_rank(r) for r in range(a.size)] == [b.world_rank(r) for r in range(b.size)]
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+def _updated(module: nn.Module) -> list:
+    """The buffers of ``module`` that a training pass updates: the running statistics of its BatchNorms."""
+    return [b for m in module.modules() if isinstance(m, _STATEFUL) and m.track_running_stats
+            for b in m._buffers.values() if b is not None]
 
 
 class MultiStage(nn.Module):
@@ -181,15 +182,16 @@ class MultiStage(nn.Module):
         piece tied to it would get that layer's gradient on those ranks and not on the others, and the
         replicas would drift apart. A frozen parameter shared by a replicated piece and a stage layer gets no
         gradient and is allowed; every pass checks that it is still frozen (:meth:`_check_frozen_ties`). A
-        buffer so shared (a module without parameters, such as ``BatchNorm1d(affine=False)``, in a stage layer
-        and a replicated piece) is a ValueError too: its owner's updates (running statistics) would reach the
-        replicas of some ranks only."""
+        BatchNorm's running statistics so shared (``BatchNorm1d(affine=False)`` in a stage layer and a replicated
+        piece) are a ValueError too: the owner's updates would reach the replicas of some ranks only. Other
+        buffers may be shared (constant tables: a stage layer that changes a buffer in its forward pass raises a
+        LayerError anyway)."""
         first, tie, frozen = {}, None, set()
         names = {id(q): (i, n) for i, p in enumerate(self) if not isinstance(p, LayerParallel)
                  for n, q in p.named_parameters()}
         for i, p in enumerate(self):
             held = [m for _, m in p.layers.items()] + list(p._halo.values()) if isinstance(p, LayerParallel) else [p]
-            for what, q in ((w, q) for m in held for w, qs in (("parameter", m.parameters()), ("buffer", m.buffers()))
+            for what, q in ((w, q) for m in held for w, qs in (("parameter", m.parameters()), ("buffer", _updated(m)))
                             for q in qs):
                 k = first.setdefault(id(q), i)
                 stage = isinstance(p, LayerParallel) or isinstance(self[k], LayerParallel)
@@ -203,12 +205,14 @@ class MultiStage(nn.Module):
         tie = next((t for t, _ in seen if t is not None), None)
         if tie is not None:
             k, i, what = tie
-            raise ValueError(f"pieces {k} and {i} share a {what}; on several ranks a stage's layers are held by "
-                             "some ranks only, so a tied " + ("parameter would get different gradients" if
-                                                             what == "parameter" else "buffer (running statistics) "
-                                                             "would be updated") + " on different ranks. Give every "
-                             "piece its own " + ("parameters" if what == "parameter" else "modules with buffers "
-                                                 "(copy.deepcopy)") + ", or run on one rank")
+            if what == "parameter":
+                what, why, fix = "parameter", "a tied parameter would get different gradients on different ranks", \
+                    "parameters"
+            else:
+                what, why, fix = "buffer (a BatchNorm's running statistics)", \
+                    "its updates would reach some ranks' replicas only", "BatchNorm modules (copy.deepcopy)"
+            raise ValueError(f"pieces {k} and {i} share a {what}; on several ranks a stage's layers are held by some "
+                             f"ranks only, so {why}. Give every piece its own {fix}, or run on one rank")
         # every rank holds the replicated piece: its own copy of the parameter is checked at each pass
         self._frozen_ties = [(i, n, dict(self[i].named_parameters())[n]) for i, n in sorted({x for _, f in seen
                                                                                               for x in f})]

@@ -89,6 +89,8 @@ def run_case(comm, mode: str, bad_rank: int, cycle: int):
         t = np.linspace(0.0, 4.0, 66)
     if mode == "guessdiff":  # a scalar guess of its own on one rank: the fixed cycles matched no one-rank run
         guess = 1.0 if rank == bad_rank else 0.0
+    if mode == "guessalike":  # the same guess, as the state full of the scalar the others give: no error
+        guess = np.full(u0.shape, 0.5) if rank == bad_rank else 0.5
     if mode == "guess" and rank == bad_rank:
         def guess(tk):
             raise Injected(f"initial guess undefined at t = {tk}")

@@ -200,6 +200,43 @@ def grid_case():
         check("grid output after the optimizer steps", par(X[shard]), ref(X[shard]))
 
 
+def equals_one_rank(name, net, one, x):
+    """``net`` (on every rank) and ``one`` (the same network on this rank alone): output, input gradient and the
+    gradients of the parameters this rank holds."""
+    xs, x1 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, y1 = net(xs), one(x1)
+    y.square().sum().backward()
+    y1.square().sum().backward()
+    check(f"{name}: output", y, y1)
+    check(f"{name}: input gradient", xs.grad, x1.grad)
+    mine = dict(net.named_parameters())
+    for n, q in one.named_parameters():
+        if n in mine and q.grad is not None and mine[n].grad is not None:
+            check(f"{name}: gradient {n}", mine[n].grad, q.grad)
+
+
+class Table(nn.Module):
+    """Constant tables (as a rotary embedding's), which no pass changes."""
+
+    def __init__(self, w):
+        super().__init__()
+        k = torch.arange(w, dtype=torch.get_default_dtype())
+        self.register_buffer("cos", torch.cos(k / w), persistent=False)
+        self.register_buffer("sin", torch.sin(k / w), persistent=False)
+
+    def forward(self, u):
+        return u * self.cos + u.flip(-1) * self.sin
+
+
+class Tabled(nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.lin, self.table = nn.Linear(4, 4), table
+
+    def forward(self, u):
+        return torch.tanh(self.lin(self.table(u)))
+
+
 def tied_pieces_case():
     """A parameter shared by a replicated piece and a stage layer: on several ranks only the ranks that hold
     the layer gave the replicated piece that layer's gradient (6.61 on rank 0, 6.27 on rank 1), so the
@@ -244,17 +281,7 @@ def tied_pieces_case():
                     m[0].weight = tied.weight
                 return m
             return MultiStage([tied, Stage(layer, 5), nn.Linear(4, 2)], comm=c, cf=2, **TIGHT)
-        net, one = build(world), build(None)
-        xs, x1 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        y, y1 = net(xs), one(x1)
-        y.square().sum().backward()
-        y1.square().sum().backward()
-        check(f"frozen tie in layer {j}: output", y, y1)
-        check(f"frozen tie in layer {j}: input gradient", xs.grad, x1.grad)
-        mine = dict(net.named_parameters())
-        for n, q in one.named_parameters():
-            if n in mine and q.grad is not None and mine[n].grad is not None:
-                check(f"frozen tie in layer {j}: gradient {n}", mine[n].grad, q.grad)
+        equals_one_rank(f"frozen tie in layer {j}", build(world), build(None), x)
     # a buffer shared so (BatchNorm without parameters in a stage layer and the head): its running statistics
     # were updated on the ranks holding that layer only, and eval outputs differed between ranks (2e-2)
     bn = nn.BatchNorm1d(4, affine=False)
@@ -266,6 +293,20 @@ def tied_pieces_case():
     except ValueError as exc:
         if "pieces 1 and 2 share a buffer" not in str(exc):
             fail(f"shared buffer: unexpected ValueError: {exc}")
+    # a constant buffer so shared (a table no pass updates) is fine: the output and gradients equal one rank's
+    for where in ("stem", "two stages"):
+        def build(c, where=where):
+            torch.manual_seed(2)
+            table = Table(4)
+
+            def layer(i):
+                torch.manual_seed(60 + i)
+                return Tabled(table)
+            stage = Stage(layer, 5)
+            pieces = [nn.Sequential(nn.Linear(4, 4), table), stage, nn.Linear(4, 2)] if where == "stem" else \
+                [nn.Linear(4, 4), stage, nn.Tanh(), Stage(layer, 4), nn.Linear(4, 2)]
+            return MultiStage(pieces, comm=c, cf=2, **TIGHT)
+        equals_one_rank(f"a constant buffer shared ({where})", build(world), build(None), x)
     head = nn.Linear(4, 4)
     par = MultiStage([head, Stage(lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 6), head], cf=2, comm=world,
                      **TIGHT)

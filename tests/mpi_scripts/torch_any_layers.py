@@ -347,6 +347,26 @@ def changed_after_construction():
             check(f"{kind}, 2/1 cycles: layer {j} bias gradient against one process", g, outs[1][1][j])
 
 
+def rounding_apart_inputs():
+    """Pre-LayerNorm layers on a state that outweighs their update 1e6 times: the first norm of the copies'
+    check, |step(z) - z|, cancels, so rounding moves it relative to |step(z)|, not to itself. With inputs
+    summed in another order on each rank (a few units in the last place apart, which the input sums do not
+    see) the float64 tolerance of 2.2e-13 raised a LayerError for unchanged layers; with the same input bits
+    it did too, without the scale. Both pass now (and the changes above are still seen)."""
+    torch.manual_seed(41)
+    layers = [nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh()) for _ in range(12)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=world)
+    a, b = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(
+        8, 8, generator=torch.Generator().manual_seed(2))
+    for name, x in (("inputs a few units apart", (1e6 + a) + b if rank == 0 else 1e6 + (a + b)),
+                    ("the same input", 1e6 + (a + b))):
+        lp.refresh()  # (the copies are checked at the next pass)
+        try:
+            lp(x.clone().requires_grad_(True)).sum().backward()
+        except (LayerError, RemoteRankError) as exc:
+            fail(f"unchanged layers, {name}: {type(exc).__name__}: {exc}")
+
+
 class Counting(Tunable):
     def forward(self, u):
         self.calls = getattr(self, "calls", 0) + 1  # a side effect that does not alter the output
@@ -705,6 +725,7 @@ try:
     clipped_gradients()
     changed_after_construction()
     harmless_changes()
+    rounding_apart_inputs()
     domain_and_unrefreshed_changes()
     layout_changed_on_owners()
     checks_only_after_changes()
