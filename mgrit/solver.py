@@ -297,8 +297,10 @@ def solve(
         ), "time grids, hierarchies, state shapes or dtypes, spatial transfers or stopping rules")
         # the ranks compare their u0 in the handshake (no message of its own); inside a caller's session
         # (InSession: no handshake to ride on) the caller has compared its inputs itself
-        share = (_u0_sums(u0), _guess_summary(initial_guess, u0)) \
-            if comm.size > 1 and not isinstance(comm, InSession) else None
+        share = None
+        if comm.size > 1 and not isinstance(comm, InSession):
+            sums = _u0_sums(u0)
+            share = (sums, ("state", sums) if initial_guess is None else _guess_summary(initial_guess, u0))
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
@@ -348,10 +350,11 @@ def _differing_u0(sums: list) -> ValueError | None:
 def _guess_summary(guess, u0) -> tuple:
     """What the ranks compare of their ``initial_guess``: its kind, and for a scalar or a single state the sums
     (:func:`_u0_sums`) of the state it gives, in ``u0``'s shape and dtype (a scalar and the state full of it are
-    the same guess, as are a real and a complex-typed guess of a complex ``u0``). A trajectory or a callable is
-    read at each rank's own points only and not compared (that would read all of it on every rank)."""
+    the same guess, as are a real and a complex-typed guess of a complex ``u0``; None, which copies ``u0``, is
+    compared as ``u0``). A trajectory or a callable is read at each rank's own points only and not compared
+    (that would read all of it on every rank)."""
     if guess is None:
-        return ("none",)
+        return ("state", _u0_sums(u0))
     if callable(guess):
         return ("callable",)
     shape = getattr(guess, "shape", None)
@@ -388,7 +391,7 @@ def _guess_words(summary: tuple) -> str:
     if summary[0] == "state":
         return (f"the state (sum of squares {summary[1][0]:.17g}, sum weighted by position {summary[1][3]:.17g}, "
                 f"sum with pseudo-random weights {summary[1][4]:.17g})")
-    return {"none": "none", "callable": "a callable", "trajectory": "a trajectory"}[summary[0]]
+    return {"callable": "a callable", "trajectory": "a trajectory"}[summary[0]]
 
 
 def _check_no_grad(x, name: str) -> None:

@@ -437,3 +437,26 @@ def test_step_only_relaxation_by_interval_equals_the_sweep_order_bit_for_bit(kw)
     a = mgrit.solve(_StepOnly(Lorenz()), u0, t, tol=1e-10, max_iter=30, **kw)
     b = mgrit.solve(_LoopedBatch(Lorenz()), u0, t, tol=1e-10, max_iter=30, **kw)
     assert np.array_equal(a.u, b.u) and a.residuals == b.residuals and a.counts == b.counts
+
+
+def test_the_ranks_compare_guesses_as_the_states_they_give():
+    """What the ranks compare of a scalar or one-state initial_guess (several ranks: tests/mpi_scripts/failures.py):
+    the state it gives in u0's shape and dtype. None (u0 itself), a scalar and the state full of it, and a real
+    and a complex-typed guess of a complex u0 are equal guesses; another value, or a callable against a state,
+    differ, and the message names the rank and how."""
+    from mgrit.solver import _differing_guess, _guess_summary
+
+    u = np.array([1.0, -0.5, 0.25])
+
+    def differ(a, b, u0=u):
+        return _differing_guess([_guess_summary(a, u0), _guess_summary(b, u0)])
+
+    assert differ(None, u.copy()) is None and differ(0.5, np.full(3, 0.5)) is None and differ(0, np.zeros(3)) is None
+    assert differ(np.ones(3, np.float32), 1.0) is None and differ([1, 2, 3], np.array([1.0, 2.0, 3.0])) is None
+    st = np.array([0.3, 0.2, -0.1])
+    assert differ(st, st.astype(complex), u0=u + 0.5j) is None
+    assert "rank 1 gives the state" in str(differ(0.0, 1.0))
+    assert "rank 1 gives a callable, rank 0 the state" in str(differ(None, lambda t: u))
+    assert differ(np.zeros((5, 3)), np.ones((5, 3))) is None  # trajectories: read at each rank's points, not compared
+    with pytest.raises(ValueError, match="beyond float64's range"):
+        mgrit.solve(Dahlquist(-1.0), u, np.linspace(0.0, 1.0, 9), initial_guess=10 ** 400)
