@@ -524,10 +524,11 @@ def _crc(t: torch.Tensor) -> int:
 
 def _halo_rtol(dtype, same_input: bool, spread: float) -> float:
     """How far the checks of a layer and of a rank's copy of it (:meth:`LayerParallel._layer_checks`) may differ,
-    relative to the larger norm of the step: when every rank's input has the same bits (``same_input``), rounding,
-    1,000 units in the last place of ``dtype``, at most 1e-5 (float32 and narrower: a change of 1e-6 in a float64
-    layer was not seen with 1e-5); otherwise 1e-5 and 100 times the inputs' relative ``spread`` (a layer with a
-    large gain, such as a LayerNorm of nearly equal entries, magnifies inputs a few units apart)."""
+    relative to the larger norm of the step: when every rank's input has the same bits (``same_input``, known from
+    a crc32 of CPU inputs: a device's would be copied to the host in every checking pass), rounding, 1,000 units
+    in the last place of ``dtype``, at most 1e-5 (float32 and narrower: a change of 1e-6 in a float64 layer was
+    not seen with 1e-5); otherwise 1e-5 and 100 times the inputs' relative ``spread`` (a layer with a large gain,
+    such as a LayerNorm of nearly equal entries, magnifies inputs a few units apart)."""
     if same_input:
         return min(1e-5, 1000 * torch.finfo(dtype).eps)
     return 1e-5 + 100 * spread
@@ -1577,7 +1578,7 @@ class LayerParallel(_SolveCycles, nn.Module):
             pairs = self._halo_pairs(kp) if P > 1 else None
             share = (note, self._halo_flags(), _input_sums(x), changed,
                      {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id,
-                     guess is None, _crc(x) if changed else None) if P > 1 else None
+                     guess is None, _crc(x) if changed and x.device.type == "cpu" else None) if P > 1 else None
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
