@@ -1517,14 +1517,17 @@ class Settings:
 
         What :func:`average_factor` gives for the residual history of
         ``mgrit.solve(propagator, u0, t, tol=reduction, tol_type="rel", **options)``;
-        ``predicted_factor`` bounds every cycle, this predicts their average in that solve.
+        ``predicted_factor`` bounds every cycle, this predicts their average in that solve. ``inf`` when
+        the chosen setting is unstable, as for a simulated solve that diverges (a coarse step at a pole of
+        the scheme left its mode out of the simulated solve, which said 0).
         """
-        return self.choice.expected
+        return self.choice.expected if self.choice.stable else math.inf
 
     @property
     def expected_cycles(self) -> int | None:
-        """Cycles of the simulated solve of the chosen setting (``Candidate.expected_cycles``)."""
-        return self.choice.expected_cycles
+        """Cycles of the simulated solve of the chosen setting (``Candidate.expected_cycles``; None when it is
+        unstable)."""
+        return self.choice.expected_cycles if self.choice.stable else None
 
     def table(self, limit: int | None = None) -> str:
         """The candidates as a text table in the order of :attr:`candidates` (``limit`` rows, all by default)."""

@@ -259,6 +259,16 @@ def test_switch_rule_threshold_is_checked(threshold):
         SwitchRule(threshold=threshold)
 
 
+def test_a_cycle_is_dropped_only_when_every_error_of_the_window_is_low():
+    """The rule to drop a cycle averaged the window: errors 0, 0, 0, 0, 1.2 of a noise of 1 (the last above the
+    limit to raise, ratio 1) have the mean 0.24, under a quarter of it, and a cycle was dropped."""
+    rule = SwitchRule(ratio=1.0, window=5)
+    records = [dict(error=e, noise=1.0, signal=0.0) for e in (0.0, 0.0, 0.0, 0.0, 1.2)]
+    assert not rule.under(records, 0.25)
+    assert rule.under([dict(r, error=0.2) for r in records], 0.25)
+    assert not rule.under([dict(r, error=0.2) for r in records][:4], 0.25)  # (a window not yet full)
+
+
 def test_switch_rule_threshold_accepts_numbers():
     import numpy as np
 
@@ -353,3 +363,63 @@ def test_cycle_settings_of_copies_pickles_and_switch_checkpoints_follow_their_to
     assert lp.bwd_iters == 1
     lp.fwd_tol = -0.0
     assert str(lp.fwd_tol) == "0.0"
+
+
+class _TimeMajor(nn.Module):
+    """A GRU over time-major sequences (L, B, C) (nn.GRU's default layout), then a block on its last state."""
+
+    def __init__(self):
+        super().__init__()
+        from propagators.torch import ParallelGRU
+
+        torch.manual_seed(0)
+        self.gru = ParallelGRU(2, 4, fwd_tol=1e-12, bwd_tol=1e-12).double()
+        self.lp = Switchable(LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)],
+                                           T=4.0).double())
+        self.head = nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        out, _ = self.gru(x)
+        return self.head(self.lp(out[-1]))
+
+
+def test_the_batch_axis_of_a_time_major_model_is_given_by_batch_dim():
+    """The switch split x along its first axis, which for a time-major model is the sequence: every group
+    restarted the recursion from h0 and the recorded error was 2.020 for the true 2.040. With batch_dim=(1, 0)
+    it splits the samples, and the recorded error and gradient norm are the true ones."""
+    torch.manual_seed(3)
+    net = _TimeMajor()
+    x, y = torch.randn(12, 6, 2, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss_fn = nn.functional.cross_entropy
+    loss_fn(net(x), y).backward()
+    g_lp = [p.grad.clone() for p in net.parameters()]
+    rec = SerialSwitch(net, loss_fn, every=1, ratio=10.0, groups=3, batch_dim=(1, 0)).update(x, y)
+    net.zero_grad()
+    with net.lp.exact():
+        loss_fn(net(x), y).backward()
+    g = [p.grad.clone() for p in net.parameters()]
+
+    def norm(vs):
+        return math.sqrt(sum(float(v.pow(2).sum()) for v in vs))
+    assert abs(rec["error"] - norm([a - b for a, b in zip(g_lp, g)]) / norm(g)) < 1e-9 * rec["error"]
+    assert abs(rec["grad_norm"] - norm(g)) < 1e-9 * norm(g)
+    with pytest.raises(ValueError, match="`batch_dim` must be an int or a pair"):
+        SerialSwitch(net, loss_fn, batch_dim=(1, 0, 2))
+    with pytest.raises(ValueError, match="no batch axis 3"):
+        SerialSwitch(net, loss_fn, every=1, batch_dim=3).update(x, y)
+
+
+def test_update_without_a_backward_pass_or_under_no_grad_says_what_to_do():
+    """Without a backward pass first, every .grad was None, taken as zero: an error of 1.0 was recorded and
+    counted towards the (irreversible) switch; under no_grad torch's bare 'does not require grad' came out."""
+    torch.manual_seed(4)
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], T=2.0)
+    model = nn.Sequential(nn.Linear(3, 4), Switchable(lp), nn.Linear(4, 3))
+    switch = SerialSwitch(model, nn.functional.cross_entropy, every=1)
+    x, y = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    with pytest.raises(ValueError, match=r"no parameter has a gradient: call it after the step's loss.backward\(\)"):
+        switch.update(x, y)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"call it outside torch.no_grad\(\)"):
+        switch.update(x, y)
+    assert switch.update(x, y)["error"] < 1.0

@@ -20,7 +20,7 @@ import mgrit
 from mgrit import theory as th
 from mgrit import tune
 from mgrit.model import predict
-from propagators import AdvectionDiffusion1D, Heat1D, VanDerPol
+from propagators import AdvectionDiffusion1D, Dahlquist, Heat1D, VanDerPol
 
 FAST = dict(measure=False, samples=1)
 
@@ -884,3 +884,13 @@ def test_half_precision_states_are_refused_with_what_to_do(dtype):
         u0 = np.ones(1, dtype=dtype)
     with pytest.raises(TypeError, match="half precision .* tune with float32 or float64 states"):
         mgrit.choose_settings(Dahlquist(-1.0, "be"), u0, np.linspace(0, 10, 257), measure=False)
+
+
+def test_an_unstable_choice_expects_no_factor():
+    """Backward Euler on u' = u/2 with cf 2 puts a coarse level on the scheme's pole (z = 1): every setting is
+    unstable and the solve diverges, yet the simulated solve of the choice expected a factor of 0 in 2 cycles
+    (now inf and no cycles, as for a simulated solve that diverges)."""
+    s = tune.predict_options(Dahlquist(0.5), np.array([1.0]), np.linspace(0.0, 4.0, 129), cf=2, max_levels=30,
+                             relax="FCF", **FAST)
+    assert not s.choice.stable and s.predicted_factor == np.inf
+    assert s.expected_factor == np.inf and s.expected_cycles is None

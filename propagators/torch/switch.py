@@ -212,14 +212,13 @@ class SwitchRule:
         return err > self.ratio * limit or (self.threshold is not None and err > self.threshold)
 
     def under(self, records, fraction: float) -> bool:
-        """True when the mean error of the last ``window`` records is below ``fraction`` times the
-        limit (room to spend fewer cycles); False while fewer than ``window`` measurements exist."""
+        """True when each of the last ``window`` records has its error below ``fraction`` times its own
+        limit (room to spend fewer cycles); False while fewer than ``window`` measurements exist. (Each, not
+        their mean: a mean let an error above the raising limit drop a cycle, after quiet steps.)"""
         recent = list(records)[-self.window:]
         if len(recent) < self.window:
             return False
-        err = sum(r["error"] for r in recent) / len(recent)
-        limit = sum(r[self.criterion] for r in recent) / len(recent)
-        return err < fraction * self.ratio * limit
+        return all(r["error"] < fraction * self.ratio * r[self.criterion] for r in recent)
 
     def first_trigger(self, history) -> int | None:
         """The step at which this rule acts on a recorded history (e.g. of a run monitored
@@ -293,7 +292,8 @@ class SerialSwitch:
     threshold : float, optional
         Also switch when the relative gradient error alone exceeds this.
     window : int
-        Measurements averaged in each decision.
+        Measurements in each decision: their mean error against their mean limit to act, each error
+        below its own limit times ``lower`` to drop a cycle.
     patience : int
         Consecutive decisions above the limit needed to act.
     groups : int
@@ -301,7 +301,8 @@ class SerialSwitch:
         of the whole batch: each of the ``D`` data ranks splits its shard into ``ceil(groups / D)``.
     action : {"serial", "tighten", "adapt"}
     lower : float
-        With ``action="adapt"``: drop a cycle when the error is below ``lower * ratio`` times the noise
+        With ``action="adapt"``: drop a cycle when each error of the window is below ``lower * ratio`` times its
+        noise
         (of solves at fixed cycles: a solve with a tolerance, ``fwd_tol`` / ``bwd_tol``, keeps its cap).
     min_iters : int
         With ``action="adapt"``: the fewest forward and adjoint cycles.
@@ -320,12 +321,18 @@ class SerialSwitch:
         when they were given none. ``False``: measure this rank's batch alone, not collective (a
         monitor built on one data rank only; replicas whose switches then change the cycles
         differently are refused by :func:`allreduce_gradients`).
+    batch_dim : int or (int, int)
+        The axis of the samples in ``x`` and in ``target`` (one for both, or a pair), along which the
+        batch is split into groups: 0 by default; 1 for a time-major model (``nn.GRU`` and ``ParallelGRU``
+        with ``batch_first=False`` take ``(L, B, C)``), e.g. ``(1, 0)`` with a target of one label per
+        sample. Splitting the positions of a sequence instead would restart its recursion in every group.
 
     Attributes
     ----------
     history : list of dict
         One record per measurement: ``step``, ``error``, ``noise``, ``signal``,
-        ``grad_norm``, ``mode``, ``fwd_iters``, ``bwd_iters``, ``triggered``.
+        ``grad_norm``, ``mode``, ``fwd_iters``, ``bwd_iters`` (of the first Switchable), ``triggered``,
+        ``lowered``.
     switched_at : int or None
         The step (1-based count of :meth:`update` calls) at which the blocks went serial.
     """
@@ -333,7 +340,7 @@ class SerialSwitch:
     def __init__(self, model: nn.Module, loss_fn, *, every: int = 10, criterion: str = "noise",
                  ratio: float = 1.0, threshold: float | None = None, window: int = 3, patience: int = 1,
                  groups: int = 4, action: str = "serial", lower: float = 0.25, min_iters: int = 1,
-                 hold: int = 5, data_comm=None):
+                 hold: int = 5, data_comm=None, batch_dim=0):
         self.switchables = [m for m in model.modules() if isinstance(m, Switchable)]
         if not self.switchables:
             raise ValueError("the model contains no Switchable: wrap its LayerParallel module, "
@@ -360,6 +367,10 @@ class SerialSwitch:
         if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
             raise ValueError(f"`hold` must be an integer >= 0, got {hold!r}")
         self.lower, self.min_iters, self.hold = float(lower), min_iters, hold
+        dims = batch_dim if isinstance(batch_dim, tuple) else (batch_dim, batch_dim)
+        if len(dims) != 2 or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise ValueError(f"`batch_dim` must be an int or a pair of ints (x's, target's), got {batch_dim!r}")
+        self._batch_dims = dims
         self._raised_at = None  # index in history of the last raise
         for name, v, lo in (("every", every, 1), ("groups", groups, 2)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -451,8 +462,12 @@ class SerialSwitch:
         the layer-parallel pass on ``(x, target)``); ``.grad`` is left unchanged. With a data
         communicator: of the whole batch, all data ranks' shards (collective over it)."""
         data = self._data if self._data is not None and self._data.size > 1 else None
+        if not torch.is_grad_enabled():
+            raise RuntimeError("SerialSwitch.update measures gradients (it runs the model forward and backward on "
+                               "groups of the batch): call it outside torch.no_grad() / torch.inference_mode(), "
+                               "after the step's loss.backward()")
         if data is None:
-            n = len(x)
+            n = self._samples(x)
             if min(self.groups, n) < 2:
                 raise ValueError("the noise estimate splits the batch into groups: use batches of >= 2 samples")
             return self._measure(x, target, min(self.groups, n))
@@ -462,7 +477,7 @@ class SerialSwitch:
         failure = sig = None
         n = k = 0
         try:
-            n = len(x)
+            n = self._samples(x)
             if n < 1:
                 raise ValueError("SerialSwitch.measure got an empty shard: give every data rank at least one sample")
             k = min(-(-self.groups // data.size), n)
@@ -488,13 +503,26 @@ class SerialSwitch:
                              f"(shards of {[m for m, _ in session.shared]} samples): use batches of >= 2 samples")
         return rec
 
+    def _samples(self, x) -> int:
+        """The number of samples of ``x`` (along the batch axis)."""
+        try:
+            return x.shape[self._batch_dims[0]]
+        except (AttributeError, IndexError):
+            raise ValueError(f"SerialSwitch.update got `x` of shape {tuple(getattr(x, 'shape', ()))}, which has no "
+                             f"batch axis {self._batch_dims[0]} (`batch_dim`)") from None
+
     def _measure(self, x, target, k, totals=None) -> dict:
         """The measurement on ``k`` groups of this batch; ``totals``: the number of samples and of groups
         of all data ranks (their shards are combined: collective over the data communicator)."""
-        n = len(x)
+        n = self._samples(x)
         params = self._params()
         g_lp = self._grads(params)
         missing = [p.grad is None for p in params]
+        if params and all(missing):
+            raise ValueError("SerialSwitch.update compares the gradients of the layer-parallel pass (in .grad) "
+                             "with exact ones, but no parameter has a gradient: call it after the step's "
+                             "loss.backward() on the same (x, target), before optimizer.zero_grad()")
+        xd, td = self._batch_dims
         bounds = [round(i * n / k) for i in range(k + 1)]
         sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         parts = []
@@ -517,7 +545,7 @@ class SerialSwitch:
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     for p in params:
                         p.grad = None
-                    self.loss_fn(self.model(x[a:b]), target[a:b]).backward()
+                    self.loss_fn(self.model(x.narrow(xd, a, b - a)), target.narrow(td, a, b - a)).backward()
                     parts.append(self._grads(params))
                 if batch_stats:  # statistics of the whole batch: the group gradients do not sum to it
                     for p in params:
