@@ -198,6 +198,11 @@ def _label_order(label: str) -> tuple:
     return (0, v, label) if math.isfinite(v) else (1, 0.0, label)
 
 
+#: header tags that decide how the cases are read: one given twice with other values is an error (others, such as
+#: @problemName, which a shipped file gives twice, keep the last)
+_PARSING_TAGS = {"classlabel", "targetlabel", "dimensions", "serieslength", "equallength", "timestamps", "univariate"}
+
+
 def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int | None = None,
             dtype=np.float64, classes=None) -> TimeSeriesSet:
     """Read a ``.ts`` file into a padded array (format and padding: module docstring).
@@ -230,7 +235,9 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
     ValueError
         The file breaks the format: no ``@data`` line, neither ``@classLabel``
         nor ``@targetLabel`` in the header (or both true), a header value its
-        tag does not allow, a case with another number of channels than
+        tag does not allow, a tag that decides how cases are read (labels,
+        dimensions, lengths, timestamps) given twice with other values, a tag
+        after ``@data``, a case with another number of channels than
         ``@dimensions`` (or than the first case), an empty label, a label that
         ``@classLabel`` does not list, a value or regression target that is not
         a finite number, series of unequal length in a file that declares
@@ -301,7 +308,7 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                                          "label: keep the one the last ':' field holds")
                     equal = _flag(header.get("equallength", "false"), "equalLength", where)
                     declared = _whole(header.get("serieslength"), "seriesLength", where)
-                    dims = header.get("dimensions", header.get("dimension"))
+                    dims = header.get("dimensions")
                     n_dims = _whole(dims, "dimensions", where)
                     if _flag(header.get("univariate", "false"), "univariate", where):
                         if n_dims not in (None, 1):
@@ -309,8 +316,15 @@ def load_ts(path, *, pad: str = "last", missing: float | None = 0.0, length: int
                         n_dims = 1
                     classes = tuple(header.get("classlabel", "").split()[1:]) if labelled else ()
                     continue
-                header[tag] = value.strip()
+                key = "dimensions" if tag == "dimension" else tag
+                if key in _PARSING_TAGS and key in header and header[key] != value.strip():
+                    raise ValueError(f"{where}: @{tag} is given twice, as {header[key]!r} and {value.strip()!r}; "
+                                     "keep one")
+                header[key] = value.strip()
                 continue
+            if line.startswith("@"):
+                raise ValueError(f"{where}: header tag {line.split()[0]!r} after @data; the header's tags come "
+                                 "before @data")
             fields = line.split(":")
             if labelled or regression:
                 if len(fields) < 2:

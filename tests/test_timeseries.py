@@ -133,6 +133,11 @@ def test_timestamps_dropped_and_regression_targets(tmp_path):
     ("@timeStamps true\n@classLabel false\n@data\n(2),(3,4)\n", r"'\(2\)'"),
     ("@classLabel maybe a\n@data\n1:a\n", "classLabel must be"),
     ("@classLabel true a\n@data\n1,2,3\n", "label after the last"),
+    # a tag given twice with other values: the last one was taken without a word
+    ("@classLabel true a b\n@classLabel true b c\n@data\n1:b\n", "@classlabel is given twice"),
+    ("@dimension 1\n@dimensions 2\n@classLabel true a\n@data\n1:a\n", "given twice, as '1' and '2'"),
+    # a tag after @data was read as a case ("a case needs its channels and a label")
+    ("@classLabel true a\n@data\n1:a\n@missing true\n2:a\n", "header tag '@missing' after @data"),
 ])
 def test_format_errors_name_the_problem(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
