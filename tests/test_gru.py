@@ -901,3 +901,5 @@ def test_review_of_the_recurrent_modules(cls):
     args = (I, H, 1, True, False, 0.0, False, 0, "cpu", torch.float64)
     for made in (make(*args), getattr(torch.nn, cls)(*args)):
         assert made.weight_hh_l0.dtype == torch.float64 and made.proj_size == 0
+    with pytest.raises(TypeError, match=rf"{make.__name__}\(\) got an unexpected keyword argument 'foo'; .* takes cf,"):
+        make(I, H, foo=1)  # (Python's own message named the private class _ParallelRNN)

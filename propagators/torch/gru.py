@@ -23,7 +23,7 @@ from torch import nn
 from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
-from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
+from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows, check_options
 
 __all__ = ["ParallelGRU", "GRUPropagator", "GRUAdjointPropagator"]
 
@@ -257,6 +257,7 @@ class ParallelGRU(_ParallelRNN):
         warn_if_alone(comm, "ParallelGRU")
         comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
+            check_options("ParallelGRU", options)
             if proj_size:  # (torch's GRU takes the keyword and refuses it, in the same words)
                 raise ValueError(f"proj_size argument is only supported for LSTM, not GRU (got {proj_size!r})")
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device,

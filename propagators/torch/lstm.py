@@ -19,7 +19,7 @@ from torch import nn
 from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
-from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows
+from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows, check_options
 
 __all__ = ["ParallelLSTM", "LSTMPropagator", "LSTMAdjointPropagator"]
 
@@ -211,6 +211,7 @@ class ParallelLSTM(_ParallelRNN):
         warn_if_alone(comm, "ParallelLSTM")
         comm = as_communicator(comm)
         with _announced(comm):  # a bad argument on one rank: the others raise in the build's handshake
+            check_options("ParallelLSTM", options)
             if proj_size:
                 raise ValueError(f"ParallelLSTM has no projections (proj_size={proj_size!r}): pass proj_size=0, "
                                  "and project the output with an nn.Linear after the module if needed")

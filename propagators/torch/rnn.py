@@ -960,3 +960,15 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         if self._comm.size > 1:
             s += f", ranks={self._comm.size}"
         return s
+
+
+def check_options(cls: str, options: dict) -> None:
+    """TypeError naming ``cls`` (the public class) for a keyword that neither torch's module nor
+    :class:`_ParallelRNN` takes (Python's own message named the private class)."""
+    import inspect
+
+    known = [k for k, q in inspect.signature(_ParallelRNN.__init__).parameters.items() if q.kind is q.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"{cls}() got an unexpected keyword argument {unknown[0]!r}; beyond torch's arguments it "
+                        f"takes {', '.join(known)}")
