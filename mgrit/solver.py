@@ -300,7 +300,7 @@ def solve(
         share = None
         if comm.size > 1 and not isinstance(comm, InSession):
             sums = _u0_sums(u0)
-            share = (sums, ("state", sums) if initial_guess is None else _guess_summary(initial_guess, u0))
+            share = (sums, _guess_summary(initial_guess, u0, sums))
     except BaseException as exc:  # an interrupt too: the other ranks must not wait in open
         comm.open(failure=exc)  # the other ranks raise RemoteRankError
         raise
@@ -347,14 +347,14 @@ def _differing_u0(sums: list) -> ValueError | None:
         "initial state: make it alike on every rank (the same data and seed), or broadcast rank 0's")
 
 
-def _guess_summary(guess, u0) -> tuple:
+def _guess_summary(guess, u0, u0_sums: tuple | None = None) -> tuple:
     """What the ranks compare of their ``initial_guess``: its kind, and for a scalar or a single state the sums
     (:func:`_u0_sums`) of the state it gives, in ``u0``'s shape and dtype (a scalar and the state full of it are
     the same guess, as are a real and a complex-typed guess of a complex ``u0``; None, which copies ``u0``, is
-    compared as ``u0``). A trajectory or a callable is read at each rank's own points only and not compared
-    (that would read all of it on every rank)."""
+    compared as ``u0``: ``u0_sums``, its :func:`_u0_sums` when already made). A trajectory or a callable is read
+    at each rank's own points only and not compared (that would read all of it on every rank)."""
     if guess is None:
-        return ("state", _u0_sums(u0))
+        return ("state", _u0_sums(u0) if u0_sums is None else u0_sums)
     if callable(guess):
         return ("callable",)
     shape = getattr(guess, "shape", None)

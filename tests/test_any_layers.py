@@ -874,6 +874,20 @@ def _delete_and_append(layers, j):
     layers[j].append(nn.Softsign())
 
 
+def _changed_between_passes(lp, held, layers, change, js):
+    """A pass of ``lp`` equals the serial ``layers``; then ``change(·, j)`` for each ``j`` of ``js`` on both (the
+    block's side through ``held``, with the same seeds), and the next pass equals them again (no refresh())."""
+    x = torch.randn(3, 4)
+    check_equals_serial(lp, layers, x, 1.0)
+    lp.zero_grad(set_to_none=True)
+    for j in js:
+        torch.manual_seed(j)
+        change(layers, j)
+        torch.manual_seed(j)
+        change(held, j)
+    check_equals_serial(lp, layers, x, 1.0)
+
+
 @pytest.mark.parametrize("change", [
     lambda ls, j: setattr(ls[j], "s", 2.0),  # a plain attribute of a dense layer
     lambda ls, j: setattr(ls[j], "lin", nn.Linear(4, 4)),  # a submodule replaced
@@ -887,15 +901,7 @@ def test_layers_changed_after_a_pass_are_inspected_again_without_refresh(change,
     make = (lambda: Scaled(4, 0.5)) if sequential else (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
     layers = [make() for _ in range(8)]
     lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", batched=batched, **TIGHT)
-    x = torch.randn(3, 4)
-    check_equals_serial(lp, layers, x, 1.0)
-    lp.zero_grad(set_to_none=True)
-    for j in (0, 3, 7):
-        torch.manual_seed(j)
-        change(layers, j)
-        torch.manual_seed(j)
-        change(lp.layers, j)
-    check_equals_serial(lp, layers, x, 1.0)
+    _changed_between_passes(lp, lp.layers, layers, change, (0, 3, 7))
     lp.zero_grad(set_to_none=True)
     x2 = torch.randn(5, 4)  # and passes after that (the layers are inspected once per change)
     check_equals_serial(lp, layers, x2, 1.0)
@@ -936,15 +942,7 @@ def test_parameters_put_into_or_taken_from_the_registry_directly_are_seen(change
         for j in range(8):
             _put_shift(layers, j)
     lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=3, relax="FCF", batched=batched, **TIGHT)
-    x = torch.randn(3, 4)
-    check_equals_serial(lp, layers, x, 1.0)
-    lp.zero_grad(set_to_none=True)
-    for j in (1, 4, 6):
-        torch.manual_seed(j)
-        change(layers, j)
-        torch.manual_seed(j)
-        change([lp.layers[i] for i in range(8)], j)
-    check_equals_serial(lp, layers, x, 1.0)
+    _changed_between_passes(lp, [lp.layers[i] for i in range(8)], layers, change, (1, 4, 6))
 
 
 def test_borrowed_tensors_that_require_grad_are_a_clear_error():

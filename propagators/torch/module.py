@@ -519,7 +519,7 @@ def _differing_inputs(sums, what: str = "input", hint: str = "") -> ValueError |
 
 def _crc(t: torch.Tensor) -> int:
     """crc32 of the bytes of ``t`` (on the host)."""
-    return zlib.crc32(t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return zlib.crc32(_bytes_of(t).cpu().numpy())
 
 
 def _halo_rtol(dtype, same_input: bool, spread: float) -> float:
@@ -585,8 +585,7 @@ def _attribute_values(slots) -> tuple | None:
     """The values in ``slots`` (:func:`_attribute_slots`), the number of submodules of each module
     that had some, the registrations counted on the modules, the modules' classes and the number of
     attributes, parameters and buffers of each, read by C-level maps (about 0.2 ms for 1,000 layers of
-    three modules); None
-    when an attribute or a submodule was deleted."""
+    three modules); None when an attribute or a submodule was deleted."""
     dicts, keys, registries, modules, count, attributes = slots
     try:
         return (list(map(dict.__getitem__, dicts, keys)), list(map(len, registries)), count.n,
@@ -1139,10 +1138,10 @@ class LayerParallel(_SolveCycles, nn.Module):
 
         Every forward pass re-inspects them by itself when a training mode, a hook, an attribute, a
         submodule, a parameter or a buffer of a layer changed since the last pass; call this after changes
-        that check cannot see: a container attribute changed in place, a parameter or buffer written
-        into a module's ``_parameters`` / ``_buffers`` directly under a name it already holds, or values a layer reads from outside
-        itself (a global, a closure). On several ranks make changes with :meth:`apply_to_layers`, which
-        calls this.
+        that check cannot see: a container attribute changed in place, a parameter or buffer written into a
+        module's ``_parameters`` / ``_buffers`` directly under a name it already holds, or values a layer reads
+        from outside itself (a global, a closure). On several ranks make changes with
+        :meth:`apply_to_layers`, which calls this.
         """
         self._build_kernel()
 
@@ -1576,9 +1575,10 @@ class LayerParallel(_SolveCycles, nn.Module):
             changed = (self._checked != (self.kernel, RemovableHandle.next_id)
                        or any(c.mode != "dense" for c in kp.k.classes))
             pairs = self._halo_pairs(kp) if P > 1 else None
+            crc = _crc(x) if P > 1 and changed and x.device.type == "cpu" else None  # (see _halo_rtol)
             share = (note, self._halo_flags(), _input_sums(x), changed,
                      {pair: _packed_size(vs) for pair, (vs, _) in pairs.items()}, self._pass_id,
-                     guess is None, _crc(x) if changed and x.device.type == "cpu" else None) if P > 1 else None
+                     guess is None, crc) if P > 1 else None
         # One session around the whole pass, the solve included (it runs inside it, and the handshake
         # compares what the solve needs every rank to agree on, and shares the ranks' dropout notes and
         # halo layers' training flags): a failure anywhere reaches every rank.
@@ -2387,18 +2387,10 @@ def _unpack(buf, tensors) -> None:
         chunk = buf[off: off + v.numel() * size]
         if off % size or chunk.data_ptr() % size:
             chunk = chunk.clone()  # (not aligned for a view as v's dtype)
-        new = chunk.view(v.dtype).view(v.shape)
-        if v.requires_grad or not _same_bits(v, new):
-            v.copy_(new)
+        # (bytes compared on one device; a tensor on another is taken as changed)
+        if v.requires_grad or v.device != chunk.device or not torch.equal(_bytes_of(v), chunk):
+            v.copy_(chunk.view(v.dtype).view(v.shape))
         off += chunk.numel()
-
-
-def _same_bits(a, b) -> bool:
-    """The tensors ``a`` and ``b`` (of one shape and dtype) hold the same bytes (NaNs and signed zeros too)."""
-    try:
-        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    except RuntimeError:  # (a dtype without a byte view: taken as changed, copied)
-        return False
 
 
 def serial_forward(layers, x, h: float, scheme=forward_euler):

@@ -66,6 +66,13 @@ def _same_ranks(a, b) -> bool:
     return [a.world_rank(r) for r in range(a.size)] == [b.world_rank(r) for r in range(b.size)]
 
 
+#: what a tie between a stage layer and another piece shares, why it is refused, and what to give each piece
+_TIES = {"parameter": ("parameter", "a tied parameter would get different gradients on different ranks",
+                       "parameters"),
+         "buffer": ("buffer (a BatchNorm's running statistics)", "its updates would reach some ranks' replicas only",
+                    "BatchNorm modules (copy.deepcopy)")}
+
+
 def _updated(module: nn.Module) -> list:
     """The buffers of ``module`` that a training pass updates: the running statistics of its BatchNorms."""
     return [b for m in module.modules() if isinstance(m, _STATEFUL) and m.track_running_stats
@@ -205,14 +212,9 @@ class MultiStage(nn.Module):
         tie = next((t for t, _ in seen if t is not None), None)
         if tie is not None:
             k, i, what = tie
-            if what == "parameter":
-                what, why, fix = "parameter", "a tied parameter would get different gradients on different ranks", \
-                    "parameters"
-            else:
-                what, why, fix = "buffer (a BatchNorm's running statistics)", \
-                    "its updates would reach some ranks' replicas only", "BatchNorm modules (copy.deepcopy)"
-            raise ValueError(f"pieces {k} and {i} share a {what}; on several ranks a stage's layers are held by some "
-                             f"ranks only, so {why}. Give every piece its own {fix}, or run on one rank")
+            shared, why, fix = _TIES[what]
+            raise ValueError(f"pieces {k} and {i} share a {shared}; on several ranks a stage's layers are held by "
+                             f"some ranks only, so {why}. Give every piece its own {fix}, or run on one rank")
         # every rank holds the replicated piece: its own copy of the parameter is checked at each pass
         self._frozen_ties = [(i, n, dict(self[i].named_parameters())[n]) for i, n in sorted({x for _, f in seen
                                                                                               for x in f})]

@@ -302,8 +302,7 @@ class SerialSwitch:
     action : {"serial", "tighten", "adapt"}
     lower : float
         With ``action="adapt"``: drop a cycle when each error of the window is below ``lower * ratio`` times its
-        noise
-        (of solves at fixed cycles: a solve with a tolerance, ``fwd_tol`` / ``bwd_tol``, keeps its cap).
+        noise (of solves at fixed cycles: a solve with a tolerance, ``fwd_tol`` / ``bwd_tol``, keeps its cap).
     min_iters : int
         With ``action="adapt"``: the fewest forward and adjoint cycles.
     hold : int
