@@ -38,6 +38,18 @@ def as_state(u):
     return u
 
 
+def arithmetic_dtype(x) -> str | None:
+    """None when the solver can compute with states of ``x``'s dtype, else the dtype to convert to: torch's
+    ``complex32`` and 8-bit floats have no sums, norms or comparisons on the CPU."""
+    if not is_torch(x):
+        return None
+    if str(x.dtype) == "torch.complex32":
+        return "complex64"
+    if x.is_floating_point() and x.dtype.itemsize == 1:
+        return "float16"
+    return None
+
+
 def empty_stack(n: int, like):
     """Uninitialised stack of ``n`` states shaped, typed and placed like ``like``."""
     if is_torch(like):

@@ -304,14 +304,18 @@ class Levels(LevelOps):
         return self._on((l,), f"the C-point residual of level {l}", c_residual, self.states[l])
 
     def check(self, l, R=None, iteration=0):
-        if not B.all_finite(self.states[l].u if R is None else R):
+        x = self.states[l].u if R is None else R
+        if not B.all_finite(x):
+            half = ("" if str(x.dtype) not in ("float16", "torch.float16") else
+                    ". In float16 (largest value 65504) a residual or a correction, the difference of two states, "
+                    "overflows where the states themselves may not: compute in float32, or scale the problem")
             raise DivergenceError(
                 f"MGRIT diverged: NaN or Inf on level {l} in iteration {iteration}. Either the propagator "
                 "returned NaN or Inf for some state (a layer's log or sqrt of a negative value, an overflow: "
                 "check it on the serial trajectory) or the iteration diverged. A coarse step that is unstable "
                 "(an explicit scheme over too long a step) is the usual cause: use fewer levels (`max_levels`, "
                 "a larger `min_coarse`), then more relaxation (relax='FCF') or a smaller `cf`; "
-                "mgrit.choose_settings(propagator, u0, t) checks every level's stability and picks them"
+                "mgrit.choose_settings(propagator, u0, t) checks every level's stability and picks them" + half
             )
 
     def restrict(self, l, R):

@@ -17,6 +17,15 @@ from .hierarchy import (Hierarchy, check_flag, check_integer, check_levels, chec
                         levels_of)
 
 
+
+def fits_float(value) -> bool:
+    """``float(value)`` does not overflow (an integer beyond 1.8e308 does)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
 @dataclass(frozen=True)
 class Options:
     """Every setting of :func:`mgrit.solve` besides its data (propagators, states, grid, ranks).
@@ -57,6 +66,8 @@ class Options:
                                                                                           np.floating))
                                 or not tol >= 0):
             raise ValueError(f"`tol` must be a number >= 0 or None, got {tol!r}")
+        if tol is not None and not fits_float(tol):
+            raise ValueError(f"`tol` must fit a float (math.inf is the largest), got {tol!r:.40}")
         if self.tol_type not in ("abs", "rel"):
             raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {self.tol_type!r}")
         if isinstance(norm, (bool, np.bool_)) or not isinstance(norm, (int, float, str, np.integer, np.floating)) \

@@ -276,9 +276,16 @@ def solve(
                        partition=partition)
         _check_no_grad(u0, "u0")
         _check_no_grad(initial_guess, "initial_guess")
+        if np.ma.isMaskedArray(u0):
+            raise TypeError("`u0` is a masked array, whose mask the solver would drop: pass the values to use, "
+                            "e.g. u0.filled(0.0)")
         u0 = B.as_state(u0)
         if not B.is_torch(u0) and u0.dtype.kind not in "fc":
             raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")
+        wider = B.arithmetic_dtype(u0)
+        if wider is not None:
+            raise TypeError(f"`u0` has dtype {u0.dtype}, for which torch has no sums, norms or comparisons (the "
+                            f"solver's residuals and checks); convert it, e.g. u0.to(torch.{wider})")
         if (u0.numel() if B.is_torch(u0) else u0.size) == 0:
             raise ValueError(f"`u0` is empty (shape {tuple(u0.shape)}): a state needs at least one value")
         if not B.all_finite(u0):

@@ -2638,6 +2638,79 @@ def test_autocast_with_the_block_after_an_autocast_layer(batched):
         assert rel(p.grad, q.grad) < 5e-2 and rel(p.grad, f.grad) < 5e-2
 
 
+class _Promoting(nn.Module):
+    """``tanh(u * w)`` with a weight of another dtype than the state: torch promotes the product."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, dtype=dtype))
+
+    def forward(self, u):
+        return torch.tanh(u * self.w)
+
+
+class _Upcasting(nn.Module):
+    """A float32 layer that casts its (narrower) input up itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6).float()
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u.float()))
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("case", ["float64 weight", "complex weight", "upcast in the code"])
+def test_a_layer_that_promotes_the_state_is_named_not_stepped_in_the_inputs_dtype(case, batched):
+    """The serial network x + h f(x) goes on in the promoted dtype from such a layer on; the solves kept the
+    input's dtype (float32 states from float64 layers: 2.5e-7 off, a bfloat16 input of upcasting layers:
+    1e-2 off, with no error). Now a LayerError names the layer and both dtypes, in training and eval mode,
+    and the layers run once the input has their dtype."""
+    torch.manual_seed(0)
+    if case == "upcast in the code":
+        layers, x, wide = [_Upcasting() for _ in range(8)], torch.randn(4, 6, dtype=torch.bfloat16), torch.float32
+    else:
+        wide = torch.float64 if case == "float64 weight" else torch.complex64
+        layers, x = [_Promoting(wide) for _ in range(8)], torch.randn(4, 6, dtype=torch.float32)
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, fwd_iters=12, bwd_iters=12, batched=batched)
+    net = ODENet(copy.deepcopy(layers), T=1.0)
+    assert net(x).dtype == wide  # what serial does
+    name = str(wide).replace("torch.", "")
+    for mode in ("train", "eval"):
+        getattr(lp, mode)()
+        with pytest.raises(LayerError, match=rf"layer \d+ \(_(Promoting|Upcasting)\) maps a "
+                                             rf"{str(x.dtype)[6:]} state to {name}.*x\.to\(torch\.{name}\)"):
+            lp(x)
+    lp.train()
+    y = lp(x.to(wide))  # the input in the layers' dtype: serial's output
+    assert y.dtype == wide and rel(y.detach(), net(x.to(wide)).detach()) < 1e-5
+
+
+def test_half_layers_under_autocast_of_the_other_half_dtype_are_named_as_promoting():
+    """float16 layers under bfloat16 autocast: the serial network promotes the state to float32. The stacking
+    of the layers' parameters failed inside autocast (torch refuses to stack float16 under bfloat16
+    autocast) and the LayerError blamed parameters changed behind the block's back, which lp.refresh()
+    did not cure."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).half() for _ in range(8)]
+    lp = LayerParallel(layers, cf=2, max_levels=2)
+    x = torch.randn(4, 6, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lp.to_serial()(x).dtype == torch.float32
+        with pytest.raises(LayerError, match="maps a float16 state to float32"):
+            lp(x)
+
+
+@pytest.mark.parametrize("dtype", ["complex32", "float8_e4m3fn"])
+def test_dtypes_without_arithmetic_are_refused_with_the_dtype_to_use(dtype):
+    x = torch.randn(4, 6).to(getattr(torch, dtype))
+    lp = LayerParallel([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)], cf=2)
+    wider = "complex64" if dtype == "complex32" else "float16"
+    with pytest.raises(TypeError, match=rf"dtype torch\.{dtype}.*x\.to\(torch\.{wider}\)"):
+        lp(x)
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_wider_parameter_a_layer_casts_itself_leaves_the_adjoint_in_the_states_dtype(batched):
     # the first version of the autocast widening took the first parameter's dtype (here float64) without

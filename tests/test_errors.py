@@ -75,6 +75,7 @@ def test_bad_hierarchy_numbers(name, value):
     ("cycle", "W"), ("cycle", "v2"), ("cycle", None),
     ("max_iter", 0), ("max_iter", -1), ("max_iter", 2.5), ("max_iter", "10"), ("max_iter", True),
     ("tol", -1e-3), ("tol", math.nan), ("tol", "1e-6"),
+    pytest.param("tol", 10 ** 400, id="tol-1e400"),  # (float() of it: an OverflowError)
 ])
 def test_bad_solver_option(name, value):
     with pytest.raises(ValueError, match=f"`{name}`"):
@@ -268,7 +269,52 @@ def test_a_later_torch_step_that_autograd_tracks_is_a_clear_error(levels, batche
                     tol=1e-10)
 
 
+def test_masked_u0_is_refused_rather_than_unmasked():
+    u0 = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(TypeError, match=r"masked array.*u0\.filled"):
+        solve(u0=u0)
+
+
+@pytest.mark.parametrize("dtype, wider", [("complex32", "complex64"), ("float8_e5m2", "float16")])
+def test_torch_dtypes_without_arithmetic_are_refused_with_the_dtype_to_use(dtype, wider):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=rf"`u0` has dtype torch\.{dtype}.*u0\.to\(torch\.{wider}\)"):
+        solve(u0=torch.ones(2).to(getattr(torch, dtype)))
+
+
 # --------------------------------------------------------------------------- divergence
+class Rotation(mgrit.Propagator):
+    """``u -> 0.99^k R(0.75 pi k) u`` over ``k`` steps of ``h``, exact on every level, in the state's dtype."""
+
+    h = 1.0 / 16
+
+    def step(self, u, t0, t1):
+        k = (t1 - t0) / self.h
+        a, d = 0.75 * np.pi * k, 0.99 ** k
+        R = d * np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
+        return (R @ u.astype(np.float64)).astype(u.dtype)
+
+
+def test_float16_residuals_that_overflow_are_named_as_such():
+    """A float16 trajectory within range (|u| <= 45000 < 65504) whose residuals, differences of two states, are
+    not: the DivergenceError names float16's range instead of only the propagator and the coarse steps."""
+    u0, t = np.array([45000.0, 0.0], dtype=np.float16), uniform_grid(16, 1.0)
+    seq = [u0]
+    for k in range(16):
+        seq.append(Rotation().step(seq[-1], t[k], t[k + 1]))
+    assert np.isfinite(np.stack(seq)).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow warning)
+        with pytest.raises(mgrit.DivergenceError, match=r"float16 \(largest value 65504\)"):
+            mgrit.solve(Rotation(), u0, t, cf=2, max_levels=3, tol=1.0)
+        small = np.array([10000.0, 0.0], dtype=np.float16)  # differences in range: solved
+        r = mgrit.solve(Rotation(), small, t, cf=2, max_levels=3, tol=1.0)
+    seq = [small]
+    for k in range(16):
+        seq.append(Rotation().step(seq[-1], t[k], t[k + 1]))
+    assert r.u.dtype == np.float16 and np.array_equal(r.u, np.stack(seq))
+
+
 class NaNAfter(mgrit.Propagator):
     """Backward Euler for u' = -u that returns NaN on steps ending after ``t_bad``."""
 

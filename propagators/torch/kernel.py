@@ -1117,7 +1117,9 @@ class KernelPass:
             spans = [self.k._span[int(j)] for j in members]
             P, B = self.params, self.buffers
             try:
-                with torch.no_grad():  # stacked copies, outside any graph (no per-parameter detach)
+                # stacked copies, outside any graph (no per-parameter detach) and outside autocast (which
+                # refuses to stack float16 tensors under bfloat16 autocast and the reverse)
+                with torch.no_grad(), _no_autocast(P[0] if P else B[0] if B else None):
                     hit = ({n: torch.stack([P[sp[0] + q] for sp in spans]) for q, n in enumerate(c.param_names)},
                            {n: torch.stack([B[sp[2] + q] for sp in spans]) for q, n in enumerate(c.buffer_names)})
                     if c.mode == "dense":  # (as its map takes them: a weight stored transposed, a buffer in the bias)
@@ -1334,7 +1336,24 @@ class KernelPass:
             out = self._call_layer(j, u, self._dt_of_one(dt, u, 0) if isinstance(dt, float) else dt)
         if u._version != version:
             raise _inplace_error()
-        return out
+        return self._kept_dtype(out, u, j)
+
+    def _kept_dtype(self, out, u, j: int):
+        """``out``, a step of layer ``j`` from ``u``, when it has ``u``'s dtype: a layer whose step promotes the
+        state (parameters in float64 for a float32 state, a complex weight for a real state, an upcast in its
+        code) is a :class:`LayerError`. The serial network would go on in the promoted dtype from that layer
+        on; the solves keep the input's."""
+        if out.dtype == u.dtype:
+            return out
+        m = self.k.modules[j]
+        wider = str(out.dtype).replace("torch.", "")
+        narrow = "" if out.is_complex() and not u.is_complex() else \
+            ", or convert the layers to the input's (lp.to(x.dtype))"
+        raise LayerError(
+            f"layer {j} ({type(m).__name__}) maps a {str(u.dtype).replace('torch.', '')} state to {wider} (its "
+            f"parameters or its code compute in {wider}): the serial network would go on in {wider} from this "
+            "layer on, while LayerParallel keeps the input's dtype. Give the block an input of the layers' "
+            f"dtype (x.to(torch.{wider})){narrow}")
 
     def vjp_state_one(self, u, v, j: int, dt: float, d=None):
         """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves);
@@ -1359,7 +1378,7 @@ class KernelPass:
     def step(self, U, idx: np.ndarray, dt):
         """``scheme(f_idx[k], U[k], dt[k])`` for every ``k`` (no autograd graph)."""
         version = U._version
-        out = self._run(np.asarray(idx), self._step_class, U, dt)
+        out = self._run(np.asarray(idx), self._step_checked, U, dt)
         if U._version != version:
             raise _inplace_error()
         return out
@@ -1408,9 +1427,10 @@ class KernelPass:
             if dtb is None:
                 dtb = shape[U.dim()] = dt.reshape((-1,) + (1,) * (U.dim() - 1))
             try:
-                return torch.addcmul(U, dtb, f(U))
+                out = torch.addcmul(U, dtb, f(U))
             except Exception:  # noqa: BLE001 - the general path falls back or names the layer
                 return general(U)
+            return out if out.dtype == U.dtype else general(U)  # (which names a layer that promotes)
 
         return fused
 
@@ -1442,6 +1462,9 @@ class KernelPass:
                 return torch.baddbmm(V3, (V3 * D).mul_(dt3), W).reshape(V.shape)
 
         return fused
+
+    def _step_checked(self, cid, idx, U, dt):
+        return self._kept_dtype(self._step_class(cid, idx, U, dt), U, int(idx[0]))
 
     def _step_class(self, cid, idx, U, dt):
         c = self.k.classes[cid]
@@ -1743,6 +1766,12 @@ def _distinct(grads: dict) -> dict:
                 seen.add(key)
         out[n] = g
     return out
+
+
+def _no_autocast(like):
+    """``torch.autocast`` switched off on the device of ``like`` (a pass's own arithmetic keeps its dtypes)."""
+    dev = like.device.type if isinstance(like, torch.Tensor) else "cpu"
+    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 def _backward_hooked(module: nn.Module) -> bool:

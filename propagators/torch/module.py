@@ -37,6 +37,7 @@ from mgrit.comm import Call, InSession, ReversedInSession, Tag, args_signature, 
 from mgrit import _backend as B
 from mgrit._inputs import WEIGHT_WIDTHS, WIDTH, array_sums as _input_sums_numpy, differing_rank, spread, \
     sums_gap as _input_gap, sums_rtol, weights
+from mgrit.options import fits_float
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
@@ -156,8 +157,9 @@ def _check_warm_tolerance(warm_start: bool, fwd_tol, tol_type: str) -> None:
 
 
 #: what the ranks of a pass must agree on (named by the handshake's error when they do not)
-_FORWARD_AGREE = ("input shapes or dtypes, or settings of the forward solve (fwd_iters, fwd_tol, tol_type, skip, "
-                  "the MGRIT options: set them alike on every rank)")
+_FORWARD_AGREE = ("input shapes or dtypes, torch.autocast (on every rank or on none, with one dtype), or settings "
+                  "of the forward solve (fwd_iters, fwd_tol, tol_type, skip, the MGRIT options: set them alike on "
+                  "every rank)")
 _BACKWARD_AGREE = ("output-gradient shapes or dtypes, or settings of the adjoint solve (bwd_iters, bwd_tol, tol_type, "
                    "the MGRIT options: set them alike on every rank, before the forward pass)")
 
@@ -1357,6 +1359,11 @@ class LayerParallel(_SolveCycles, nn.Module):
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"LayerParallel expects a floating-point input, got dtype {x.dtype}; "
                             "convert it, e.g. x.float()")
+        wider = B.arithmetic_dtype(x)
+        if wider is not None:
+            raise TypeError(f"LayerParallel got an input of dtype {x.dtype}, for which torch has no sums, norms or "
+                            f"comparisons (the solves' residuals and checks); convert it and the block, e.g. "
+                            f"x.to(torch.{wider}) and lp.to(torch.{wider})")
         if x.numel() == 0:
             what = ("skip empty batches before the block (e.g. `if x.shape[0]: ...`)" if self._data_comm is None else
                     "on a layer x data grid the other data replicas all-reduce their gradients this step, so a "
@@ -1460,12 +1467,12 @@ class LayerParallel(_SolveCycles, nn.Module):
 
     def _pass_signature(self, x, exact: bool):
         """What every rank must agree on for the forward solve (the pass's session handshake compares
-        it, in place of the solve's own check): the input's shape and dtype, the time grid, and the
+        it, in place of the solve's own check): the input's shape and dtype, autocast, the time grid, and the
         solve's settings (exact inference, or the cycles, tolerance, hierarchy and skip; whether a warm
         start replaces the skip the ranks agree on in the handshake). None on one process (no handshake)."""
         if self._comm.size == 1:
             return None
-        common = (exact, tuple(x.shape), str(x.dtype), self.t.tobytes())
+        common = (exact, tuple(x.shape), str(x.dtype), self.t.tobytes(), str(_autocast_on(x)))
         if exact:
             return args_signature(*common)
         return args_signature(*common, tuple(self.options.items()), self.fwd_iters, self.fwd_tol, self.tol_type,
@@ -1778,8 +1785,10 @@ class LayerParallel(_SolveCycles, nn.Module):
                 return LayerError(
                     f"the layers rank {owner} lends to rank {user} (layer {j} among them) have other parameters or "
                     "buffers on the owner than in the copy: a parametrization, a parameter or a buffer was added, "
-                    "removed or resized on one of them only, e.g. through lp.layers, which lists a rank's own layers "
-                    "only. Make such changes on every rank with lp.apply_to_layers(fn), which reaches the copies too")
+                    "removed, resized or converted to another dtype on one of them only (the model converted, e.g. "
+                    ".to(torch.bfloat16), on some ranks only; a change through lp.layers, which lists a rank's own "
+                    "layers only). Convert the model on every rank, and make changes to layers there with "
+                    "lp.apply_to_layers(fn), which reaches the copies too")
         return None
 
     def _exchange_halo(self, pairs, kp, x, check: bool = True, rtol: float = 1e-5):
@@ -2174,6 +2183,8 @@ def _tolerance(value, name: str):
     if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
                               or not value >= 0):
         raise ValueError(f"`{name}` must be a number >= 0 or None (a tolerance of the residual), got {value!r}")
+    if value is not None and not fits_float(value):
+        raise ValueError(f"`{name}` must fit a float (math.inf is the largest), got {value!r:.40}")
     return value if value is None else float(value) + 0.0  # (+ 0.0: -0.0 is 0.0, alike on every rank)
 
 

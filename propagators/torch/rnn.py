@@ -34,6 +34,7 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_pe
 from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
                      _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active,
                      _input_sums, _nan_like, _no_transforms, _one_thread, _SolveCycles, _uids, _warn_solve)
+from .kernel import _no_autocast
 from .plan import DistributionPlan
 from .schemes import inject_layer
 
@@ -237,12 +238,6 @@ class _LayerFunction(torch.autograd.Function):
     def backward(ctx, g_out, g_hL):
         with _no_autocast(g_out if g_out is not None else g_hL):  # (the solves pick their dtypes themselves)
             return _layer_adjoint(ctx, g_out, g_hL)
-
-
-def _no_autocast(like):
-    """``torch.autocast`` switched off on the device of ``like`` (a pass's own arithmetic keeps its dtypes)."""
-    dev = like.device.type if isinstance(like, torch.Tensor) else "cpu"
-    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 @_eager_under_compile

@@ -27,7 +27,8 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``settings``: ``fwd_iters`` changed on that rank only; ``eval``: that rank alone in eval
   mode (its forward is the exact one-level solve); ``batch``: another batch size there;
   ``bwd_settings``: ``bwd_iters`` changed there between forward and backward. The solves
-  run inside each pass's session, whose handshake compares what they must agree on:
+  run inside each pass's session, whose handshake compares what they must agree on
+  (``autocast``: that rank alone runs the forward pass under ``torch.autocast``):
   every rank raises ValueError ("differ between ranks"), none waits.
 * ``outer``: the step runs inside the user's own session on the module's communicator and
   that rank raises between forward and backward (the others wait in the backward pass).
@@ -224,6 +225,10 @@ def run_case(case, bad):
         return
     if case == "calls" and rank == bad:
         lp.to_serial()  # where the others make a training step
+        return
+    if case == "autocast" and rank == bad:  # (it blamed a layer changed on one rank only)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp(x)
         return
     y = lp(x)
     if case == "backward_order":  # two outputs' backward passes in the other order there, with equal
