@@ -122,10 +122,16 @@ def check_batch(out, U, level: int, call: str = "step_batch") -> None:
     ):
         raise _wrong_type(out, U, level, call)
     if tuple(out.shape) != tuple(U.shape):
+        if call != "step" and len(out.shape) and out.shape[0] != U.shape[0]:  # (the default loop stacks)
+            raise ValueError(
+                f"the propagator of level {level} returned a stack of shape {tuple(out.shape)} from `{call}` "
+                f"for {U.shape[0]} states of shape {tuple(U.shape)[1:]} (a stack of shape {tuple(U.shape)}): "
+                f"`{call}` must return one state per row of its input, in the same order"
+            )
         raise ValueError(
             f"the propagator of level {level} returned states of shape "
-            f"{tuple(out.shape)[1:]} for inputs of shape {tuple(U.shape)[1:]}; "
-            "`step` must return a state shaped like its input"
+            f"{tuple(out.shape)[1:]} for inputs of shape {tuple(U.shape)[1:]} from `{call}`; "
+            "it must return states shaped like its input"
         )
     if B.is_complex(out) and not B.is_complex(U):
         raise _complex_for_real(level)

@@ -160,6 +160,18 @@ class WrongBatchShape(Dahlquist):
         return super().step_batch(U, t0, t1)[:, :1]
 
 
+class DropsARow(Dahlquist):
+    def step_batch(self, U, t0, t1):
+        return super().step_batch(U, t0, t1)[:-1]
+
+
+def test_step_batch_returning_another_number_of_states_is_named():
+    """The message quoted two equal state shapes and blamed `step` for a `step_batch` that dropped a row."""
+    with pytest.raises(ValueError, match=r"returned a stack of shape \((\d+), 2\) from `step_batch` for (?!\1)\d+ "
+                                         r"states of shape \(2,\).*`step_batch` must return one state per row"):
+        solve(propagator=DropsARow(-1.0))
+
+
 @pytest.mark.parametrize("prop,levels", [(WrongShape(), 1), (WrongShape(), 2), (WrongShape(), 3),
                                          (WrongBatchShape(-1.0), 2), (WrongBatchShape(-1.0), 3)])
 @pytest.mark.parametrize("skip", [False, True])
@@ -168,7 +180,7 @@ def test_propagator_returning_wrong_shape(prop, levels, skip):
     sweeps (one level never calls ``step_batch``)."""
     with pytest.raises(ValueError, match=r"propagator.*shape.*\(2,\)") as info:
         solve(propagator=prop, max_levels=levels, skip=skip)
-    assert "`step`" in str(info.value)
+    assert ("`step_batch`" if isinstance(prop, WrongBatchShape) else "`step`") in str(info.value)
 
 
 class LateOdd(mgrit.Propagator):

@@ -93,3 +93,8 @@ def test_an_unstable_coarse_step_is_shown_by_the_residual_of_the_returned_states
     end = mgrit.solve(prop, u0, t, cf=8, max_levels=2, initial_guess=exact, skip=False, tol=1e-9,
                       residual="cycle_end", max_iter=3)
     assert end.status is not mgrit.Status.CONVERGED
+    # from the default start, a relative tolerance is relative to a first residual the unstable coarse
+    # solve has inflated: CONVERGED far off, and the returned states' residual shows it
+    rel = mgrit.solve(prop, u0, t, cf=8, max_levels=2, tol=1e-6, tol_type="rel", final_residual=True)
+    assert rel.status is mgrit.Status.CONVERGED and rel.residuals[1] > 1e20
+    assert np.abs(rel.u - exact).max() > 1e6 and rel.final_residual > 1e6

@@ -39,3 +39,17 @@ def test_docs_examples_run(name, k, block):
 
 def test_readme_has_quick_starts():
     assert len(RUNNABLE) >= 2
+
+
+@pytest.mark.parametrize("path", [README] + DOCS, ids=lambda p: p.name)
+def test_code_fences_open_and_close(path):
+    """A fence line is ```` ``` ```` or ```` ```lang ````, and every block closes: a closing fence followed by a
+    comment does not close its block in CommonMark (README's GRU example once rendered the next 100 lines,
+    headings included, as code)."""
+    fences = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.lstrip().startswith("```")]
+    opened = False
+    for n, line in fences:
+        closing = re.fullmatch(r"\s*```\s*", line) is not None
+        assert closing or (not opened and re.fullmatch(r"\s*```[\w+-]+\s*", line)), f"{path.name}:{n}: {line!r}"
+        opened = not opened
+    assert not opened, f"{path.name}: a block is never closed"
