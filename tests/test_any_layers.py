@@ -1997,6 +1997,7 @@ def test_torch_func_transforms_and_forward_mode_are_clear_errors():
     (dict(T=-1.0), ValueError, "`T` must be a finite number > 0"),
     (dict(T=float("nan")), ValueError, "`T` must be a finite number > 0"),
     (dict(scheme=None), TypeError, "`scheme` must be a function"),
+    (dict(scheme="rk4"), TypeError, r"`scheme` must be a function, got 'rk4': pass propagators\.torch\.rk4"),
     (dict(callback=3), TypeError, "`callback` must be a function"),
     (dict(layer_index=lambda i0, i1: 0), ValueError, "must return an integer array of their shape"),
     (dict(fwd_iters=0), ValueError, "`fwd_iters` must be an integer >= 1"),

@@ -1014,7 +1014,9 @@ class LayerParallel(_SolveCycles, nn.Module):
             self.exact_eval, self.batched = check_flag(exact_eval, "exact_eval"), check_flag(batched, "batched")
             for name, fn in (("scheme", scheme), ("layer_index", layer_index), ("callback", callback)):
                 if fn is not None and not callable(fn) or fn is None and name == "scheme":
-                    raise TypeError(f"`{name}` must be a function, got {fn!r}")
+                    named = name == "scheme" and fn in ("forward_euler", "heun", "rk4", "dt_aware")
+                    raise TypeError(f"`{name}` must be a function, got {fn!r}"
+                                    + (f": pass propagators.torch.{fn}" if named else ""))
             self.scheme, self.layer_index = scheme, layer_index or inject_layer
             check_integer(streams, "streams", 0)
             self.streams = int(streams)
