@@ -954,6 +954,40 @@ def test_borrowed_tensors_that_require_grad_are_a_clear_error():
         LayerParallel([Borrower(4, shared.detach()) for _ in range(8)], cf=2)(torch.randn(3, 4))
 
 
+def _film(lp, scale):
+    """A forward hook on layer 3 that multiplies its output by ``scale()`` (FiLM-style conditioning)."""
+    lp.apply_to_layers(lambda j, m: m.register_forward_hook(lambda mod, args, out: out * scale()) if j == 3 else None)
+
+
+@pytest.mark.parametrize("flow", ["first pass under no_grad", "unfrozen after two steps"])
+def test_a_borrowed_tensor_that_requires_grad_only_in_later_passes_is_a_clear_error(flow):
+    """The check of the layers' graphs ran once, in the first pass: after a first pass under no_grad, or with
+    the conditioning network frozen there, the conditioning network got no gradient in every later step
+    (serial: a gradient of norm 0.25), with no error."""
+    torch.manual_seed(0)
+    emb = nn.Linear(2, 4)
+    emb.requires_grad_(flow != "unfrozen after two steps")
+    cond, scale = torch.randn(2), {}
+    lp = LayerParallel([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(8)], cf=2)
+    _film(lp, lambda: scale["now"])
+
+    def step():  # the conditioning computed once per step, outside the block
+        scale["now"] = torch.sigmoid(emb(cond))
+        lp(x).square().sum().backward()
+
+    x = torch.randn(3, 4)
+    if flow == "first pass under no_grad":
+        with torch.no_grad():
+            scale["now"] = torch.sigmoid(emb(cond))
+            lp(x)
+    else:
+        for _ in range(2):
+            step()
+        emb.requires_grad_(True)
+    with pytest.raises(LayerError, match=r"layer 3 \(Sequential\) uses a tensor that requires grad"):
+        step()
+
+
 def test_layer_index_must_be_the_identity_on_the_layers():
     with pytest.raises(ValueError, match="layer_index"):
         LayerParallel([nn.Linear(3, 3) for _ in range(8)], layer_index=lambda i0, i1: np.minimum(i0 + 1, 7))
@@ -2936,6 +2970,49 @@ def test_side_effects_that_escape_torchs_counters_are_layer_errors(make, match):
     lp = LayerParallel([make(4).double() for _ in range(8)], T=1.0, cf=2)
     with pytest.raises(LayerError, match=match):
         lp(torch.randn(3, 4, dtype=torch.float64))
+
+
+class _SizesItsBuffer(nn.Module):
+    """Sizes an empty buffer at its first call (as torch's quantization observers do with min_val)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.register_buffer("peak", torch.zeros(0))
+
+    def forward(self, u):
+        y = torch.tanh(self.lin(u))
+        if self.peak.numel() == 0:
+            self.peak.resize_(u.shape[-1])
+        self.peak.copy_(y.detach().abs().amax(0))
+        return y
+
+
+def test_a_buffer_a_layer_resizes_is_named_and_put_back():
+    """Putting the buffers back after the check's LayerError failed on the resized buffer with torch's "The size
+    of tensor a (4) must match the size of tensor b (0)", which named no layer and left the buffer resized."""
+    torch.manual_seed(0)
+    lp = LayerParallel([_SizesItsBuffer(4) for _ in range(8)], cf=2)
+    with pytest.raises(LayerError, match="changed its buffer `peak`"):
+        lp(torch.randn(3, 4))
+    assert all(m.peak.shape == (0,) for m in lp.layers)
+
+
+def test_a_quantization_observer_in_a_layer_is_named_with_what_to_do():
+    from torch.ao.quantization import MinMaxObserver
+
+    class Observed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.obs = nn.Linear(4, 4), MinMaxObserver()
+
+        def forward(self, u):
+            return torch.tanh(self.lin(self.obs(u)))
+
+    lp = LayerParallel([Observed() for _ in range(8)], cf=2)
+    lp.eval()  # (observers record in eval mode too)
+    with pytest.raises(LayerError, match=r"MinMaxObserver is a quantization observer.*disable_observer"):
+        lp(torch.randn(3, 4))
 
 
 class _EvalNoise(nn.Module):

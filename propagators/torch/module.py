@@ -156,6 +156,17 @@ def _check_warm_tolerance(warm_start: bool, fwd_tol, tol_type: str) -> None:
             "tol_type='abs' with warm_start, or warm_start=False")
 
 
+def _is_observer(module) -> bool:
+    """``module`` is a torch.ao.quantization observer or fake-quantize module (they update their buffers in
+    every call until switched off)."""
+    quant = sys.modules.get("torch.ao.quantization")
+    kinds = tuple(k for k in (getattr(quant, "ObserverBase", None), getattr(quant, "FakeQuantizeBase", None)) if k)
+    return bool(kinds) and isinstance(module, kinds)
+
+
+#: ``LayerParallel._probed`` after the checks of the layers' graphs ran in a pass without gradients
+_PROBED_WITHOUT_GRAD = "without gradients"
+
 #: what the ranks of a pass must agree on (named by the handshake's error when they do not)
 _FORWARD_AGREE = ("input shapes or dtypes, torch.autocast (on every rank or on none, with one dtype), or settings "
                   "of the forward solve (fwd_iters, fwd_tol, tol_type, skip, the MGRIT options: set them alike on "
@@ -176,7 +187,8 @@ _DIFFERENT_LOSS = ("every layer rank must compute the same loss from the same ou
                    "same order; the same random state for dropout and other randomness after the block): "
                    "the block's adjoint starts at one rank's gradient while the layers around it would train "
                    "on each rank's own. For data parallelism split the ranks into a layer x data grid "
-                   "(README, Several ranks)")
+                   "(README, Several ranks). An optimizer whose step reads all parameters (LBFGS's line search) "
+                   "makes the ranks' models differ after its first step: use it on one process")
 
 
 def _finite_output_gradient(gy, cls: str = "LayerParallel", serial: str = "`lp.to_serial()` or `lp.serial(x)`") -> bool:
@@ -1055,7 +1067,8 @@ class LayerParallel(_SolveCycles, nn.Module):
 
     # -- pickling: what _build_kernel derives from the layers is rebuilt, not stored --------------
     _DERIVED = ("kernel", "_kernels", "_layout", "_registrations", "_subs", "_modes", "_special", "_shared_subs",
-                "_probed", "_repeated", "_checked", "_dropout_key", "_dropout_calls", "_slots", "_stamp")
+                "_probed", "_repeated", "_checked", "_dropout_key", "_dropout_calls", "_slots", "_stamp",
+                "_grad_pass", "_probe_turn")
 
     def __getstate__(self):
         if self._comm.size > 1 or (self._data_comm is not None and self._data_comm.size > 1):
@@ -1422,8 +1435,15 @@ class LayerParallel(_SolveCycles, nn.Module):
             params = kp.flat_params(self.owned_layers)  # frozen ones too: autograd checks their versions
             needs = any(p.requires_grad for p in params)
             self._called = True  # (the pass says when no code of the layers ran: see _forward_solve_in_modes)
+            grads = torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs)
+            if grads and self._probed == _PROBED_WITHOUT_GRAD:
+                # the checks of the layers' graphs ran in a pass without gradients (a first validation under
+                # no_grad): a tensor from outside a layer (a hook's, a closure's) that requires grad only in
+                # training passes was not seen. Check again, once
+                self._probed = False
+            self._grad_pass = grads  # (read by _probe)
             with uncached_parametrizations():  # (the backward pass suspends it again)
-                if torch.is_grad_enabled() and (self._comm.size > 1 or getattr(x, "requires_grad", False) or needs):
+                if grads:
                     # every rank takes the autograd path (and so joins the adjoint solve in backward)
                     anchor = torch.zeros((), requires_grad=self._comm.size > 1)
                     y = _LayerParallelFunction.apply(self, kp, anchor, x, *params)
@@ -1617,12 +1637,14 @@ class LayerParallel(_SolveCycles, nn.Module):
                 self._exchange_halo(pairs, kp, x, check=any(changed), rtol=rtol)  # after the masks
                 self._checked = now
             repeating = not self._repeated and not exact  # (exact inference calls each layer once, as serial)
-            called = bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating  # the layers' code ran
-            if not self._probed or repeating:
+            again = self._probe_in_turn(kp) if self._probed is True and self._grad_pass else None
+            called = (bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating
+                      or again is not None)  # the layers' code ran
+            if not self._probed or repeating or again is not None:
                 # (checks: they must not move the generators a pass uses, nor a layer's buffers)
                 with _random_states_kept(x.device), self._buffers_kept(kp):
-                    if not self._probed:
-                        self._probe(kp, x)
+                    if not self._probed or again is not None:
+                        self._probe(kp, x, again)
                     if repeating:
                         self._check_repeatable(kp, x)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
@@ -1696,6 +1718,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         except LayerError:                               # running statistics leaves the version counter)
             with torch.no_grad():
                 for b, v in zip(kp.buffers, saved):
+                    if b.shape != v.shape:  # (resized in the call: an observer's empty min_val)
+                        b.resize_(v.shape)
                     b.copy_(v)
             raise
 
@@ -1716,17 +1740,32 @@ class LayerParallel(_SolveCycles, nn.Module):
                 owner = next((o for n, o, _ in kp.k.slots[j][1] if n == name), None)
             hint = (f" ({type(owner).__name__} tracks running statistics in training mode: construct it with "
                     "track_running_stats=False; BatchNorm is handled, other running statistics are not)"
-                    if getattr(owner, "track_running_stats", False) else "")
+                    if getattr(owner, "track_running_stats", False) else
+                    f" ({type(owner).__name__} is a quantization observer, which records statistics in eval mode "
+                    "too: calibrate with the serial network (lp.to_serial()), then switch the observers off, "
+                    "model.apply(torch.ao.quantization.disable_observer), before training the block)"
+                    if _is_observer(owner) else "")
             raise LayerError(
                 f"layer {j} changed its buffer `{name}` during the forward pass{hint}. MGRIT evaluates every "
                 "layer many times per pass; put such layers in eval mode or make them pure functions of "
                 "their input")
 
-    def _probe(self, kp, x):
-        """Evaluate one layer of every class with autograd once, and reject layers that use
-        tensors requiring grad that are not their own parameters (they would get no gradient)."""
+    def _probe_in_turn(self, kp) -> list | None:
+        """After the first pass with gradients, each later one probes one class whose layers' code runs (not
+        dense), in turn: a tensor from outside the layers (a hook's, a closure's) that starts to require grad
+        later (a conditioning network unfrozen) is caught within as many passes as there are such classes.
+        Dense classes read nothing but their parameters. None when there are none."""
+        loose = [c for c in kp.k.classes if c.mode != "dense"]
+        if not loose:
+            return None
+        self._probe_turn = (getattr(self, "_probe_turn", -1) + 1) % len(loose)
+        return [loose[self._probe_turn]]
+
+    def _probe(self, kp, x, classes=None):
+        """Evaluate one layer of every class (or of ``classes``) with autograd once, and reject layers that
+        use tensors requiring grad that are not their own parameters (they would get no gradient)."""
         dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
-        for c in self.kernel.classes:
+        for c in self.kernel.classes if classes is None else classes:
             j = int(c.members[0])
             leaves = {n: v.detach().requires_grad_(True) for n, v in kp.value(j)[0].items()}
             u = x.detach().requires_grad_(True)  # (as in the adjoint's VJPs: a layer may differentiate by it)
@@ -1739,7 +1778,8 @@ class LayerParallel(_SolveCycles, nn.Module):
                     f"its parameters (shape {tuple(foreign[0].shape)}; e.g. a parameter of another module read "
                     "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
                     "detach it")
-        self._probed = True
+        if classes is None:
+            self._probed = True if getattr(self, "_grad_pass", True) else _PROBED_WITHOUT_GRAD
 
     def _check_repeatable(self, kp, x):
         """Call one layer of every class twice on the pass's input and reject a layer whose two outputs differ
