@@ -324,6 +324,8 @@ def two_level_norm(lam, mu, m: int, n_c: int, relax: str = "F") -> float:
     """
     _check_cf(m)
     _check_nc(n_c)
+    if np.size(lam) == 1 and np.size(mu) == 1 and np.ndim(lam) == np.ndim(mu) == 2:
+        lam, mu = np.asarray(lam).item(), np.asarray(mu).item()  # 1 x 1 matrices: the closed form (not an SVD)
     if np.ndim(lam) or np.ndim(mu):
         return matrix_norm(two_level_matrix(lam, mu, m, n_c, relax))
     _operator(lam), _operator(mu)  # (finite: a NaN gave NaN or the SVD's error)

@@ -143,7 +143,7 @@ def test_predictions_bound_the_solver(case):
     t = np.linspace(0.0, 1.0, n + 1)
     u0 = prop.initial()
     s = mgrit.choose_settings(prop, u0, t, target=0.1, cf=(2, 4, 16), max_levels=3, modes=None, max_points=n,
-                              **FAST)
+                              **{**FAST, "samples": 2})  # (one sample cannot show the step is time-invariant)
     assert s.bound and s.meets_target and s.predicted_rate <= 0.1
     checked = 0
     for c in s.candidates:
@@ -157,6 +157,45 @@ def test_predictions_bound_the_solver(case):
         assert max(ratios) <= 1.05 * c.factor, (c.describe(), max(ratios), c.factor)
         checked += 1
     assert checked >= 10
+
+
+class _Modulated(mgrit.Propagator):
+    """Backward Euler for u' = (-0.2 - 3 cos t) u: linear, but not time-invariant."""
+
+    def step(self, u, t0, t1):
+        return u / (1.0 - (t1 - t0) * (-0.2 - 3.0 * np.cos(t1)))
+
+
+def test_one_sample_gives_estimates_not_bounds():
+    """With samples=1 a time-dependent linear step looked time-invariant, and its factors were called bounds
+    (bound=True) that the solve exceeded 34-fold in one cycle (13.5 against 0.40)."""
+    t = np.linspace(0.0, 10.0, 129)
+    s = mgrit.choose_settings(_Modulated(), np.array([1.0]), t, **FAST)
+    assert not s.bound
+    two = mgrit.choose_settings(_Modulated(), np.array([1.0]), t, **{**FAST, "samples": 2})
+    assert not two.bound and len(two.spectra) == 2
+
+
+def test_two_level_factors_on_a_reduced_grid_are_not_below_the_exact_norm():
+    """On grids beyond max_points the two-level factor was scaled from the reduced grid and came out 2-15%
+    below the exact full-grid norm, which the solve reaches from the worst start."""
+    t = np.linspace(0.0, 100.0, 4097)
+    s = mgrit.choose_settings(Dahlquist(-1.0), np.array([1.0 + 0j]), t, measure=False, samples=1, expected=False)
+    checked = 0
+    for c in s.candidates:
+        if c.levels == 2 and c.stable and c.c_weight == 1.0:
+            lam, mu = th.dahlquist_factors(-1.0 * 100.0 / 4096, c.cf[0])
+            assert c.factor >= th.two_level_norm(lam, mu, c.cf[0], 4096 // c.cf[0], c.relax[0]) * (1 - 1e-12)
+            checked += 1
+    assert checked >= 4
+
+
+def test_a_simulated_solve_that_ends_at_an_exact_zero_is_flagged_as_rounding_level():
+    """A simulated solve whose last residual is exactly 0 reported an expected factor 0.0 without the rounding
+    flag, while the solver's own residuals end at the rounding level (average factor 2.8e-3)."""
+    s = mgrit.choose_settings(Dahlquist(2j), np.array([1.0 + 0j]), np.linspace(0, 10.0, 100), **FAST)
+    zeros = [c for c in s.candidates if c.stable and c.expected == 0.0]
+    assert zeros and all(c.expected_floor for c in zeros)
 
 
 def test_non_normal_advection_diffusion_is_an_estimate():
