@@ -2139,7 +2139,7 @@ def choose_settings(
     >>> from propagators import Heat1D
     >>> heat = Heat1D(17, forcing=False)
     >>> t = np.linspace(0.0, 1.0, 129)
-    >>> s = mgrit.choose_settings(heat, heat.initial(), t, target=0.1, measure=False, samples=1)
+    >>> s = mgrit.choose_settings(heat, heat.initial(), t, target=0.1, measure=False, samples=2)
     >>> s.bound, s.predicted_rate <= 0.1
     (True, True)
     >>> res = mgrit.solve(heat, heat.initial(), t, tol=1e-8, tol_type="rel", **s.options)
@@ -2256,7 +2256,7 @@ def predict_options(
     >>> from propagators import Heat1D
     >>> heat = Heat1D(17, forcing=False)
     >>> p = predict_options(heat, heat.initial(), np.linspace(0, 1, 65), cf=4, max_levels=2, relax="F",
-    ...                     measure=False, samples=1)
+    ...                     measure=False, samples=2)
     >>> p.choice.describe(), p.bound, round(p.predicted_factor, 4)
     ('cf 4, 2 levels, F', True, 0.198)
     """
@@ -2355,13 +2355,15 @@ class _Analysis:
             for k, u in _sample_states(propagator, u0, t, sp0, samples)[1:]:
                 spectra.append(step_spectrum(propagator, u, t, index=k, **spec_args))
         self.spectra = tuple(spectra)
-        self.all_modes = _unique_modes(spectra)
-        self.col = {step: i for i, step in enumerate(sp0.steps)}
-        growing = bool(np.any(np.abs(self.all_modes[:, 0]) > 1.0 + GROWTH_TOL))
         # (one sample cannot show that the step does not change along the run: then estimates only; the
         # linearizations of an affine step differ by their rounding, about 1e-10 for the heat equation)
         one_linearization = len(spectra) > 1 and all(np.allclose(sp.values, sp0.values, rtol=1e-7, atol=1e-9)
                                                      for sp in spectra)
+        # samples that agree add no modes (their rounding would double the modes and push the evaluation
+        # onto a subset of them)
+        self.all_modes = _unique_modes([sp0] if one_linearization else spectra)
+        self.col = {step: i for i, step in enumerate(sp0.steps)}
+        growing = bool(np.any(np.abs(self.all_modes[:, 0]) > 1.0 + GROWTH_TOL))
         self.bound_possible = (one_linearization and not growing and all(
             sp.method == "dense" and sp.normal and sp.pairing_defect <= 1e-8 for sp in spectra))
         # the affine model of the simulated solves
