@@ -78,8 +78,11 @@ def step_factor(z, scheme: str = "be"):
     >>> step_factor(-1.0, "be"), step_factor(-0.5, "fe")
     (0.5, 0.5)
     """
+    if z is None or isinstance(z, (str, bytes)):
+        raise TypeError(f"`z` must be a number or an array of numbers (xi times the step), got {z!r:.40}")
     if _has_nan(z):
-        raise ValueError("`z` contains NaN")
+        raise ValueError("`z` contains NaN (a coarse step's m z of an infinite complex z is one: inf * (1 + 0j) "
+                         "has a NaN imaginary part); pass finite values")
     if scheme == "be":
         if np.any(np.asarray(z) == 1.0):
             raise ValueError("z = xi h = 1 is the pole of backward Euler: the step solves (1 - z) u_new = u, "

@@ -516,3 +516,12 @@ def test_one_by_one_matrices_take_the_closed_form():
         dense = th.matrix_norm(th.two_level_matrix(np.array([[lam]]), np.array([[mu]]), 4, 40, relax))
         one = th.two_level_norm(np.array([[lam]]), np.array([[mu]]), 4, 40, relax)
         assert one == th.two_level_norm(lam, mu, 4, 40, relax) and one == pytest.approx(dense, rel=1e-12)
+
+
+def test_step_factor_names_what_is_wrong_with_z():
+    with pytest.raises(TypeError, match="`z` must be a number"):
+        th.step_factor(None)
+    with pytest.raises(TypeError, match="`z` must be a number"):
+        th.step_factor("abc")
+    with pytest.raises(ValueError, match="infinite complex z"):
+        th.dahlquist_factors(complex(math.inf, 0.0), 4)
