@@ -1555,7 +1555,11 @@ class Settings:
                 f"rank(s) (sequential {self.sequential_time:.4g})")
         if not self.meets_target:
             head += f"; no stable setting reaches the target {self.target:g}"
-        if c.expected is None:
+        if c.expected is None and "leaves the linearization" in c.note:
+            head += ("\nexpected measured factor: not modelled (the simulated solve leaves the linearization); the "
+                     "target is met by the linear theory alone, which can be far off for such a problem "
+                     "(docs/tuning.md, section 6): check the choice with a solve")
+        elif c.expected is None:
             head += f"\nexpected measured factor: not modelled ({self.expected_model})"
         else:
             cyc = (f"{c.expected_cycles} cycles" if c.expected_cycles is not None

@@ -761,6 +761,7 @@ def test_a_chaotic_problem_is_not_refused_for_its_linearization():
     assert res.converged
     p = tune.predict_options(Lorenz(), u0, t, cf=2, max_levels=2, relax="F", **FAST)
     assert p.expected_factor is None and "not modelled" in p.choice.note
+    assert "met by the linear theory alone" in str(p)  # (a pendulum near its separatrix took 18-100 cycles)
     short = np.linspace(0.0, 10.0, 1001)
     picks = {cfs: [c for c in mgrit.choose_settings(Lorenz(), u0, short, cf=cfs, **FAST).candidates
                    if c.describe() == "cf 2, 2 levels, F"][0] for cfs in ((2,), (2, 4, 8, 16))}
