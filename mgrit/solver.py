@@ -276,9 +276,10 @@ def solve(
                        partition=partition)
         _check_no_grad(u0, "u0")
         _check_no_grad(initial_guess, "initial_guess")
-        if np.ma.isMaskedArray(u0):
-            raise TypeError("`u0` is a masked array, whose mask the solver would drop: pass the values to use, "
-                            "e.g. u0.filled(0.0)")
+        for name, x in (("u0", u0), ("initial_guess", initial_guess)):
+            if np.ma.is_masked(x):  # (a masked array with nothing masked, as netCDF4 returns, is its values)
+                raise TypeError(f"`{name}` is a masked array with masked entries, whose mask the solver would "
+                                f"drop: pass the values to use, e.g. {name}.filled(0.0)")
         u0 = B.as_state(u0)
         if not B.is_torch(u0) and u0.dtype.kind not in "fc":
             raise TypeError(f"`u0` must be a numeric array (real or complex), got dtype {u0.dtype}")

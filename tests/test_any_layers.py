@@ -2722,6 +2722,32 @@ def test_a_layer_that_promotes_the_state_is_named_not_stepped_in_the_inputs_dtyp
     assert y.dtype == wide and rel(y.detach(), net(x.to(wide)).detach()) < 1e-5
 
 
+class _PreLN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(self.norm(u)))
+
+
+def test_vmapped_layers_under_autocast_are_not_taken_for_promoting():
+    """Under CPU autocast, torch.func.vmap returns float32 from F.linear on stacked weights where the layer
+    itself returns bfloat16: the dtype check took such layers (a pre-LayerNorm block, transformer_layers) for
+    promoting ones and raised, while the serial network and the code before it ran in bfloat16."""
+    torch.manual_seed(0)
+    layers = [_PreLN().float() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), cf=2, max_levels=2, fwd_iters=8, bwd_iters=8)
+    head = nn.Linear(4, 8).float()
+    model = nn.Sequential(copy.deepcopy(head), lp)
+    serial = nn.Sequential(copy.deepcopy(head), ODENet(copy.deepcopy(layers), T=1.0))
+    x = torch.randn(5, 4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ys = model(x), serial(x)
+    assert [c.mode for c in lp.kernel.classes] == ["vmap"]
+    assert y.dtype == ys.dtype == torch.bfloat16 and rel(y.detach().float(), ys.detach().float()) < 2e-2
+
+
 def test_half_layers_under_autocast_of_the_other_half_dtype_are_named_as_promoting():
     """float16 layers under bfloat16 autocast: the serial network promotes the state to float32. The stacking
     of the layers' parameters failed inside autocast (torch refuses to stack float16 under bfloat16

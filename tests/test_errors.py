@@ -281,10 +281,16 @@ def test_a_later_torch_step_that_autograd_tracks_is_a_clear_error(levels, batche
                     tol=1e-10)
 
 
-def test_masked_u0_is_refused_rather_than_unmasked():
+def test_masked_entries_are_refused_rather_than_unmasked():
     u0 = np.ma.masked_array([1.0, 2.0], mask=[False, True])
-    with pytest.raises(TypeError, match=r"masked array.*u0\.filled"):
+    with pytest.raises(TypeError, match=r"`u0` is a masked array with masked entries.*u0\.filled"):
         solve(u0=u0)
+    guess = np.ma.masked_array(np.ones((17, 2)), mask=np.eye(17, 2, dtype=bool))
+    with pytest.raises(TypeError, match=r"`initial_guess` is a masked array with masked entries"):
+        solve(initial_guess=guess, skip=False)
+    # nothing masked (as netCDF4 returns its variables): the values, as a plain array
+    for plain in (np.ma.array(U0), np.ma.masked_array(U0, mask=[False, False])):
+        assert np.array_equal(solve(u0=plain).u, solve().u)
 
 
 @pytest.mark.parametrize("dtype, wider", [("complex32", "complex64"), ("float8_e5m2", "float16")])

@@ -995,6 +995,7 @@ class KernelPass:
         self.params = [d[a] for d, a in kernel._pflat]
         self.buffers = [d[a] for d, a in kernel._bflat]
         self._values: dict = {}
+        self._vmap_widens: dict = {}  # (class, state dtype) -> the layer's own call keeps the dtype (autocast)
         self._detached_values: dict = {}
         #: bound for one forward pass and its backward (LayerParallel): parameters whose data is replaced
         #: in between raise (an ODEPropagator's kernel follows such changes instead)
@@ -1464,7 +1465,16 @@ class KernelPass:
         return fused
 
     def _step_checked(self, cid, idx, U, dt):
-        return self._kept_dtype(self._step_class(cid, idx, U, dt), U, int(idx[0]))
+        out = self._step_class(cid, idx, U, dt)
+        if out.dtype != U.dtype and self.k.classes[cid].mode == "vmap" and _autocast_on(U) is not None:
+            # under CPU autocast, torch.func.vmap returns float32 where the layer itself returns the autocast
+            # dtype (F.linear on a stacked weight): the layer's own call on one state decides
+            key = (cid, U.dtype)
+            if key not in self._vmap_widens:  # (once per class and pass)
+                self._vmap_widens[key] = self._call_layer(int(idx[0]), U[0], dt[0]).dtype == U.dtype
+            if self._vmap_widens[key]:
+                return out.to(U.dtype)
+        return self._kept_dtype(out, U, int(idx[0]))
 
     def _step_class(self, cid, idx, U, dt):
         c = self.k.classes[cid]
@@ -1766,6 +1776,14 @@ def _distinct(grads: dict) -> dict:
                 seen.add(key)
         out[n] = g
     return out
+
+
+def _autocast_on(like):
+    """torch.autocast's dtype on the device of ``like`` when it is enabled there, else None."""
+    dev = like.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
 
 
 def _no_autocast(like):

@@ -41,7 +41,7 @@ from mgrit.options import fits_float
 from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_per_level
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
-from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _random_error, _random_moved,
+from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _autocast_on, _random_error, _random_moved,
                      _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
                      rounding_tolerance, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
@@ -354,14 +354,6 @@ def _channels_last_format(x):
     if fmt is None or x.is_contiguous() or not x.is_contiguous(memory_format=fmt):
         return None
     return fmt
-
-
-def _autocast_on(x):
-    """torch.autocast's dtype on the device of ``x`` when it is enabled there, else None."""
-    dev = x.device.type
-    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
-        return None
-    return torch.get_autocast_dtype(dev)
 
 
 def _adjoint_dtype(params, state_dtype, autocast):
@@ -1640,13 +1632,18 @@ class LayerParallel(_SolveCycles, nn.Module):
             again = self._probe_in_turn(kp) if self._probed is True and self._grad_pass else None
             called = (bool(calls) or (P > 1 and any(changed)) or not self._probed or repeating
                       or again is not None)  # the layers' code ran
-            if not self._probed or repeating or again is not None:
+            if not self._probed or repeating:
                 # (checks: they must not move the generators a pass uses, nor a layer's buffers)
                 with _random_states_kept(x.device), self._buffers_kept(kp):
-                    if not self._probed or again is not None:
-                        self._probe(kp, x, again)
+                    if not self._probed:
+                        self._probe(kp, x)
                     if repeating:
                         self._check_repeatable(kp, x)
+            elif again is not None:  # (the first pass's checks put the buffers back; a layer that changes
+                versions = self._buffer_versions(kp)  # them was refused there: only the counters, no copies)
+                with _random_states_kept(x.device):
+                    self._probe(kp, x, again)
+                self._check_buffers(kp, versions)
             prop = ODEPropagator(kp, self.h, layer_index=self.layer_index)
             prop.autocast = _autocast_on(x)  # (the adjoint widens a trajectory stored in this dtype)
             # dense layers are stepped by the traced linear map and activations alone: no code of theirs
