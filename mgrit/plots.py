@@ -89,6 +89,9 @@ def residuals(results, labels: Sequence[str] | None = None, ax=None, factors: bo
     ax = _axes(ax)
     if isinstance(results, Result) or _is_history(results):
         results = [results]
+    if results is None or isinstance(results, (str, bytes, dict)) or not hasattr(results, "__iter__"):
+        raise TypeError("expected a mgrit Result, a residual history (numbers or None) or a list of them, got "
+                        f"{type(results).__name__}")
     results = list(results)
     if labels is not None and (isinstance(labels, str) or len(labels) != len(results)):
         raise ValueError(f"`labels` must be a sequence of one label per solve ({len(results)}), got {labels!r}")

@@ -119,3 +119,10 @@ def test_review_of_the_plot_checks():
              for v in (1e-3, np.array(1e-3), torch.tensor(1e-3, dtype=torch.float64), Fraction(1, 1000))}
     assert len(times) == 1
     plt.close("all")
+
+
+@pytest.mark.parametrize("bad", [None, {"a": 1}, 3.5])
+def test_residual_plot_names_what_it_expects(bad):
+    """None said "'NoneType' object is not iterable", a dict "got str" (its keys)."""
+    with pytest.raises(TypeError, match=rf"expected a mgrit Result, a residual history .* got {type(bad).__name__}"):
+        plots.residuals(bad)
