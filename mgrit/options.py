@@ -17,7 +17,6 @@ from .hierarchy import (Hierarchy, check_flag, check_integer, check_levels, chec
                         levels_of)
 
 
-
 def fits_float(value) -> bool:
     """``float(value)`` does not overflow (an integer beyond 1.8e308 does)."""
     try:
@@ -25,6 +24,7 @@ def fits_float(value) -> bool:
     except OverflowError:
         return False
     return True
+
 
 @dataclass(frozen=True)
 class Options:

@@ -1555,7 +1555,7 @@ class Settings:
                 f"rank(s) (sequential {self.sequential_time:.4g})")
         if not self.meets_target:
             head += f"; no stable setting reaches the target {self.target:g}"
-        if c.expected is None and "leaves the linearization" in c.note:
+        if c.expected is None and _UNMODELLED in c.note:
             head += ("\nexpected measured factor: not modelled (the simulated solve leaves the linearization); the "
                      "target is met by the linear theory alone, which can be far off for such a problem "
                      "(docs/tuning.md, section 6): check the choice with a solve")
@@ -1894,6 +1894,10 @@ def _discount_growth(lams, strides, fine):
     logrho = np.where(a0 > 1.0 + GROWTH_TOL, np.log(np.maximum(a0, 1.0)), 0.0)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         return [v * np.exp(-logrho * s) for v, s in zip(lams, strides)]
+
+
+#: the note of a candidate whose simulated solve leaves its linearization without blowing up (docs/tuning.md §6)
+_UNMODELLED = "leaves the linearization, its coarse runs do not blow up: not modelled"
 
 
 def _evaluate(modes, col, h_sizes, cfs, relaxes, weight, n_modes, max_points, min_coarse, reduction):
@@ -2488,7 +2492,7 @@ class _Analysis:
             # e^(0.9 t) along the linearization, but saturate on the attractor), and it is not modelled
             if any(self._blows_up(int(st)) for st in np.cumprod(key)[::-1]):  # (the coarsest first)
                 return math.inf, None, False, ""
-            return None, None, False, "leaves the linearization, its coarse runs do not blow up: not modelled"
+            return None, None, False, _UNMODELLED
         last = [x for x in res if x is not None][-1:]
         # (an exact 0 too: the solver's own residual is then at the rounding level, not 0)
         at_floor = bool(last and math.isfinite(last[0]) and 0.0 <= last[0] <= FLOOR_MARGIN * floor)

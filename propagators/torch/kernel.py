@@ -1342,19 +1342,20 @@ class KernelPass:
     def _kept_dtype(self, out, u, j: int):
         """``out``, a step of layer ``j`` from ``u``, when it has ``u``'s dtype: a layer whose step promotes the
         state (parameters in float64 for a float32 state, a complex weight for a real state, an upcast in its
-        code) is a :class:`LayerError`. The serial network would go on in the promoted dtype from that layer
-        on; the solves keep the input's."""
+        code; a ``dt_aware`` step that is one autocast operation narrows it) is a :class:`LayerError`. The
+        serial network would go on in the other dtype from that layer on; the solves keep the input's."""
         if out.dtype == u.dtype:
             return out
         m = self.k.modules[j]
-        wider = str(out.dtype).replace("torch.", "")
-        narrow = "" if out.is_complex() and not u.is_complex() else \
+        theirs = str(out.dtype).replace("torch.", "")
+        # (complex layers converted to a real dtype would lose their imaginary parts: not offered)
+        convert_layers = "" if out.is_complex() and not u.is_complex() else \
             ", or convert the layers to the input's (lp.to(x.dtype))"
         raise LayerError(
-            f"layer {j} ({type(m).__name__}) maps a {str(u.dtype).replace('torch.', '')} state to {wider} (its "
-            f"parameters or its code compute in {wider}): the serial network would go on in {wider} from this "
+            f"layer {j} ({type(m).__name__}) maps a {str(u.dtype).replace('torch.', '')} state to {theirs} (its "
+            f"parameters or its code compute in {theirs}): the serial network would go on in {theirs} from this "
             "layer on, while LayerParallel keeps the input's dtype. Give the block an input of the layers' "
-            f"dtype (x.to(torch.{wider})){narrow}")
+            f"dtype (x.to(torch.{theirs})){convert_layers}")
 
     def vjp_state_one(self, u, v, j: int, dt: float, d=None):
         """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves);
