@@ -546,11 +546,80 @@ def test_dropout_with_one_layer_warns_as_nn_gru_does():
     assert par.last_dropout_seed is None
 
 
-def test_packed_sequences_and_reverse_weights_of_a_one_way_gru_raise_clearly():
+def packed_run(m, seqs, h0, sort, w_out):
+    """Forward and backward of a packed batch of ``seqs`` through ``m``; (output, h_n, grads of the
+    sequences, of h0 and of every weight)."""
+    ss = [q.clone().requires_grad_(True) for q in seqs]
+    hh = None if h0 is None else h0.clone().requires_grad_(True)
+    m.zero_grad()
+    o, n = m(torch.nn.utils.rnn.pack_sequence(ss, enforce_sorted=sort), hh)
+    loss = (n * n).sum() + ((o.data * w_out[: o.data.shape[0]]).sum() if o is not None else 0.0)
+    loss.backward()
+    return o, n, [q.grad for q in ss], None if hh is None else hh.grad, {k: p.grad for k, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("layers, bidirectional, batch_first, with_h0, sort, lengths", [
+    (1, False, False, False, False, [7, 3, 9, 3, 1]),  # ties and a sequence of one position
+    (2, True, True, True, False, [7, 3, 9, 3, 1]),
+    (2, False, False, True, True, [9, 7, 3, 3, 1]),  # enforce_sorted=True: no sort indices
+    (1, True, False, False, False, [2, 11]),
+    (1, False, True, True, False, [6, 6, 6]),  # every sequence whole: the padded pass
+])
+def test_packed_sequences_equal_nn_gru(layers, bidirectional, batch_first, with_h0, sort, lengths):
+    """A PackedSequence input: the steps past a sequence's end keep its state (an update gate of exactly 1),
+    so converged solves give nn.GRU's packed output (the same batch sizes and sort order), h_n in the
+    caller's order and the gradients of every sequence, h0 and weight, also through the frozen coarse steps
+    that cross a sequence's end (cf 2, 4 levels)."""
+    torch.manual_seed(layers + 3 * bidirectional + len(lengths))
+    ref = torch.nn.GRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+    par = ParallelGRU(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, cf=2,
+                      max_levels=4, **TIGHT)
+    par.load_state_dict(ref.state_dict())
+    seqs = [torch.randn(n, I) for n in lengths]
+    h0 = torch.randn((1 + bidirectional) * layers, len(lengths), H) if with_h0 else None
+    w_out = torch.randn(sum(lengths), (1 + bidirectional) * H)
+    (o_r, n_r, gx_r, gh_r, gw_r), (o, n, gx, gh, gw) = (packed_run(m, seqs, h0, sort, w_out) for m in (ref, par))
+    assert isinstance(o, torch.nn.utils.rnn.PackedSequence) and torch.equal(o.batch_sizes, o_r.batch_sizes)
+    for a, b in ((o.sorted_indices, o_r.sorted_indices), (o.unsorted_indices, o_r.unsorted_indices)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert maxdiff(o.data, o_r.data) < TOL and maxdiff(n, n_r) < TOL
+    assert max(maxdiff(a, b) for a, b in zip(gx, gx_r)) < TOL
+    if with_h0:
+        assert maxdiff(gh, gh_r) < TOL
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+    # eval mode (exact stepping) and return_sequence=False (h_n alone)
+    par.eval(), ref.eval()
+    with torch.no_grad():
+        pk = torch.nn.utils.rnn.pack_sequence(seqs, enforce_sorted=sort)
+        assert maxdiff(par(pk, h0)[0].data, ref(pk, h0)[0].data) < TOL
+        par.return_sequence = False
+        o, n = par(pk, h0)
+        assert o is None and maxdiff(n, ref(pk, h0)[1]) < TOL
+
+
+def test_a_packed_pass_with_few_cycles_approximates_and_the_lstm_refuses_packed_input():
+    """With few forward cycles a packed batch's h_n is an approximation that more cycles improve (to
+    nn.GRU's); ParallelLSTM (whose state cannot be held through its gates) says to pad."""
+    from propagators.torch import ParallelLSTM
+
+    torch.manual_seed(5)
+    ref = torch.nn.GRU(I, H)
+    seqs = [torch.randn(n, I) for n in (40, 13, 27)]
+    pk = torch.nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False)
+    errs = []
+    for iters in (1, 3, 30):
+        par = ParallelGRU(I, H, fwd_iters=iters)
+        par.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            errs.append(maxdiff(par(pk)[1], ref(pk)[1]))
+    assert errs[0] > errs[1] > errs[2] and errs[2] < TOL
+    with pytest.raises(TypeError, match="ParallelLSTM does not take a PackedSequence: pad the sequences"):
+        ParallelLSTM(I, H)(pk)
+
+
+def test_reverse_weights_of_a_one_way_gru_raise_clearly():
     par = ParallelGRU(I, H)
-    packed = torch.nn.utils.rnn.pack_sequence([torch.randn(4, I), torch.randn(2, I)])
-    with pytest.raises(TypeError, match="PackedSequence: pad the sequences"):
-        par(packed)
     with pytest.raises(ValueError, match="not bidirectional"):
         par.layer_weights(0, reverse=True)
     bi = ParallelGRU(I, H, bidirectional=True)
@@ -562,13 +631,13 @@ def test_packed_sequences_and_reverse_weights_of_a_one_way_gru_raise_clearly():
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gru.md"
 
 
-@pytest.mark.parametrize("k", range(4))
+@pytest.mark.parametrize("k", range(5))
 def test_docs_examples_run(k):
     """The one-rank examples of docs/gru.md run as printed (their asserts included)."""
     import re
 
     blocks = [b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "MPI" not in b]
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # the examples build float32 models, as written
     try:

@@ -15,6 +15,8 @@ the coarse step, usage, limitations) and docs/theory.md (the adjoint).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -169,7 +171,11 @@ class ParallelGRU(_ParallelRNN):
     hidden_size)`` (zeros if None; ``D`` is 2 when bidirectional, else 1),
     ``output`` of shape ``(L, B, D * hidden_size)`` (the last layer's hidden
     states at every position, the reverse direction's second) and ``h_n`` of
-    shape ``(D * num_layers, B, hidden_size)``. Parameter names are
+    shape ``(D * num_layers, B, hidden_size)``. A
+    ``torch.nn.utils.rnn.PackedSequence`` input gives a packed output, as
+    ``nn.GRU`` does: the steps past each sequence's end keep its state (an
+    update gate of exactly 1), so converged passes equal ``nn.GRU``'s on it
+    (docs/gru.md). Parameter names are
     ``nn.GRU``'s (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
     ``bias_hh_l0``, ``weight_ih_l0_reverse``, ...), so
     ``model.load_state_dict(gru.state_dict())`` works both ways.
@@ -249,6 +255,13 @@ class ParallelGRU(_ParallelRNN):
     _gates = 3
     _propagator = GRUPropagator
     _adjoint = GRUAdjointPropagator
+    _takes_packed = True
+
+    def _hold(self, gi, held) -> None:
+        # an update gate of exactly 1 (sigmoid(inf)): h' = n + 1 (h - n); the frozen coarse step's composition
+        # (z, n - z n) = (1, 0) is the identity exactly, and every gate's gradient there is exactly 0
+        H = self.hidden_size
+        gi[..., H:2 * H].masked_fill_(held[..., None], math.inf)
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,

@@ -179,6 +179,40 @@ class _CellAdjoint(mgrit.Propagator):
         return self.step_batch(v[None], np.array([tau0]), np.array([tau1]))[0]
 
 
+def _unpacked(packed) -> tuple:
+    """A PackedSequence as ``(padded (L, B, *) in the caller's batch order, held)``: ``held`` (bool, (L, B),
+    on the data's device) marks the positions past each sequence's end, None when every sequence is whole."""
+    padded, lengths = nn.utils.rnn.pad_packed_sequence(packed)
+    held = torch.arange(padded.shape[0])[:, None] >= lengths[None, :]
+    return padded, (held.to(padded.device) if bool(held.any()) else None)
+
+
+def _input_layout(input, held) -> tuple:
+    """What every rank's input must agree on besides its values: its shape, and for a packed one the
+    sequence lengths."""
+    if held is None:
+        return tuple(input.shape)
+    return ("packed", tuple(input.shape), tuple((~held).sum(0).tolist()))
+
+
+def _layout_words(layout: tuple) -> str:
+    if layout and layout[0] == "packed":
+        return f"shape {layout[1]} (padded) and sequence lengths {list(layout[2])}"
+    return f"shape {layout}"
+
+
+def _packed_like(out, packed):
+    """The padded output ``out`` (L, B, *) in the caller's batch order packed as ``packed`` is: the same
+    ``batch_sizes``, ``sorted_indices`` and ``unsorted_indices`` (what torch's modules return)."""
+    sizes = packed.batch_sizes  # (on the CPU, as torch keeps them)
+    order = packed.sorted_indices if packed.sorted_indices is not None else torch.arange(int(sizes[0]))
+    steps = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    rows = order.cpu()[torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)]
+    data = out[steps.to(out.device), rows.to(out.device)]
+    return nn.utils.rnn.PackedSequence(data, sizes, packed.sorted_indices, packed.unsorted_indices)
+
+
 class _Layout:
     """How the positions of a sequence of length ``L`` are split over the ranks (cached per L)."""
 
@@ -219,9 +253,9 @@ def _differing_parts(shared, names, hint: str = "") -> ValueError | None:
 
 class _LayerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rnn, layer, want_seq, anchor, x, h0, *weights):
+    def forward(ctx, rnn, layer, want_seq, held, anchor, x, h0, *weights):
         ctx.set_materialize_grads(False)
-        out, hL, saved = rnn._layer_forward(layer, x, h0, weights, want_seq, keep=True)
+        out, hL, saved = rnn._layer_forward(layer, x, h0, weights, want_seq, keep=True, held=held)
         ctx.rnn, ctx.layer, ctx.saved, ctx.pass_id = rnn, layer, saved, rnn._pass_id
         ctx.save_for_backward(x, *weights)  # autograd's own check: no in-place change before backward
         if not want_seq:
@@ -259,14 +293,14 @@ def _layer_adjoint(ctx, g_out, g_hL):
         share = _tensor_sums(g_out, g_hL) + (ctx.pass_id,) if rnn._comm.size > 1 else None
         if not finite:
             g_out, g_hL = (None if g is None else torch.zeros_like(g) for g in (g_out, g_hL))
-        setup = rnn._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[4], needs[5])
-    got = rnn._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[4], need_h0=needs[5], share=share)
+        setup = rnn._adjoint_setup(ctx.saved, weights, g_out, g_hL, needs[5], needs[6])
+    got = rnn._layer_backward(ctx.layer, ctx.saved, x, setup, need_x=needs[5], need_h0=needs[6], share=share)
     if isinstance(got, Exception):
         raise got
     gx, gh0, gw = got
     if not finite:  # (every rank alike: the backward's handshake found the same sums, finite or not, on all)
         gx, gh0, gw = _nan_like(gx), _nan_like(gh0), [_nan_like(g) for g in gw]
-    return (None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[6:])])
+    return (None, None, None, None, None, gx, gh0, *[g if need else None for g, need in zip(gw, needs[7:])])
 
 
 class _ParallelRNN(_SolveCycles, nn.Module):
@@ -520,15 +554,16 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         amp = _autocast_on(input if isinstance(input, torch.Tensor) else torch.empty(0))
         return None if amp == p.dtype else amp
 
-    def _check(self, input, hx, amp=None):
+    def _check(self, input, hx, amp=None, time_major: bool = False):
         """Shapes, dtypes and devices as torch's module expects them; returns (x (L,B,in), the initial
         states (num_layers * D, B, S), batched). ``amp``: the autocast dtype of the pass (the input and
-        the initial states are cast to it)."""
+        the initial states are cast to it). ``time_major``: a batched input is (L, B, in) whatever
+        ``batch_first`` says (a PackedSequence's padded form)."""
         name = type(self).__name__
         if isinstance(input, nn.utils.rnn.PackedSequence):
             raise TypeError(f"{name} does not take a PackedSequence: pad the sequences to one length "
                             "(e.g. nn.utils.rnn.pad_packed_sequence, or repeat each series' last value) and "
-                            "pass the padded tensor")
+                            "pass the padded tensor (ParallelGRU takes a PackedSequence)")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"{name} expects a torch.Tensor input, got {type(input).__name__}")
         if not input.is_floating_point():
@@ -541,7 +576,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             raise ValueError(f"input.size(-1) must equal input_size = {self.input_size}, got input of shape "
                              f"{tuple(input.shape)}")
         batched = input.dim() == 3
-        x = input.unsqueeze(1) if not batched else (input.transpose(0, 1) if self.batch_first else input)
+        x = input.unsqueeze(1) if not batched else (
+            input.transpose(0, 1) if self.batch_first and not time_major else input)
         L = int(x.shape[0])
         if L < 1:
             raise ValueError(f"the input sequence is empty (shape {tuple(input.shape)}); give at least one position")
@@ -609,8 +645,9 @@ class _ParallelRNN(_SolveCycles, nn.Module):
     # -- forward ---------------------------------------------------------------------
     @_eager_under_compile
     def forward(self, input, hx=None):
-        amp = self._autocast_dtype(input)  # under torch.autocast: the pass computes in its dtype, autocast off
-        with _no_autocast(input) if amp is not None else contextlib.nullcontext():
+        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        amp = self._autocast_dtype(data)  # under torch.autocast: the pass computes in its dtype, autocast off
+        with _no_autocast(data) if amp is not None else contextlib.nullcontext():
             return self._forward(input, hx, amp)
 
     def _no_export(self) -> RuntimeError:
@@ -633,14 +670,17 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         P = self._comm.size
         drop = self.training and self.dropout > 0 and self.num_layers > 1
         rng = torch.random.get_rng_state() if drop else None
+        packed = input if isinstance(input, nn.utils.rnn.PackedSequence) and self._takes_packed else None
         try:
-            seed, share, session = None, None, None
+            seed, share, session, held = None, None, None, None
             with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
-                x, h0, batched = self._check(input, hx, amp)
+                if packed is not None:  # padded, in the caller's batch order; positions past a sequence's end held
+                    input, held = _unpacked(packed)
+                x, h0, batched = self._check(input, hx, amp, time_major=packed is not None)
                 # every rank draws (the global generators stay in step); rank 0's seed is used on all
                 seed = int(torch.randint(0, 2 ** 62, ()).item()) if drop else None
                 share = ((None, None) if x.is_meta else _tensor_sums(x, h0)) + (
-                    seed, tuple(input.shape),
+                    seed, _input_layout(input, held),
                     tuple((n, tuple(p.shape), None if p.is_meta else _input_sums(p))
                           for n, p in self.named_parameters()), self._pass_id) if P > 1 else None
             session = self._session("the input check of a forward pass", share=share)
@@ -651,8 +691,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             shapes = [] if share is None else [sh[3] for sh in session.shared]
             if len(set(shapes)) > 1:  # first: another length or batch is named as such, not as other values
                 r = next(r for r, sh in enumerate(shapes) if sh != shapes[0])
-                differ = ValueError(f"the input of rank {r} has shape {shapes[r]}, rank 0's {shapes[0]}: every rank "
-                                    "must pass the same whole sequence")
+                differ = ValueError(f"the input of rank {r} has {_layout_words(shapes[r])}, rank 0's "
+                                    f"{_layout_words(shapes[0])}: every rank must pass the same whole sequence")
             if differ is None and share is not None:
                 differ = _differing_parts(session.shared, ("input", self._state_names[0]))
             if differ is None and share is not None and len({sh[2] is None for sh in session.shared}) > 1:
@@ -690,7 +730,7 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         if x.is_meta:  # shape inference (torch's modules answer it on the meta device): no solve
             L, B, D = x.shape[0], x.shape[1], self.num_directions
             out = x.new_empty(L, B, D * self.hidden_size) if self.return_sequence else None
-            return self._returned(out, h0.new_empty(h0.shape), batched)
+            return self._returned(out, h0.new_empty(h0.shape), batched, packed)
         if x.shape[1] == 0:  # an empty batch (on every rank: the input check compared the shapes): no solve
             return self._empty_pass(x, h0, params, track, batched)
         with _announced(self._comm):  # (local work: a failure here reaches every rank in its next handshake)
@@ -705,12 +745,14 @@ class _ParallelRNN(_SolveCycles, nn.Module):
                 with _announced(self._comm):
                     w = [v if amp is None else v.to(amp) for v in self.layer_weights(l, reverse=d == 1) if v is not None]
                     src = inp.flip(0) if d else inp
+                    # (reversed, a sequence's padding comes first: the state stays h0 until its last position)
+                    hold = None if held is None else (held.flip(0) if d else held)
                 if track:  # every rank takes the autograd path (and so joins the adjoint solves in backward)
                     anchor = torch.zeros((), requires_grad=P > 1)
-                    out, hL = _LayerFunction.apply(self, k, want, anchor, src, h0[k], *w)
+                    out, hL = _LayerFunction.apply(self, k, want, hold, anchor, src, h0[k], *w)
                 else:
                     with torch.no_grad():
-                        out, hL, _ = self._layer_forward(k, src, h0[k], w, want, keep=False)
+                        out, hL, _ = self._layer_forward(k, src, h0[k], w, want, keep=False, held=hold)
                 last.append(hL)
                 outs.append(out)
             with _announced(self._comm):
@@ -718,11 +760,14 @@ class _ParallelRNN(_SolveCycles, nn.Module):
                 inp = torch.cat(outs, dim=-1) if D > 1 and want else outs[0]
                 if drop and l < self.num_layers - 1:  # torch's dropout: on the output of every layer but the last
                     inp = inp * masks[l]
-        return self._returned(inp if self.return_sequence else None, torch.stack(last), batched)
+        return self._returned(inp if self.return_sequence else None, torch.stack(last), batched, packed)
 
-    def _returned(self, output, states, batched: bool) -> tuple:
+    def _returned(self, output, states, batched: bool, packed=None) -> tuple:
         """``(output, final states)`` in the caller's layout (``output`` None without ``return_sequence``;
-        the final states as :meth:`_final_states` gives them)."""
+        the final states as :meth:`_final_states` gives them). For a PackedSequence input ``packed``, the
+        output is packed as it was (its ``batch_sizes`` and sort order)."""
+        if packed is not None:
+            return (None if output is None else _packed_like(output, packed)), self._final_states(states)
         if not batched:
             output, states = (None if output is None else output.squeeze(1)), states.squeeze(1)
         elif output is not None and self.batch_first:
@@ -749,6 +794,13 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         output = x.new_zeros(L, 0, D * H) + zero if self.return_sequence else None
         return self._returned(output, h0.new_zeros(h0.shape) + zero, batched)
 
+    _takes_packed = False  # a PackedSequence input (the cell defines _hold)
+
+    def _hold(self, gi, held) -> None:
+        """Make the steps at the positions ``held`` (bool, (n, B)) keep the state, through their input
+        projections ``gi`` (n, B, G), in place."""
+        raise NotImplementedError  # pragma: no cover - only cells with _takes_packed
+
     def _split(self, weights):
         w_ih, w_hh = weights[0], weights[1]
         b_ih, b_hh = (weights[2], weights[3]) if self.bias else (None, None)
@@ -759,10 +811,11 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         l, d = divmod(k, self.num_directions)
         return f"layer {l}" + (" (reverse)" if d else "")
 
-    def _layer_forward(self, k, x, h0, weights, want_seq: bool, keep: bool):
+    def _layer_forward(self, k, x, h0, weights, want_seq: bool, keep: bool, held=None):
         """Solve unit ``k`` (layer ``k`` or, bidirectional, one direction of a layer: see :meth:`_unit`) on
         the sequence ``x`` in its own order; returns (output sequence or an empty tensor, h_L, what backward
-        needs)."""
+        needs). ``held`` (bool, (L, B), or None): the positions whose step keeps the state as it is (past the
+        end of a packed sequence)."""
         P, r = self._comm.size, self._comm.rank
         L, B = int(x.shape[0]), int(x.shape[1])
         exact = self.exact_eval and not self.training
@@ -771,6 +824,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
             xd = x.detach()
             gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
+            if held is not None:
+                self._hold(gi, held[lay.w_lo:lay.w_hi])
             prop = self._propagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
         if P == 1:
             res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
