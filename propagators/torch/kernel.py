@@ -781,15 +781,15 @@ class _DropoutMode(TorchFunctionMode):
 
 
 class DropoutRecorder(_DropoutMode):
-    """Records the active dropout calls of one step (name, input shape, p) and returns the
-    input unchanged: the structure from which a pass draws its masks."""
+    """Records the active dropout calls of one step (name, input shape, p, input strides) and returns
+    the input unchanged: the structure from which a pass draws its masks."""
 
     def __init__(self):
         super().__init__()
         self.calls: list = []
 
     def dropout(self, name, u, p):
-        self.calls.append((name, tuple(u.shape), p))
+        self.calls.append((name, tuple(u.shape), p, tuple(u.stride())))
         return u
 
 
@@ -822,9 +822,12 @@ class DropoutMasks(_DropoutMode):
 
 
 def draw_masks(calls, dtype, device) -> list:
-    """Draw the masks of one layer: each dropout function applied to ones of the recorded shape
-    (consumes the random generator exactly as the serial layer does)."""
-    return [_DROPOUTS[name](torch.ones(shape, dtype=dtype, device=device), p, True) for name, shape, p in calls]
+    """Draw the masks of one layer: each dropout function applied to ones of the recorded shape and
+    strides (consumes the random generator exactly as the serial layer does: dropout fills its noise in
+    its input's memory order, so a channels-last or transposed input gets other masks than a contiguous
+    one of the same shape)."""
+    return [_DROPOUTS[name](torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(1), p, True)
+            for name, shape, p, stride in calls]
 
 
 @dataclass(eq=False)
@@ -1019,7 +1022,8 @@ class KernelPass:
         self.masks: dict | None = None
 
     def record_dropout(self, j: int, u, dt) -> list:
-        """The active dropout calls ``(name, input shape, p)`` of one step of layer ``j`` at ``u``."""
+        """The active dropout calls ``(name, input shape, p, input strides)`` of one step of layer ``j`` at
+        ``u``."""
         p, b = self._detached(j)
         with torch.no_grad(), self._named(j), DropoutRecorder() as rec:
             self._single(self.k.modules[j], p, b, u, dt)

@@ -1289,14 +1289,14 @@ class LayerParallel(_SolveCycles, nn.Module):
         """``(key, note)``: what the dropout plan of inputs like ``x`` depends on on this rank, and
         what the pass's handshake shares of it with the other ranks (None on one process)."""
         key = (tuple(x.shape), x.dtype, str(x.device),
-               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)))
+               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)), x.stride())  # (masks follow strides)
         if self._comm.size == 1:
             return key, None
         return key, (self._comm.rank, key != self._dropout_key, _rng_digest(x.device), key[:2])
 
     def _dropout_plan(self, kp, x, key, parts=None):
         """The dropout calls of every layer for inputs like ``x`` (collective on several ranks):
-        ``{layer: [(function name, input shape, p), ...]}`` for the layers that drop out.
+        ``{layer: [(function name, input shape, p, input strides), ...]}`` for the layers that drop out.
 
         Recorded again whenever the input's shape, the dropout rates or the layers' modes changed on
         any rank; on several ranks the random states of all ranks must agree when there are masks.
