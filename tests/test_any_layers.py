@@ -2003,6 +2003,74 @@ def test_the_time_grid_is_read_only():
     assert pickle.loads(pickle.dumps(lp)).h == 0.25
 
 
+def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_follows_its_T():
+    """A review: `lp.scheme = rk4` was accepted; training passes kept the scheme the kernel was built with
+    until the layers happened to be inspected again, while to_serial(), eval passes and the running statistics
+    used the new one (4e-2 apart, no error). The scheme and layer_index are now fixed like T. ODENet's T was a
+    plain attribute: setting it left h, the step it takes, as it was; h now follows T."""
+    from propagators.torch import forward_euler, rk4
+
+    layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()).double() for _ in range(8)]
+    lp = LayerParallel(layers, T=2.0, scheme=rk4, fwd_tol=1e-13, bwd_tol=1e-13)
+    for name, value in (("scheme", forward_euler), ("layer_index", lambda i0, i1: i0)):
+        with pytest.raises(AttributeError, match=f"LayerParallel.{name} is fixed at construction.*{name}=\\.\\.\\."):
+            setattr(lp, name, value)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    assert lp.scheme is rk4 and torch.allclose(lp(x), ODENet(layers, T=2.0, scheme=rk4)(x), rtol=1e-11, atol=1e-12)
+    again = pickle.loads(pickle.dumps(lp))
+    assert again.scheme is rk4 and torch.allclose(again(x), lp(x), rtol=1e-11, atol=1e-12)
+    net = lp.to_serial()
+    net.T = 4.0
+    assert net.h == 0.5 and torch.allclose(net(x), ODENet(layers, T=4.0, scheme=rk4)(x), rtol=1e-14, atol=1e-14)
+    with pytest.raises(AttributeError, match="set T instead"):
+        net.h = 0.1
+    with pytest.raises(ValueError):
+        net.T = 0.0
+    assert pickle.loads(pickle.dumps(net)).h == 0.5
+
+
+def test_a_schemes_own_tensor_that_starts_requiring_grad_is_caught_and_errors_name_the_scheme():
+    """A review: a scheme of one's own that reads an outside tensor (a learnable step size frozen for a warm-up)
+    that requires grad only after the first pass: on dense layers (no layer code runs, none was checked in
+    later passes) the tensor got no gradient, for ever (serial: 1.13), with no error. Every pass with
+    gradients now also checks the dense layers when the scheme is one's own. Errors in a step say that the
+    scheme may be the cause (one's own scheme; dt_aware, which calls layer(u, dt))."""
+    from propagators.torch import dt_aware
+
+    alpha = torch.tensor(0.8, dtype=torch.float64)
+
+    def scheme(f, u, dt):
+        return u + alpha * dt * f(u)
+
+    layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()).double() for _ in range(12)]
+    x = torch.randn(4, 5, dtype=torch.float64)
+    lp = LayerParallel(layers, T=1.5, scheme=scheme, cf=2, fwd_tol=1e-13, bwd_tol=1e-13)
+    assert all(c.mode == "dense" for c in lp.kernel.classes)
+    lp(x).sum().backward()
+    alpha.requires_grad_(True)
+    with pytest.raises(LayerError, match=r"not one of its parameters.*your scheme scheme\(f, u, dt\).*nn.Parameter"):
+        lp(x).sum().backward()
+    alpha.requires_grad_(False)
+    assert torch.allclose(lp(x), ODENet(layers, T=1.5, scheme=scheme)(x), rtol=1e-11, atol=1e-12)
+
+    def narrowing(f, u, dt):
+        return (u + dt * f(u)).float()
+
+    with pytest.raises(LayerError, match="maps a float64 state to float32.*your scheme narrowing"):
+        LayerParallel(layers, scheme=narrowing)(x)
+
+    class NoStep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 5).double()
+
+        def forward(self, u):
+            return self.lin(u)
+
+    with pytest.raises(LayerError, match=r"takes 2 positional.*dt_aware calls layer\(u, dt\)"):
+        LayerParallel([NoStep() for _ in range(4)], scheme=dt_aware)(x)
+
+
 def test_torch_func_transforms_and_forward_mode_are_clear_errors():
     import torch.autograd.forward_ad as fwAD
 

@@ -43,7 +43,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
-from .schemes import forward_euler, heun, rk4
+from .schemes import dt_aware, forward_euler, heun, rk4
 
 try:  # what functional_call binds with; held around a looped layer's autograd.grad (KernelPass._held)
     from torch.nn.utils.stateless import _reparametrize_module
@@ -1315,7 +1315,8 @@ class KernelPass:
             if "doesn't require grad" in text or "does not require grad" in text:
                 hint = (" (the forward solve evaluates the layers without autograd, under torch.no_grad: "
                         "guard what needs a graph, e.g. `if z.requires_grad: z.register_hook(...)`)")
-            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {text}{hint}") from exc
+            raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {text}{hint}"
+                             f"{scheme_note(self.k.scheme)}") from exc
 
     # -- forward steps ----------------------------------------------------------
     def step_one(self, u, j: int, dt: float):
@@ -1359,7 +1360,7 @@ class KernelPass:
             f"layer {j} ({type(m).__name__}) maps a {str(u.dtype).replace('torch.', '')} state to {theirs} (its "
             f"parameters or its code compute in {theirs}): the serial network would go on in {theirs} from this "
             "layer on, while LayerParallel keeps the input's dtype. Give the block an input of the layers' "
-            f"dtype (x.to(torch.{theirs})){convert_layers}")
+            f"dtype (x.to(torch.{theirs})){convert_layers}{scheme_note(self.k.scheme)}")
 
     def vjp_state_one(self, u, v, j: int, dt: float, d=None):
         """``J^T v`` for one step of layer ``j`` at state ``u`` (the sequential coarse adjoint solves);
@@ -1764,6 +1765,26 @@ class KernelPass:
 #: built-in schemes that are elementwise in the state, the layer's value and the step: a stack of states
 #: (with a step per row) is stepped as each state alone would be
 _STACKABLE = (forward_euler, heun, rk4)
+
+
+def own_scheme(scheme) -> bool:
+    """Whether ``scheme`` is the user's own (code that runs in every step besides the layers'), not one of
+    the library's."""
+    return scheme not in _STACKABLE and scheme is not dt_aware
+
+
+def scheme_note(scheme) -> str:
+    """What an error about a layer's step adds when the step is not the layer's alone: the user's own scheme
+    runs around it, and ``dt_aware`` calls ``layer(u, dt)``."""
+    if scheme is dt_aware:
+        return (" (the scheme dt_aware calls layer(u, dt): the layer's forward must take the state and the step "
+                "and return the next state)")
+    if not own_scheme(scheme):
+        return ""
+    name = getattr(scheme, "__name__", type(scheme).__name__)
+    return (f" (the step is your scheme {name}(f, u, dt) around the layer: the cause may be in the scheme's code; "
+            "a tensor the scheme reads must not require grad, e.g. a learnable step size belongs in the layers "
+            "as an nn.Parameter)")
 
 
 def _distinct(grads: dict) -> dict:

@@ -42,8 +42,8 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_p
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _autocast_on, _random_error, _random_moved,
-                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors,
-                     rounding_tolerance, take_rows, uncached_parametrizations)
+                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors, own_scheme,
+                     rounding_tolerance, scheme_note, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -1021,7 +1021,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                     named = name == "scheme" and fn in ("forward_euler", "heun", "rk4", "dt_aware")
                     raise TypeError(f"`{name}` must be a function, got {fn!r}"
                                     + (f": pass propagators.torch.{fn}" if named else ""))
-            self.scheme, self.layer_index = scheme, layer_index or inject_layer
+            self._scheme, self._layer_index = scheme, layer_index or inject_layer
             check_integer(streams, "streams", 0)
             self.streams = int(streams)
             self.callback = callback
@@ -1078,7 +1078,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         return state
 
     def __setstate__(self, state):
-        for k in ("T", "h"):  # (pickled before they became read-only properties)
+        for k in ("T", "h", "scheme", "layer_index"):  # (pickled before they became read-only properties)
             if k in state:
                 state["_" + k] = state.pop(k)
         super().__setstate__(state)
@@ -1102,6 +1102,24 @@ class LayerParallel(_SolveCycles, nn.Module):
     @h.setter
     def h(self, value):
         _grid_fixed("h")
+
+    @property
+    def scheme(self):
+        """The one-step method ``scheme(f, u, dt)`` of every layer (read-only)."""
+        return self._scheme
+
+    @scheme.setter
+    def scheme(self, value):
+        _fixed_function("scheme")
+
+    @property
+    def layer_index(self):
+        """Which layer steps each coarse interval (read-only)."""
+        return self._layer_index
+
+    @layer_index.setter
+    def layer_index(self, value):
+        _fixed_function("layer_index")
 
     # -- construction helpers -------------------------------------------------
     def _held(self) -> dict:
@@ -1751,8 +1769,9 @@ class LayerParallel(_SolveCycles, nn.Module):
         """After the first pass with gradients, each later one probes one class whose layers' code runs (not
         dense), in turn: a tensor from outside the layers (a hook's, a closure's) that starts to require grad
         later (a conditioning network unfrozen) is caught within as many passes as there are such classes.
-        Dense classes read nothing but their parameters. None when there are none."""
-        loose = [c for c in kp.k.classes if c.mode != "dense"]
+        Dense classes read nothing but their parameters, unless the user's own scheme steps them (its code
+        runs in every step, and may read such a tensor: a learnable step size). None when there are none."""
+        loose = [c for c in kp.k.classes if c.mode != "dense" or own_scheme(self.scheme)]
         if not loose:
             return None
         self._probe_turn = (getattr(self, "_probe_turn", -1) + 1) % len(loose)
@@ -1774,7 +1793,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                     f"layer {j} ({type(c.template).__name__}) uses a tensor that requires grad but is not one of "
                     f"its parameters (shape {tuple(foreign[0].shape)}; e.g. a parameter of another module read "
                     "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
-                    "detach it")
+                    f"detach it{scheme_note(self.scheme)}")
         if classes is None:
             self._probed = True if getattr(self, "_grad_pass", True) else _PROBED_WITHOUT_GRAD
 
@@ -1800,7 +1819,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                         "numbers from a source LayerParallel cannot fix for a pass (a numpy Generator, Python's "
                         "random, a torch Generator of its own), or its output depends on state it changes when "
                         "called. MGRIT evaluates every layer many times per pass; draw such noise outside the "
-                        "layers, or make them pure functions of their input")
+                        f"layers, or make them pure functions of their input{scheme_note(self.scheme)}")
         self._repeated = True
 
     def _halo_pairs(self, kp) -> dict:
@@ -2202,6 +2221,14 @@ def _grid_fixed(name: str):
         "load_state_dict(lp.state_dict()) into a new one")
 
 
+def _fixed_function(name: str):
+    raise AttributeError(
+        f"LayerParallel.{name} is fixed at construction (the layers' kernel, the checks of their steps and the "
+        f"copies lent to other ranks are built with it; a new value would reach some passes and not others): "
+        f"build a new LayerParallel with the {name} you want, e.g. LayerParallel(list(lp.layers), T=lp.T, "
+        f"{name}=...) on one process, or load_state_dict(lp.state_dict()) into a new one")
+
+
 def _check_T(T) -> float:
     """The final time: a finite number > 0 (not a string or a bool)."""
     if isinstance(T, torch.Tensor) and T.numel() == 1 and not T.requires_grad:
@@ -2458,8 +2485,33 @@ class ODENet(nn.Module):
     def __init__(self, layers, T: float = 1.0, scheme=forward_euler):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.T = _check_T(T)  # (as LayerParallel's: T = 0 or inf built a network that did nothing or NaN)
-        self.h, self.scheme = self.T / len(self.layers), scheme
+        self.T = T
+        self.scheme = scheme
+
+    @property
+    def T(self) -> float:
+        """The final time; setting it sets the step size ``h = T / len(layers)``."""
+        return self._T
+
+    @T.setter
+    def T(self, value):
+        self._T = _check_T(value)  # (as LayerParallel's: T = 0 or inf built a network that did nothing or NaN)
+
+    @property
+    def h(self) -> float:
+        """The step size ``T / len(layers)`` (set ``T`` to change it)."""
+        return self._T / len(self.layers)
+
+    @h.setter
+    def h(self, value):
+        raise AttributeError(f"ODENet.h is T / len(layers); set T instead (T = h * {len(self.layers)} for a step "
+                             "h)")
+
+    def __setstate__(self, state):
+        if "T" in state:  # (pickled when T and h were attributes)
+            state["_T"] = state.pop("T")
+            state.pop("h", None)
+        super().__setstate__(state)
 
     def forward(self, x):
         return serial_forward(self.layers, x, self.h, self.scheme)
