@@ -255,6 +255,11 @@ def test_f_relaxation_above_a_coarsened_level_is_rejected():
                 dict(min_size=0)):
         with pytest.raises(ValueError):
             SpatialCoarsening(**bad)
+    # a review: a coarsen_from beyond the hierarchy coarsened nothing, silently
+    with pytest.raises(ValueError, match=r"coarsen_from=7\) but the hierarchy has 3 level.*between 1 and 2"):
+        LayerParallel(conv_layers(8, 2), cf=2, max_levels=3, relax="FCF", spatial=SpatialCoarsening(coarsen_from=7))
+    with pytest.raises(ValueError, match="one level has no coarse level"):
+        LayerParallel(conv_layers(8, 2), max_levels=1, spatial=SpatialCoarsening(coarsen_from=1))
 
 
 def test_layers_that_cannot_be_coarsened_say_what_to_do():
@@ -269,6 +274,11 @@ def test_layers_that_cannot_be_coarsened_say_what_to_do():
     norm = [nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.LayerNorm([2, 8, 8])).double() for _ in range(8)]
     with pytest.raises(LayerError, match="coarse feature maps"):
         LayerParallel(norm, cf=2, max_levels=3, spatial=SpatialCoarsening())(x)
+    # a review: a layer that needs maps of some size (reflect padding of a 5-wide kernel) is told about min_size
+    reflect = [nn.Sequential(nn.Conv2d(2, 2, 5, padding=2, padding_mode="reflect"), nn.Tanh()).double()
+               for _ in range(8)]
+    with pytest.raises(LayerError, match=r"SpatialCoarsening\(min_size=\.\.\.\) \(the smallest side here is 2\)"):
+        LayerParallel(reflect, cf=2, max_levels=3, relax="FCF", spatial=SpatialCoarsening(coarsen_from=1, min_size=2))(x)
     with pytest.raises(ValueError, match=r"\(\.\.\., C, H, W\)"):
         LayerParallel([nn.Linear(4, 4).double() for _ in range(8)], cf=2, max_levels=3,
                       spatial=SpatialCoarsening())(torch.randn(3, 4, dtype=torch.float64))

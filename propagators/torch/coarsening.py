@@ -135,8 +135,14 @@ class SpatialCoarsening:
         return out
 
     def check_relax(self, hierarchy) -> None:
-        """Raise unless every level above a coarsened level has C-relaxation."""
+        """Raise unless ``coarsen_from`` names a level of the hierarchy and every level above a coarsened
+        level has C-relaxation."""
         L = len(hierarchy)
+        if self.coarsen_from is not None and self.coarsen_from >= L:
+            fix = (f"pass coarsen_from between 1 and {L - 1}, or None (the coarsest level)" if L > 1 else
+                   "a hierarchy of one level has no coarse level: pass spatial=None, or allow more levels")
+            raise ValueError(f"SpatialCoarsening(coarsen_from={self.coarsen_from}) but the hierarchy has {L} "
+                             f"level(s), 0 to {L - 1}: no level would be coarsened; {fix}")
         for level in range(self.first(L) - 1, L - 1):
             if hierarchy[level].nrelax < 1:
                 raise ValueError(
@@ -431,8 +437,10 @@ class CoarsePropagator(ODEPropagator):
             f"{exc} -- on the coarse feature maps {tuple(shape)} of time level {self.level} (spatial "
             "coarsening, which halves the last two axes of the state: (H, W) of (N, C, H, W) maps). Layers must "
             "work on maps of any size: convolutions with 'same' padding, element-wise operations, normalisations "
-            "over channels; or pass spatial=None (also for states whose last two axes are not both spatial, "
-            "such as (N, tokens, dim))")
+            "over channels; for layers that need maps of some size (a wide kernel with reflect padding, batch "
+            "statistics of a few pixels), keep the coarse maps at least that large with "
+            f"SpatialCoarsening(min_size=...) (the smallest side here is {min(tuple(shape)[-2:])}); or pass "
+            "spatial=None (also for states whose last two axes are not both spatial, such as (N, tokens, dim))")
 
     def step(self, u, t0, t1):
         try:
