@@ -991,6 +991,11 @@ def test_a_borrowed_tensor_that_requires_grad_only_in_later_passes_is_a_clear_er
 def test_layer_index_must_be_the_identity_on_the_layers():
     with pytest.raises(ValueError, match="layer_index"):
         LayerParallel([nn.Linear(3, 3) for _ in range(8)], layer_index=lambda i0, i1: np.minimum(i0 + 1, 7))
+    # a review: a random choice on the coarse levels gave a raw KeyError on 2 ranks, a halo error on 3
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="called twice on the intervals of level 1: it must be a deterministic"):
+        LayerParallel([nn.Linear(3, 3) for _ in range(16)], cf=4,
+                      layer_index=lambda i0, i1: np.where(i1 - i0 > 1, rng.integers(0, 16, size=np.shape(i0)), i0))
 
 
 @pytest.mark.parametrize("make, match", [(NumpyNoise, "random"),
@@ -2027,6 +2032,12 @@ def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_f
     with pytest.raises(ValueError):
         net.T = 0.0
     assert pickle.loads(pickle.dumps(net)).h == 0.5
+    # the MGRIT settings too: lp.options["cf"] = 8 changed the solves' hierarchy but not the block's (nor, on
+    # several ranks, which layers each rank holds copies of for the coarse levels)
+    for change in (lambda o: o.__setitem__("cf", 8), lambda o: o.update(max_levels=2), lambda o: o.pop("relax")):
+        with pytest.raises(TypeError, match="fixed at construction.*load_state_dict"):
+            change(lp.options)
+    assert lp.options["cf"] == 4 and type(again.options) is type(lp.options) and again.options == lp.options
 
 
 def test_a_schemes_own_tensor_that_starts_requiring_grad_is_caught_and_errors_name_the_scheme():

@@ -17,7 +17,7 @@ from launch import assert_all_ok, launch, needs_mpiexec
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from propagators.torch import (LayerParallel, MultiStage, ODENet, SpatialCoarsening, Stage,  # noqa: E402
+from propagators.torch import (LayerError, LayerParallel, MultiStage, ODENet, SpatialCoarsening, Stage,  # noqa: E402
                                load_digits_images, residual_cnn)
 
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
@@ -207,6 +207,12 @@ def test_errors_say_what_to_do():
     # a stage's own error names the stage (the options given once fit one stage and not another)
     with pytest.raises(ValueError, match=r"piece 1, Stage\(n_layers=8\): spatial coarsening of level 1 needs"):
         residual_cnn(n_layers=(8, 6), spatial=SpatialCoarsening())
+    # a review: a layer's error in a pass said "layer 0" with no stage: which of several stages?
+    net = MultiStage([nn.Conv2d(1, 4, 3, padding=1), Stage(lambda i: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
+                                                                                    nn.Tanh()), 4),
+                      nn.Conv2d(4, 6, 1), Stage(lambda i: nn.Sequential(nn.Conv2d(5, 5, 3, padding=1), nn.Tanh()), 4)])
+    with pytest.raises(LayerError, match=r"^piece 3 \(stage 1, layers numbered from 0 in the stage\): layer 0 "):
+        net(torch.randn(2, 1, 8, 8))
 
 
 def test_digits_images_are_the_digits_upscaled_bilinearly():

@@ -225,6 +225,10 @@ def test_module_behaviour_dtype_state_dict_and_factory():
     with torch.no_grad():
         assert lp(x).shape == x.shape
     assert "n_layers=8" in repr(lp)
+    # the layers a rank holds, as a mapping by global index (a review: items() without keys() or values())
+    held = lp.layers
+    assert held.keys() == held.indices == list(range(8)) and held.values() == list(held)
+    assert dict(held) == dict(held.items()) and all(held[j] is m for j, m in held.items())
 
 
 def test_plain_training_loop_learns():

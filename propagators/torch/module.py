@@ -82,7 +82,32 @@ class LayerDict(nn.Module):
         return [int(k) for k in self._modules]
 
     def items(self):
+        """``(global index, module)`` pairs in layer order."""
         return [(int(k), m) for k, m in self._modules.items()]
+
+    def keys(self):
+        """The global indices of the layers this rank holds, in order (as :attr:`indices`)."""
+        return self.indices
+
+    def values(self):
+        """The modules in layer order (as iterating)."""
+        return list(self._modules.values())
+
+
+class FixedOptions(dict):
+    """The MGRIT settings of a block (``lp.options``): a dict that refuses changes, since the hierarchy, the
+    layers' split over ranks and the cached layouts are built from them at construction."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("the MGRIT settings of a block (its `options`: cf, max_levels, min_coarse, relax, ...) are "
+                        "fixed at construction (its hierarchy and its layers' split over ranks are built from "
+                        "them): build a new block with the settings you want and load the old one's state_dict "
+                        "into it, e.g. new.load_state_dict(lp.state_dict())")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (FixedOptions, (dict(self),))
 
 
 _STATEFUL = (nn.modules.batchnorm._BatchNorm,)
@@ -1009,6 +1034,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                                 relax=frozen_per_level(relax), cycle=cycle)
             if not (np.ndim(c_weight) == 0 and c_weight == 1.0):  # (unweighted: options as before it existed)
                 self.options["c_weight"] = frozen_per_level(c_weight)
+            self.options = FixedOptions(self.options)
             self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             if tol_type not in ("abs", "rel"):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
@@ -1078,6 +1104,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         return state
 
     def __setstate__(self, state):
+        if type(state.get("options")) is dict:  # (pickled before the options were fixed)
+            state["options"] = FixedOptions(state["options"])
         for k in ("T", "h", "scheme", "layer_index"):  # (pickled before they became read-only properties)
             if k in state:
                 state["_" + k] = state.pop(k)

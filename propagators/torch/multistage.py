@@ -25,6 +25,7 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
+from .kernel import LayerError
 from .module import _STATEFUL, LayerParallel, _announced, _copied, _crc, _one_thread, check_root
 
 _OWN = ("comm", "data_comm")
@@ -276,7 +277,14 @@ class MultiStage(nn.Module):
             self._check_frozen_ties()
         for is_stage, idx in self._segments:
             if is_stage:
-                x = self[idx[0]](x)
+                try:
+                    x = self[idx[0]](x)
+                except LayerError as exc:  # ("layer 0" is the stage's own numbering: say which stage)
+                    k = sum(isinstance(p, LayerParallel) for p in list(self)[: idx[0]])
+                    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("piece "):
+                        exc.args = (f"piece {idx[0]} (stage {k}, layers numbered from 0 in the stage): "
+                                    f"{exc.args[0]}",) + exc.args[1:]
+                    raise
                 continue
             try:
                 sig = args_signature(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None

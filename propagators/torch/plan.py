@@ -74,6 +74,14 @@ class DistributionPlan:
                 f"`layer_index(i, i + 1)` must be layer i on the layers themselves (the network being trained); "
                 f"it gives {fine_layers.reshape(-1)[bad] if fine_layers.size else None} for i = {bad}. "
                 "Only coarse steps (i1 - i0 > 1) may choose another layer")
+        for l, lv in enumerate(hierarchy):  # every rank's plan, and every coarse step, rest on the same answer
+            s = lv.stride
+            i0 = np.arange(0, N - s + 1, s)
+            if len(i0) and not np.array_equal(np.asarray(layer_index(i0, i0 + s)), np.asarray(layer_index(i0, i0 + s))):
+                raise ValueError(
+                    f"`layer_index` gave other layers when called twice on the intervals of level {l}: it must be a "
+                    "deterministic function of (i0, i1) (no random choice): every rank plans which layers it "
+                    "holds from it, and every coarse step calls it again")
         fine = tuple(fine_ranges(N + 1, P))
         adj = [N - fine[P - 1 - q][1] for q in range(P)]
         adj[0] = 0

@@ -31,9 +31,10 @@ import mgrit
 from mgrit.comm import Call, InSession, ReversedInSession, args_signature, as_communicator, warn_if_alone
 from mgrit.hierarchy import build_hierarchy, check_flag, check_levels, frozen_per_level
 
-from .module import (_DIFFERENT_LOSS, _NO_EXPORT, _agreed_build, _announced, _autocast_on, _chunks, _differing_inputs,
-                     _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient, _functorch_active,
-                     _input_sums, _nan_like, _no_transforms, _one_thread, _SolveCycles, _uids, _warn_solve)
+from .module import (_DIFFERENT_LOSS, _NO_EXPORT, FixedOptions, _agreed_build, _announced, _autocast_on, _chunks,
+                     _differing_inputs, _differing_passes, _eager_under_compile, _exporting, _finite_output_gradient,
+                     _functorch_active, _input_sums, _nan_like, _no_transforms, _one_thread, _SolveCycles, _uids,
+                     _warn_solve)
 from .kernel import _no_autocast
 from .plan import DistributionPlan
 from .schemes import inject_layer
@@ -362,8 +363,8 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             self.dropout = float(dropout)
             self.bidirectional = bool(bidirectional)  # (as torch: any truth value)
             self.num_directions = 2 if self.bidirectional else 1
-            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
-                                relax=frozen_per_level(relax))
+            self.options = FixedOptions(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
+                                        relax=frozen_per_level(relax))
             self.cycle, self.coarse = cycle, coarse
             self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             self.tol_type = tol_type
