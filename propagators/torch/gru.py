@@ -92,7 +92,10 @@ class GRUPropagator(_CellPropagator):
             return U
         r, z, n = self.gates(self.inputs(i0, k), self.hidden(U)[:, None])
         if k == 1:  # the GRU cell, written as torch.nn.GRU writes it
-            return n[:, 0] + z[:, 0] * (U - n[:, 0])
+            out = n[:, 0] + z[:, 0] * (U - n[:, 0])
+            if self.held is not None:  # (z = 1 there, but n + (h - n) rounds: in bfloat16 a step moved h by 2^-8)
+                out = torch.where(_windows(self.held, i0, 1, self.offset)[:, 0, ..., None], U, out)
+            return out
         # frozen gates: h_{j+1} = z_j h_j + (1 - z_j) n_j is affine in h, composed in log2(k) rounds
         A, Bc = _affine_compose(z, n - z * n)
         return torch.addcmul(Bc, A, U)
@@ -258,8 +261,9 @@ class ParallelGRU(_ParallelRNN):
     _takes_packed = True
 
     def _hold(self, gi, held) -> None:
-        # an update gate of exactly 1 (sigmoid(inf)): h' = n + 1 (h - n); the frozen coarse step's composition
-        # (z, n - z n) = (1, 0) is the identity exactly, and every gate's gradient there is exactly 0
+        # an update gate of exactly 1 (sigmoid(inf)): the frozen coarse step's composition (z, n - z n) = (1, 0)
+        # is the identity exactly, and every gate's gradient there is exactly 0 (the fine step, n + 1 (h - n),
+        # which rounds, keeps the state itself: GRUPropagator.held)
         H = self.hidden_size
         gi[..., H:2 * H].masked_fill_(held[..., None], math.inf)
 

@@ -139,6 +139,9 @@ class _CellPropagator(mgrit.Propagator):
         self.W, self.b, self.gi = weight_hh, bias_hh, gi
         self.offset, self.coarse = int(offset), coarse
         self.H = int(weight_hh.shape[1])
+        #: bool (n, B) or None: the positions (from ``offset``) whose step keeps the state exactly (past the end
+        #: of a packed sequence)
+        self.held = None
 
     def span(self, m: int) -> int:
         """Inputs a step over ``m`` positions reads."""
@@ -486,8 +489,13 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         ``1 / (1 - dropout)``, so that layer ``l + 1`` read ``output_l * masks[l]`` (``output_l``
         the output sequence of layer ``l``). Every rank draws the same masks (from a generator
         seeded with ``seed``, which rank 0 draws from torch's global generator), so one and
-        several ranks give the same pass; they are not torch's own masks.
+        several ranks give the same pass; they are not torch's own masks. For a PackedSequence
+        ``like`` the masks are in its padded layout, ``nn.utils.rnn.pad_packed_sequence(like)[0]``
+        (positions first, the caller's batch order), which is where the pass applied them.
         """
+        if isinstance(like, nn.utils.rnn.PackedSequence):
+            padded = nn.utils.rnn.pad_packed_sequence(like)[0]
+            return self._masks(seed, tuple(padded.shape), padded)
         if like.dim() == 2:  # unbatched
             return [m.squeeze(1) for m in self._masks(seed, (like.shape[0], 1, like.shape[1]), like)]
         if self.batch_first:
@@ -828,6 +836,7 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             if held is not None:
                 self._hold(gi, held[lay.w_lo:lay.w_hi])
             prop = self._propagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
+            prop.held = None if held is None else held[lay.w_lo:lay.w_hi]
         if P == 1:
             res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
                               comm=self._comm, final_residual=True)
