@@ -2012,7 +2012,7 @@ def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_f
     """A review: `lp.scheme = rk4` was accepted; training passes kept the scheme the kernel was built with
     until the layers happened to be inspected again, while to_serial(), eval passes and the running statistics
     used the new one (4e-2 apart, no error). The scheme and layer_index are now fixed like T. ODENet's T was a
-    plain attribute: setting it left h, the step it takes, as it was; h now follows T."""
+    plain attribute: setting it left h, the step it takes, as it was; h now follows T, and setting h sets T."""
     from propagators.torch import forward_euler, rk4
 
     layers = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()).double() for _ in range(8)]
@@ -2027,10 +2027,13 @@ def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_f
     net = lp.to_serial()
     net.T = 4.0
     assert net.h == 0.5 and torch.allclose(net(x), ODENet(layers, T=4.0, scheme=rk4)(x), rtol=1e-14, atol=1e-14)
-    with pytest.raises(AttributeError, match="set T instead"):
-        net.h = 0.1
+    net.h = 0.25  # (the step: T follows)
+    assert net.T == 2.0 and torch.allclose(net(x), ODENet(layers, T=2.0, scheme=rk4)(x), rtol=1e-14, atol=1e-14)
+    net.T = 4.0
     with pytest.raises(ValueError):
         net.T = 0.0
+    with pytest.raises(ValueError, match="at least one layer"):
+        ODENet([])
     assert pickle.loads(pickle.dumps(net)).h == 0.5
     # the MGRIT settings too: lp.options["cf"] = 8 changed the solves' hierarchy but not the block's (nor, on
     # several ranks, which layers each rank holds copies of for the coarse levels)

@@ -149,6 +149,26 @@ def test_masks_follow_the_memory_layout_of_the_dropout_input(make):
         assert_step_equal(lp, serial, x.contiguous(memory_format=fmt), seed=20 + k)
 
 
+def test_a_step_that_changes_the_memory_layout_is_an_error_with_dropout_only():
+    """A review: a scheme (or a dt_aware layer) that returns the state in another layout makes the serial
+    network's later layers draw their masks in that layout; the masks, recorded on the block's input, were
+    then 0.49 off the serial network's, with no error. Now a LayerError says so; without dropout such a step is
+    fine (the values are the same in any layout)."""
+    def to_channels_last(f, u, dt):
+        return (u + dt * f(u)).contiguous(memory_format=torch.channels_last)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    drop = [nn.Sequential(nn.Dropout(0.3), nn.Conv2d(3, 3, 3, padding=1), nn.Tanh()).double() for _ in range(8)]
+    lp = LayerParallel(drop, T=1.0, cf=2, max_levels=3, scheme=to_channels_last, **TIGHT)
+    with pytest.raises(LayerError, match=r"layer 0 \(Sequential\) returns the state in another memory layout.*"
+                                         r"layers use dropout"):
+        lp(x)
+    plain = [nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Tanh()).double() for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(plain), T=1.0, cf=2, max_levels=3, scheme=to_channels_last, **TIGHT)
+    assert rel(lp(x), ODENet(plain, T=1.0, scheme=to_channels_last)(x)) < REL
+
+
 def test_masks_are_drawn_once_per_pass_and_differ_between_layers():
     lp, _ = pair(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), 6)
     x = torch.randn(8, 4, dtype=torch.float64)

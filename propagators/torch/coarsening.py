@@ -28,6 +28,7 @@ with :func:`mgrit.solve`.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -135,14 +136,15 @@ class SpatialCoarsening:
         return out
 
     def check_relax(self, hierarchy) -> None:
-        """Raise unless ``coarsen_from`` names a level of the hierarchy and every level above a coarsened
-        level has C-relaxation."""
+        """Raise unless every level above a coarsened level has C-relaxation; warn when ``coarsen_from`` is
+        beyond the hierarchy (a short network, or a shallow stage sharing the settings of deeper ones: its
+        levels are not coarsened)."""
         L = len(hierarchy)
         if self.coarsen_from is not None and self.coarsen_from >= L:
-            fix = (f"pass coarsen_from between 1 and {L - 1}, or None (the coarsest level)" if L > 1 else
-                   "a hierarchy of one level has no coarse level: pass spatial=None, or allow more levels")
-            raise ValueError(f"SpatialCoarsening(coarsen_from={self.coarsen_from}) but the hierarchy has {L} "
-                             f"level(s), 0 to {L - 1}: no level would be coarsened; {fix}")
+            fix = (f"coarsen_from between 1 and {L - 1} coarsens some, None the coarsest" if L > 1 else
+                   "a hierarchy of one level has no coarse level")
+            warnings.warn(f"SpatialCoarsening(coarsen_from={self.coarsen_from}) on a hierarchy of {L} level(s), 0 "
+                          f"to {L - 1}: no level is coarsened ({fix})", UserWarning, stacklevel=4)
         for level in range(self.first(L) - 1, L - 1):
             if hierarchy[level].nrelax < 1:
                 raise ValueError(

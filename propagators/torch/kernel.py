@@ -821,6 +821,12 @@ class DropoutMasks(_DropoutMode):
         return u * m
 
 
+def memory_layout(t: torch.Tensor) -> tuple:
+    """The order of ``t``'s elements in memory, as its strides with those of axes of size 1 (which do not
+    order anything) left out: what dropout's noise follows."""
+    return tuple(s if n > 1 else 0 for n, s in zip(t.shape, t.stride()))
+
+
 def draw_masks(calls, dtype, device) -> list:
     """Draw the masks of one layer: each dropout function applied to ones of the recorded shape and
     strides (consumes the random generator exactly as the serial layer does: dropout fills its noise in
@@ -1021,13 +1027,13 @@ class KernelPass:
         #: dropout masks of this pass by layer (a list per layer, in call order); None: no dropout
         self.masks: dict | None = None
 
-    def record_dropout(self, j: int, u, dt) -> list:
-        """The active dropout calls ``(name, input shape, p, input strides)`` of one step of layer ``j`` at
-        ``u``."""
+    def record_dropout(self, j: int, u, dt) -> tuple:
+        """``(calls, out_layout)``: the active dropout calls ``(name, input shape, p, input strides)`` of one step
+        of layer ``j`` at ``u``, and the memory layout of the state it returns (:func:`memory_layout`)."""
         p, b = self._detached(j)
         with torch.no_grad(), self._named(j), DropoutRecorder() as rec:
-            self._single(self.k.modules[j], p, b, u, dt)
-        return rec.calls
+            out = self._single(self.k.modules[j], p, b, u, dt)
+        return rec.calls, memory_layout(out) if isinstance(out, torch.Tensor) else None
 
     def _masked(self, j: int, buffers: dict) -> dict:
         if self.masks is None or j not in self.masks:
@@ -1316,7 +1322,7 @@ class KernelPass:
                 hint = (" (the forward solve evaluates the layers without autograd, under torch.no_grad: "
                         "guard what needs a graph, e.g. `if z.requires_grad: z.register_hook(...)`)")
             raise LayerError(f"layer {j} ({type(m).__name__}) failed: {type(exc).__name__}: {text}{hint}"
-                             f"{scheme_note(self.k.scheme)}") from exc
+                             f"{scheme_note(self.k.scheme, call=True)}") from exc
 
     # -- forward steps ----------------------------------------------------------
     def step_one(self, u, j: int, dt: float):
@@ -1773,18 +1779,19 @@ def own_scheme(scheme) -> bool:
     return scheme not in _STACKABLE and scheme is not dt_aware
 
 
-def scheme_note(scheme) -> str:
+def scheme_note(scheme, call: bool = False, grad: bool = False) -> str:
     """What an error about a layer's step adds when the step is not the layer's alone: the user's own scheme
-    runs around it, and ``dt_aware`` calls ``layer(u, dt)``."""
+    runs around it (``grad``: the error is about a tensor that requires grad), and ``dt_aware`` calls
+    ``layer(u, dt)`` (said for a failing ``call`` only)."""
     if scheme is dt_aware:
         return (" (the scheme dt_aware calls layer(u, dt): the layer's forward must take the state and the step "
-                "and return the next state)")
+                "and return the next state)") if call else ""
     if not own_scheme(scheme):
         return ""
     name = getattr(scheme, "__name__", type(scheme).__name__)
-    return (f" (the step is your scheme {name}(f, u, dt) around the layer: the cause may be in the scheme's code; "
-            "a tensor the scheme reads must not require grad, e.g. a learnable step size belongs in the layers "
-            "as an nn.Parameter)")
+    return (f" (the step is your scheme {name}(f, u, dt) around the layer: the cause may be in the scheme's code"
+            + ("; a tensor the scheme reads must not require grad: a learnable step size belongs in the layers "
+               "as an nn.Parameter)" if grad else ")"))
 
 
 def _distinct(grads: dict) -> dict:

@@ -42,8 +42,8 @@ from mgrit.hierarchy import build_hierarchy, check_flag, check_integer, frozen_p
 
 from .adjoint import AdjointPropagator, parameter_vjp, recorded_gradients
 from .kernel import (_REGISTRIES, DropoutMasks, LayerError, LayerKernel, _autocast_on, _random_error, _random_moved,
-                     _random_states, _random_states_kept, draw_masks, global_hooks, own_saved_tensors, own_scheme,
-                     rounding_tolerance, scheme_note, take_rows, uncached_parametrizations)
+                     _random_states, _random_states_kept, draw_masks, global_hooks, memory_layout, own_saved_tensors,
+                     own_scheme, rounding_tolerance, scheme_note, take_rows, uncached_parametrizations)
 from .plan import DistributionPlan
 from .propagator import ODEPropagator
 from .schemes import forward_euler, inject_layer
@@ -1335,10 +1335,10 @@ class LayerParallel(_SolveCycles, nn.Module):
         """``(key, note)``: what the dropout plan of inputs like ``x`` depends on on this rank, and
         what the pass's handshake shares of it with the other ranks (None on one process)."""
         key = (tuple(x.shape), x.dtype, str(x.device),
-               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)), x.stride())  # (masks follow strides)
+               tuple(s.p for _, s in self._special if isinstance(s, _RANDOM)), memory_layout(x))  # (masks follow it)
         if self._comm.size == 1:
             return key, None
-        return key, (self._comm.rank, key != self._dropout_key, _rng_digest(x.device), key[:2])
+        return key, (self._comm.rank, key != self._dropout_key, _rng_digest(x.device), (key[0], key[1], key[4]))
 
     def _dropout_plan(self, kp, x, key, parts=None):
         """The dropout calls of every layer for inputs like ``x`` (collective on several ranks):
@@ -1349,15 +1349,23 @@ class LayerParallel(_SolveCycles, nn.Module):
         ``key`` and ``parts`` (every rank's note, on several ranks) come from :meth:`_dropout_note`.
         """
         stale, digests = key != self._dropout_key, None
+        layouts = None
         if parts is not None:
-            shapes = {r: k for r, _, _, k in parts}
+            shapes = {r: k[:2] for r, _, _, k in parts}
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"the ranks of the layer communicator pass inputs of different shapes or dtypes "
                                  f"(rank: (shape, dtype) {shapes}); every rank must pass the same input")
+            layouts = {r: k[2] for r, _, _, k in parts}
             digests = [(r, f, d) for r, f, d, _ in parts]
             stale = any(f for _, f, _ in digests)
         if stale:
             self._record_dropout(kp, x, key)
+        if self._dropout_calls and layouts is not None and len(set(layouts.values())) > 1:
+            raise ValueError(
+                "the layers use dropout, whose masks follow the memory layout of their input, and the ranks of the "
+                f"layer communicator pass inputs in different layouts (rank: strides {layouts}): pass the same "
+                "layout on every rank, e.g. x.contiguous() or x.contiguous(memory_format=torch.channels_last) on "
+                "each")
         if self._dropout_calls and digests is not None and len({d for _, _, d in digests}) > 1:
             raise ValueError(
                 "the layers use dropout, and the ranks of the layer communicator have different torch random "
@@ -1370,17 +1378,31 @@ class LayerParallel(_SolveCycles, nn.Module):
         dt = torch.as_tensor(self.h, dtype=x.dtype, device=x.device)
         owned, mine = set(self.owned_layers), {}
         # (a look at the layers: the pass's draws stay the serial ones, their buffers as they were)
+        moved = None  # (a layer whose step returns the state in another memory layout than it got)
         with _random_states_kept(x.device), self._buffers_kept(kp):
             for c in self.kernel.classes:
                 js = [int(j) for j in c.members if int(j) in owned]
                 if js:
-                    calls = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same calls
+                    calls, layout = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same
                     mine.update({j: calls for j in js if calls})
-        calls = mine
+                    if moved is None and layout is not None and layout != memory_layout(x):
+                        moved = (js[0], type(c.template).__name__, memory_layout(x), layout)
+        calls, every = mine, [moved]
         if self._comm.size > 1:
-            calls = {}
-            for part in self._comm.gather(mine, root=None):
+            calls, every = {}, []
+            for part, m in self._comm.gather((mine, moved), root=None):
                 calls.update(part)
+                every.append(m)
+        moved = next((m for m in every if m is not None), None)
+        if calls and moved is not None:
+            j, name, before, after = moved
+            raise LayerError(
+                f"layer {j} ({name}) returns the state in another memory layout than it gets (strides {before} -> "
+                f"{after}, e.g. a .contiguous(memory_format=...) in the layer or the scheme), and the layers use "
+                "dropout, whose masks follow the layout of their input: the serial network's later layers would "
+                "draw them in the new layout, which LayerParallel, drawing every layer's masks from the block's "
+                "input, does not follow. Keep the state's layout in every step, or pass the input in the layout "
+                "the steps return")
         self._dropout_key, self._dropout_calls = key, calls
 
     def _draw_masks(self, kp, calls, x):
@@ -1821,7 +1843,7 @@ class LayerParallel(_SolveCycles, nn.Module):
                     f"layer {j} ({type(c.template).__name__}) uses a tensor that requires grad but is not one of "
                     f"its parameters (shape {tuple(foreign[0].shape)}; e.g. a parameter of another module read "
                     "in forward). It would get no gradient: register it in the layer (nn.Parameter), or "
-                    f"detach it{scheme_note(self.scheme)}")
+                    f"detach it{scheme_note(self.scheme, grad=True)}")
         if classes is None:
             self._probed = True if getattr(self, "_grad_pass", True) else _PROBED_WITHOUT_GRAD
 
@@ -2513,6 +2535,8 @@ class ODENet(nn.Module):
     def __init__(self, layers, T: float = 1.0, scheme=forward_euler):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        if not len(self.layers):
+            raise ValueError("ODENet needs at least one layer")
         self.T = T
         self.scheme = scheme
 
@@ -2527,13 +2551,12 @@ class ODENet(nn.Module):
 
     @property
     def h(self) -> float:
-        """The step size ``T / len(layers)`` (set ``T`` to change it)."""
+        """The step size ``T / len(layers)``; setting it sets ``T = h * len(layers)``."""
         return self._T / len(self.layers)
 
     @h.setter
     def h(self, value):
-        raise AttributeError(f"ODENet.h is T / len(layers); set T instead (T = h * {len(self.layers)} for a step "
-                             "h)")
+        self.T = float(value) * len(self.layers)
 
     def __setstate__(self, state):
         if "T" in state:  # (pickled when T and h were attributes)

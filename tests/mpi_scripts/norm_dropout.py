@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from checks import TIGHT, check, fail, rank, size, world
+from checks import TIGHT, check, fail, rank, size, value_error_everywhere, world
 from propagators.torch import LayerParallel, ODENet
 
 torch.set_default_dtype(torch.float64)
@@ -177,4 +177,26 @@ except ValueError as exc:
         fail(f"unexpected error: {exc}")
 torch.manual_seed(9)
 lp(torch.ones(*shape))
+
+
+def layouts_on_ranks():
+    """Dropout masks follow the memory layout of their input: the same values in another layout on one rank
+    (channels-last there, contiguous elsewhere) mixed the ranks' masks, equal to no serial network; now every
+    rank raises ValueError naming the layouts. Without dropout the layouts may differ (the values are the same),
+    and with the same layout on every rank the pass equals the serial network in that layout."""
+    torch.manual_seed(12)
+    layers = [nn.Sequential(nn.Dropout(0.3), nn.Conv2d(3, 3, 3, padding=1), nn.Tanh()) for _ in range(8)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, max_levels=3, comm=world, **TIGHT)
+    x0 = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(3))
+    last = x0.contiguous(memory_format=torch.channels_last) if rank == size - 1 else x0.contiguous()
+    torch.manual_seed(11)
+    value_error_everywhere(lambda: lp(last), "different layouts", "inputs in other memory layouts, with dropout")
+    cl = x0.contiguous(memory_format=torch.channels_last)
+    compare_step("channels-last on every rank", lp, ODENet(copy.deepcopy(layers), T=1.0), cl, seed=13)
+    convs = [nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Tanh()) for _ in range(8)]
+    plain = LayerParallel(copy.deepcopy(convs), T=1.0, cf=2, max_levels=3, comm=world, **TIGHT)
+    check("no dropout, other layouts on one rank", plain(last).detach(), ODENet(convs, T=1.0)(x0).detach())
+
+
+layouts_on_ranks()
 print(f"rank {rank} OK", flush=True)
