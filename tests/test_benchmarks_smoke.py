@@ -76,6 +76,19 @@ def test_fixed_cycles_quick_run_warns_where_its_ratios_say():
     assert [r[-1] for r in rows] == ["-", "fa", "fa", "fa"], out  # (a default network; scaled; unstable; damping)
 
 
+def test_skip_tradeoff_quick_run_prints_every_setting_and_its_front():
+    """Eight settings (skip True / False at four cycle counts), errors that more adjoint cycles reduce (2/2
+    against 2/1, either skip) and a Pareto front of at least one setting."""
+    pytest.importorskip("torch")
+    out = run_benchmark("skip_tradeoff.py", "--quick")
+    rows = [line.split() for line in out.splitlines() if line.startswith("N 64,")]
+    assert len(rows) == 8, out
+    err = {(r[-6], r[-5]): float(r[-3]) for r in rows}  # (skip, cycles) -> parameter-gradient error
+    for skip in ("True", "False"):
+        assert err[(skip, "2/2")] < err[(skip, "2/1")], out
+    assert "Pareto front" in out and "skip " in out.split("Pareto front")[1], out
+
+
 def test_warm_start_quick_run_exits_cleanly():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
