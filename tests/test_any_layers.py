@@ -1845,6 +1845,31 @@ def test_fixed_cycles_warn_when_the_residual_is_as_large_as_the_states():
     assert plain.backward_residual < 0.5 * LARGE_RESIDUAL["adjoint"] * float(xp.grad.norm())
 
 
+def test_a_relative_tolerance_met_from_a_blown_up_first_residual_warns():
+    """A review: with skip and unstable coarse steps the first residual measured was 3e7, so a relative
+    tolerance of 1e-8 was met at a residual as large as the output itself: the output was 2.2x off serial,
+    'converged', without the warning the same solve at fixed cycles gave. A relative tolerance met with a
+    residual of half the output's size or more now warns, naming the first residual; one met honestly
+    (skip off, the same network) does not pass that way, and an absolute tolerance decides alone."""
+    from propagators.torch import ConvergenceWarning
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(64):  # h a = 1.875: stable fine steps, unstable cf-4 coarse ones
+        lin = nn.Linear(4, 4).double()
+        with torch.no_grad():
+            lin.weight.copy_(-120 * torch.eye(4) + 0.1 * torch.randn(4, 4))
+            lin.bias.zero_()
+        layers.append(lin)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=4, max_levels=3, relax="FCF", fwd_tol=1e-8, tol_type="rel")
+    with pytest.warns(ConvergenceWarning, match=r"times the size of its output .*; it met its relative tolerance "
+                                                r"only because its first residual"):
+        y = lp(x)
+    ys = ODENet(layers, T=1.0)(x)
+    assert lp.last_forward.converged and float((y - ys).norm() / ys.norm()) > 1  # (what the warning says)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fixed_cycles_warn_in_half_precision_with_a_peaked_output_gradient(dtype):
     """A review of the warning: its guard against outputs at the rounding of larger states was 0.1 of the

@@ -2372,8 +2372,10 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
     stalling solve: its gradients are not worth much), unless both are at the rounding of the states,
-    or, with a fixed number of cycles, when the returned residual is :data:`LARGE_RESIDUAL` times the size
-    of ``ends`` or more (the block's output; the input gradient) and above the rounding of ``like``.
+    or, with a fixed number of cycles or a relative tolerance met, when the returned residual is
+    :data:`LARGE_RESIDUAL` times the size of ``ends`` or more (the block's output; the input gradient) and
+    above the rounding of ``like`` (a relative tolerance scales with the first residual measured, which
+    unstable coarse levels can blow up many times over the states' size).
     ``dtype``: the states' (named in the advice); ``like``: states that every rank holds alike (the block's
     input and output, the output gradient), whose sizes set the rounding: every rank decides alike
     (``ends``: the same on every rank, broadcast from one)."""
@@ -2411,9 +2413,10 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
                 f"tol_type={tol_type!r}): its output and gradients are not the serial network's to that tolerance. "
                 f"{what[0].upper()}{what[1:]}", ConvergenceWarning, stacklevel=_user_stacklevel())
             return
-    if res.converged or last is None:
+    if last is None:
         return
-    if first is not None and first > 0 and not last < first and max(first, last) > _rounding_floor(seen, dtype, like):
+    if not res.converged and first is not None and first > 0 and not last < first \
+            and max(first, last) > _rounding_floor(seen, dtype, like):
         warnings.warn(  # (from and to the rounding of the states, as a warm start on the same batch: no progress
             f"the {which} MGRIT solve made no progress: its residual went from {first:.3e} (the first measured) "  # to make)
             f"to {last:.3e} (of the output it returned) in {res.iterations} cycle(s). Its output and gradients may "
@@ -2422,15 +2425,20 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             "that stays where it started can also be the rounding of much larger states between the input and the "
             "output (then compute in float64)", ConvergenceWarning, stacklevel=_user_stacklevel())
         return
-    if tol is not None or not ends or not last >= LARGE_RESIDUAL[which] * _largest(ends):
+    if (tol is not None and tol_type != "rel") or (res.converged and tol is None) or not ends \
+            or not last >= LARGE_RESIDUAL[which] * _largest(ends):
         return  # (the norm is at least the largest entry: no warning, and no float64 copy of the output per pass)
     size = _size(ends)
     if size > 0 and last >= LARGE_RESIDUAL[which] * size and last > 10 * _eps(dtype) * _size(like):  # (not the
         #                                                     rounding of larger states, for an output or gradient near 0)
+        met = "" if tol is None or first is None else (
+            f"; it met its relative tolerance only because its first residual ({first:.3e}) was {first / size:.2g} "
+            "times that size")
         warnings.warn(  # (a single cycle that skips has no first residual: this is the check it gets)
             f"the {which} MGRIT solve returned a residual of {last:.3e} after {res.iterations} cycle(s), "
             f"{last / size:.2g} times the size of " + ("its output" if which == "forward" else "the input gradient")
-            + f" ({size:.3e}): " + ("its output and the gradients are" if which == "forward" else "the gradients are")
+            + f" ({size:.3e}){met}: "
+            + ("its output and the gradients are" if which == "forward" else "the gradients are")
             + " probably far off the serial network's (docs/benchmarks.md, \"Fixed cycles\"); unstable coarse steps "
             "do that. Use relax='FCF', fewer levels or a smaller cf (mgrit.choose_settings picks them), raise `"
             + iters + "`, set a tolerance, or let propagators.torch.SerialSwitch manage the cycles",

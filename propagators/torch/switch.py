@@ -604,7 +604,14 @@ class SerialSwitch:
     # -- control -------------------------------------------------------------
     def update(self, x, target) -> dict | None:
         """Count a training step; every ``every`` steps measure and maybe act. Returns the
-        record of a measurement (also appended to ``history``), else None."""
+        record of a measurement (also appended to ``history``), else None.
+
+        Call it once per optimizer step, after ``loss.backward()`` and before ``optimizer.step()``,
+        with the whole batch ``(x, target)`` whose gradient is in ``.grad``: the measurement compares
+        ``.grad`` with the exact gradient of ``loss_fn`` on that batch. With gradient accumulation over
+        micro-batches, accumulate the mean (each micro-batch's loss divided by their number) and pass
+        the concatenated batch; a call per micro-batch, or with the last micro-batch alone, compares
+        ``.grad`` with another gradient."""
         self.steps += 1
         if self.mode == "serial" or (self.steps - 1) % self.every:
             return None
