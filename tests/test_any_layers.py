@@ -2977,6 +2977,12 @@ def test_clip_grad_norm_of_a_model_around_a_block_is_torchs(p):
             clip_grad_norm_(params, 1.0)
     with pytest.raises(TypeError, match=r"grad_norm\(model"):
         grad_norm(model.parameters())
+    # a review: a sparse embedding's gradient gave a 100-line dispatcher dump (torch's own function fails alike)
+    emb = nn.Sequential(nn.Embedding(10, 4, sparse=True), lp)
+    emb(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    for fn in (grad_norm, lambda m: clip_grad_norm_(m, 1.0)):
+        with pytest.raises(TypeError, match=r"parameter `0.weight` has a sparse gradient.*sparse=False"):
+            fn(emb)
 
 
 @pytest.mark.parametrize("where", ["head", "first layer", "late layer", "tail"])

@@ -33,7 +33,9 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
     too, weighted alike: each data rank's running statistics follow its own shard, so without it the
     data replicas drift apart and evaluate differently. The average of the running means is the full
     batch's; that of the running variances leaves out the spread between the shard means (as
-    ``SyncBatchNorm`` would not), like the buffers DDP broadcasts from one rank.
+    ``SyncBatchNorm`` would not), like the buffers DDP broadcasts from one rank. BatchNorm's
+    ``num_batches_tracked`` takes the largest count of the data ranks (a rank with an empty shard, which
+    skipped the forward pass, did not count the step that the full batch counts).
 
     The call is collective over ``data_comm`` and failure-aware: when a data
     peer failed (its LayerParallel was given ``data_comm``, or it called
@@ -54,8 +56,15 @@ def allreduce_gradients(module: nn.Module, data_comm, shard_size: int | None = N
         comm.open(failure=failure)
         raise failure
     floats = [b for b in module.buffers() if b.is_floating_point()] if buffers else []
+    counts = [m.num_batches_tracked for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+              and isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor)] if buffers else []
     with comm.session(Call("allreduce_gradients()", None, "")):
         _average(comm, module, params, floats, shard_size)
+        if counts:  # (every data rank holds the same modules: _average checked the layout, buffers included)
+            top = comm.exact_many([[float(c)] for c in counts], "max")
+            with torch.no_grad():
+                for c, v in zip(counts, top):
+                    c.fill_(int(v))
 
 
 def _average(comm, module, params, floats, shard_size) -> None:
@@ -164,7 +173,9 @@ def _check_alike(comm, params, weighted: bool, module, values) -> None:
         raise ValueError(
             "allreduce_gradients: the data ranks pass modules with different parameters (number, shapes or dtypes, "
             f"of those that require grad; this rank: {len(params)}): every data rank must hold the same model, "
-            "built the same way (same layer ranks' share of it), and freeze the same parameters")
+            "built the same way (same layer ranks' share of it), and freeze the same parameters; or `data_comm` is "
+            "not the data communicator (the layer communicator or the world passed instead: pass the data part of "
+            "mgrit.split_comm, or the data group of mgrit.torch_dist's grid)")
     if got[4] != -got[5]:
         raise ValueError("allreduce_gradients: `shard_size` was given on some data ranks and not on others: "
                          "pass it on every data rank (the shards are weighted by it) or on none")

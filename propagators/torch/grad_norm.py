@@ -74,6 +74,11 @@ def _check_model(model, name: str) -> None:
         raise TypeError(f"{name} takes the model (the nn.Module that holds the LayerParallel blocks), not its "
                         f"parameters: got {type(model).__name__}; call {name}(model, ...) (it needs the blocks "
                         "to know which parameters are split over the ranks)")
+    sparse = next((n for n, q in model.named_parameters() if q.grad is not None and q.grad.is_sparse), None)
+    if sparse is not None:
+        raise TypeError(f"{name}: parameter `{sparse}` has a sparse gradient (nn.Embedding(sparse=True)), which "
+                        "torch's norms (and torch.nn.utils.clip_grad_norm_) do not take: use a dense embedding "
+                        "(sparse=False) where the gradients are clipped")
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> float:

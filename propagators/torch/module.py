@@ -1011,6 +1011,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         self._comm = as_communicator(comm)
         self._data_comm = None if data_comm is None else as_communicator(data_comm)
         with _announced(self._comm):  # a bad argument on one rank: the others raise in the handshake below
+            _check_grid(self._comm, self._data_comm)
             factory = callable(layers) and not isinstance(layers, (nn.Module, Sequence))
             if factory:
                 if n_layers is None:
@@ -2269,6 +2270,20 @@ def _grid_fixed(name: str):
         "distribution over ranks are built from it): build a new LayerParallel with the T you want over "
         "the same layers, e.g. LayerParallel(list(lp.layers), T=...) on one process, or "
         "load_state_dict(lp.state_dict()) into a new one")
+
+
+def _check_grid(comm, data_comm) -> None:
+    """Raise unless the layer and data communicators (both MPI) meet in this rank alone: a data communicator
+    that shares other ranks with the layer one (the layer communicator itself, the world) would average
+    gradients of different layers."""
+    if data_comm is None or data_comm.size == 1 or not all(hasattr(c, "_world") for c in (comm, data_comm)):
+        return  # (torch.distributed groups: allreduce_gradients compares the replicas' layouts)
+    shared = set(comm._world) & set(data_comm._world)
+    if len(shared) > 1:
+        raise ValueError(
+            f"the data communicator shares world ranks {sorted(shared)} with the layer communicator: it must meet it "
+            "in this rank alone (each data rank holds the same layers as this one); pass the two parts of "
+            "mgrit.split_comm(world, layer_size), not the layer communicator or the world as data_comm")
 
 
 def _fixed_function(name: str):

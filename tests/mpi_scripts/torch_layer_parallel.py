@@ -380,6 +380,31 @@ def grid_batch_norm_buffers(layer_comm, data_comm):
             other = data_comm.allgather(mine.clone())
             if not torch.equal(other[0], other[1]):
                 fail(f"grid {name} of layer {j} differs between the data replicas")
+    # a review: a replica with an empty shard (no forward) left its num_batches_tracked a step behind
+    lp.zero_grad()
+    if d == 1:
+        lp(X[:4]).square().mean().backward()
+    allreduce_gradients(lp, data_comm, shard_size=4 if d == 1 else 0, buffers=True)
+    counts = data_comm.allgather([int(lp.layers[j][1].num_batches_tracked) for j in lp.owned_layers])
+    if counts[0] != counts[1] or any(c != 2 for c in counts[0]):
+        fail(f"num_batches_tracked after a step with an empty shard on one replica: {counts} (want 2 on both)")
+    # the layer communicator (or the world) passed as the data one: an error at build, naming split_comm
+    for what, wrong in (("the layer communicator", layer_comm), ("the world", world)):
+        try:
+            LayerParallel(copy.deepcopy(layers), T=1.0, cf=2, comm=layer_comm, data_comm=wrong)
+        except ValueError as exc:
+            if "mgrit.split_comm" not in str(exc):
+                fail(f"{what} as data_comm: unexpected message: {exc}")
+        else:
+            fail(f"{what} as data_comm was accepted")
+    # and to allreduce_gradients: its error names the possibility
+    try:
+        allreduce_gradients(lp, layer_comm)
+    except ValueError as exc:
+        if "not the data communicator" not in str(exc):
+            fail(f"allreduce_gradients over the layer communicator: unexpected message: {exc}")
+    else:
+        fail("allreduce_gradients over the layer communicator was accepted")
 
 
 def warm_start_warns_alike(comm):
