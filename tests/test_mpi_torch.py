@@ -41,7 +41,7 @@ def test_batch_norm_and_dropout_equal_serial_on_ranks(n):
 CASES = ["check", "empty", "halo", "forward", "ghost", "adjoint", "params", "inplace", "interrupt", "factory", "layout",
          "activation", "tied", "to_serial", "load_serial", "settings", "eval", "batch", "bwd_settings", "outer", "order",
          "shuffled", "loss", "nanloss", "nanin", "n_layers", "shard", "modules", "argument", "calls", "skip",
-         "scheme", "replica_values", "replica_T", "replica_swap", "backward_order", "autocast"]
+         "scheme", "replica_values", "replica_T", "replica_swap", "backward_order", "autocast", "switch_loss"]
 #: ranks whose handshakes differ: every rank raises ValueError naming the call (the arguments of one call,
 #: or each rank's call), none waits
 MISMATCH = {"settings": ["the arguments of the forward pass (an MGRIT solve) of LayerParallel #", "fwd_iters"],

@@ -28,7 +28,7 @@ from torch import nn
 from mgrit.comm import Call, args_signature, as_communicator
 
 from .data_parallel import param_layout
-from .module import LayerParallel
+from .module import LayerParallel, _announced
 from .rnn import _ParallelRNN
 
 MODES = ("parallel", "serial")
@@ -544,12 +544,18 @@ class SerialSwitch:
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     for p in params:
                         p.grad = None
-                    self.loss_fn(self.model(x.narrow(xd, a, b - a)), target.narrow(td, a, b - a)).backward()
+                    y = self.model(x.narrow(xd, a, b - a))
+                    with _announced(self._comm):  # (a failing loss on one rank: the others raise in the backward)
+                        loss = self.loss_fn(y, target.narrow(td, a, b - a))
+                    loss.backward()
                     parts.append(self._grads(params))
                 if batch_stats:  # statistics of the whole batch: the group gradients do not sum to it
                     for p in params:
                         p.grad = None
-                    self.loss_fn(self.model(x), target).backward()
+                    y = self.model(x)
+                    with _announced(self._comm):
+                        loss = self.loss_fn(y, target)
+                    loss.backward()
                     full = self._grads(params)
         finally:
             with torch.no_grad():

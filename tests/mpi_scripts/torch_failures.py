@@ -15,6 +15,8 @@ CASE is the phase in which rank BAD_RANK fails:
 * ``params``: while computing the parameter gradients;
 * ``inplace``: a parameter modified in place between forward and backward on that rank only;
 * ``interrupt``: ``KeyboardInterrupt`` in ``mgrit.solve``'s input checks (before its handshake);
+* ``switch_loss``: the loss raises inside ``SerialSwitch.update``'s measurement (its other ranks were told the
+  collective calls differ, naming the switch's ``every``);
 * ``factory``: the layer factory raises (while the module is built); ``argument``: a bad
   argument there (``T=0``), found before the building handshake;
 * ``layout``: the factory builds layers of another layout (no bias) on that rank only;
@@ -131,6 +133,24 @@ def factory(case, bad):
 def run_case(case, bad):
     if case == "argument":
         LayerParallel(layers(), T=0.0 if rank == bad else 1.0, cf=2, max_levels=3, comm=world)
+        return
+    if case == "switch_loss":  # the loss fails there inside SerialSwitch's measurement (between a pass's halves)
+        from propagators.torch import SerialSwitch, Switchable
+
+        torch.manual_seed(3)  # (the same head on every rank)
+        model = nn.Sequential(nn.Linear(4, 4), Switchable(LayerParallel(layers(8), cf=2, max_levels=2, comm=world)))
+        calls = []
+
+        def loss_fn(out, target):
+            calls.append(1)
+            if rank == bad and len(calls) == 2:
+                raise RuntimeError("injected loss failure")
+            return (out - target).square().mean()
+
+        switch = SerialSwitch(model, loss_fn, every=1, groups=2)
+        x, target = torch.randn(4, 4, generator=torch.Generator().manual_seed(2)), torch.zeros(4, 4)
+        model(x).square().mean().backward()
+        switch.update(x, target)
         return
     if case == "n_layers":
         LayerParallel(layers(17 if rank == bad else 16), cf=2, max_levels=3, comm=world)
