@@ -1868,6 +1868,24 @@ def test_a_relative_tolerance_met_from_a_blown_up_first_residual_warns():
         y = lp(x)
     ys = ODENet(layers, T=1.0)(x)
     assert lp.last_forward.converged and float((y - ys).norm() / ys.norm()) > 1  # (what the warning says)
+    # and not for a healthy block whose input gradient is small beside the output gradient (damping layers,
+    # u' = tanh(W u + b) - u over T = 8): the parameter gradients meet the tolerance (a review of this check)
+    class Damped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, u):
+            return torch.tanh(self.lin(u)) - u
+
+    torch.manual_seed(0)
+    damped = LayerParallel([Damped() for _ in range(256)], T=8, cf=4, fwd_tol=1e-2, bwd_tol=1e-2,
+                           tol_type="rel").double()
+    head = nn.Linear(16, 3).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        nn.functional.cross_entropy(head(damped(torch.randn(8, 16, dtype=torch.float64))),
+                                    torch.randint(0, 3, (8,))).backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -2053,6 +2071,9 @@ def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_f
     net.T = 4.0
     assert net.h == 0.5 and torch.allclose(net(x), ODENet(layers, T=4.0, scheme=rk4)(x), rtol=1e-14, atol=1e-14)
     net.h = 0.25  # (the step: T follows)
+    three = ODENet([nn.Linear(2, 2) for _ in range(3)])
+    three.h = 0.1
+    assert three.h == 0.1 and three.T == 0.1 * 3  # (as given: T / 3 would read 0.10000000000000002)
     assert net.T == 2.0 and torch.allclose(net(x), ODENet(layers, T=2.0, scheme=rk4)(x), rtol=1e-14, atol=1e-14)
     net.T = 4.0
     with pytest.raises(ValueError):
@@ -2065,6 +2086,8 @@ def test_the_scheme_and_layer_index_are_read_only_and_the_serial_networks_step_f
     for change in (lambda o: o.__setitem__("cf", 8), lambda o: o.update(max_levels=2), lambda o: o.pop("relax")):
         with pytest.raises(TypeError, match="fixed at construction.*load_state_dict"):
             change(lp.options)
+    with pytest.raises(TypeError, match="fixed at construction"):
+        lp.options = dict(lp.options, cf=8)
     assert lp.options["cf"] == 4 and type(again.options) is type(lp.options) and again.options == lp.options
 
 

@@ -169,6 +169,20 @@ def test_a_step_that_changes_the_memory_layout_is_an_error_with_dropout_only():
     assert rel(lp(x), ODENet(plain, T=1.0, scheme=to_channels_last)(x)) < REL
 
 
+@pytest.mark.parametrize("view", ["a token of a sequence", "a slice of features", "expanded"])
+def test_inputs_that_are_views_with_gaps_are_not_taken_for_another_layout(view):
+    """A review of the layout check: a sliced or expanded input (x[:, 0], x[..., :8], z.expand(...)) comes back
+    from u + h f(u) contiguous, and the check raised a LayerError; dropout fills its noise in the same
+    contiguous order for such inputs (torch.empty_like), so the masks are the serial network's."""
+    lp, serial = pair(lambda: nn.Sequential(nn.Dropout(0.3), nn.Linear(4, 4), nn.Tanh()), 8)
+    torch.manual_seed(5)
+    base = torch.randn(6, 3, 8, dtype=torch.float64)
+    x = {"a token of a sequence": base[:, 0, :4], "a slice of features": base[:, 1, 2:6],
+         "expanded": base[:1, 0, :4].expand(6, 4)}[view]
+    assert not x.is_contiguous()
+    assert_step_equal(lp, serial, x, seed=31)
+
+
 def test_masks_are_drawn_once_per_pass_and_differ_between_layers():
     lp, _ = pair(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), 6)
     x = torch.randn(8, 4, dtype=torch.float64)

@@ -789,7 +789,7 @@ class DropoutRecorder(_DropoutMode):
         self.calls: list = []
 
     def dropout(self, name, u, p):
-        self.calls.append((name, tuple(u.shape), p, tuple(u.stride())))
+        self.calls.append((name, tuple(u.shape), p, _fill_strides(u)))
         return u
 
 
@@ -821,10 +821,19 @@ class DropoutMasks(_DropoutMode):
         return u * m
 
 
+def _fill_strides(t: torch.Tensor) -> tuple:
+    """The strides of the tensor dropout fills its noise into for an input ``t`` (``torch.empty_like``: ``t``'s
+    own when it is dense, such as a channels-last or a transposed one; else contiguous or channels-last, for a
+    slice with gaps or an expanded tensor)."""
+    if t.is_contiguous():
+        return tuple(t.stride())
+    return tuple(torch.empty_like(t, device="meta").stride())
+
+
 def memory_layout(t: torch.Tensor) -> tuple:
-    """The order of ``t``'s elements in memory, as its strides with those of axes of size 1 (which do not
-    order anything) left out: what dropout's noise follows."""
-    return tuple(s if n > 1 else 0 for n, s in zip(t.shape, t.stride()))
+    """The order in which dropout fills its noise for an input ``t`` (:func:`_fill_strides`), with the strides
+    of axes of size 1 (which do not order anything) left out: what its masks follow."""
+    return tuple(s if n > 1 else 0 for n, s in zip(t.shape, _fill_strides(t)))
 
 
 def draw_masks(calls, dtype, device) -> list:

@@ -1031,11 +1031,11 @@ class LayerParallel(_SolveCycles, nn.Module):
             self.n_layers = N
             self._T = _check_T(T)
             self._h = self._T / N
-            self.options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
-                                relax=frozen_per_level(relax), cycle=cycle)
+            options = dict(cf=frozen_per_level(cf), max_levels=max_levels, min_coarse=min_coarse,
+                           relax=frozen_per_level(relax), cycle=cycle)
             if not (np.ndim(c_weight) == 0 and c_weight == 1.0):  # (unweighted: options as before it existed)
-                self.options["c_weight"] = frozen_per_level(c_weight)
-            self.options = FixedOptions(self.options)
+                options["c_weight"] = frozen_per_level(c_weight)
+            self._options = FixedOptions(options)
             self._init_cycles(fwd_iters, bwd_iters, fwd_tol, bwd_tol)
             if tol_type not in ("abs", "rel"):
                 raise ValueError(f"`tol_type` must be 'abs' or 'rel', got {tol_type!r}")
@@ -1105,8 +1105,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         return state
 
     def __setstate__(self, state):
-        if type(state.get("options")) is dict:  # (pickled before the options were fixed)
-            state["options"] = FixedOptions(state["options"])
+        if "options" in state:  # (pickled before the options were fixed)
+            state["_options"] = FixedOptions(state.pop("options"))
         for k in ("T", "h", "scheme", "layer_index"):  # (pickled before they became read-only properties)
             if k in state:
                 state["_" + k] = state.pop(k)
@@ -1131,6 +1131,15 @@ class LayerParallel(_SolveCycles, nn.Module):
     @h.setter
     def h(self, value):
         _grid_fixed("h")
+
+    @property
+    def options(self) -> FixedOptions:
+        """The MGRIT settings (cf, max_levels, min_coarse, relax, cycle, c_weight), read-only."""
+        return self._options
+
+    @options.setter
+    def options(self, value):
+        FixedOptions._refuse(None)
 
     @property
     def scheme(self):
@@ -2388,9 +2397,10 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     residual of the returned trajectory is not below the first residual measured (a diverging or
     stalling solve: its gradients are not worth much), unless both are at the rounding of the states,
     or, with a fixed number of cycles or a relative tolerance met, when the returned residual is
-    :data:`LARGE_RESIDUAL` times the size of ``ends`` or more (the block's output; the input gradient) and
-    above the rounding of ``like`` (a relative tolerance scales with the first residual measured, which
-    unstable coarse levels can blow up many times over the states' size).
+    :data:`LARGE_RESIDUAL` times the size of ``ends`` or more (the block's output; the input gradient, and
+    with a tolerance met also the output gradient ``like``) and above the rounding of ``like`` (a relative
+    tolerance scales with the first residual measured, which unstable coarse levels can blow up many times
+    over the states' size).
     ``dtype``: the states' (named in the advice); ``like``: states that every rank holds alike (the block's
     input and output, the output gradient), whose sizes set the rounding: every rank decides alike
     (``ends``: the same on every rank, broadcast from one)."""
@@ -2444,6 +2454,10 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             or not last >= LARGE_RESIDUAL[which] * _largest(ends):
         return  # (the norm is at least the largest entry: no warning, and no float64 copy of the output per pass)
     size = _size(ends)
+    if tol is not None and which == "adjoint":
+        # (a met tolerance: the adjoint states along the way, which the parameter gradients read, are not
+        # smaller than the output gradient, though the input gradient may be, through a damping block)
+        size = max(size, _size(like))
     if size > 0 and last >= LARGE_RESIDUAL[which] * size and last > 10 * _eps(dtype) * _size(like):  # (not the
         #                                                     rounding of larger states, for an output or gradient near 0)
         met = "" if tol is None or first is None else (
@@ -2571,21 +2585,25 @@ class ODENet(nn.Module):
     @T.setter
     def T(self, value):
         self._T = _check_T(value)  # (as LayerParallel's: T = 0 or inf built a network that did nothing or NaN)
+        self._h = self._T / len(self.layers)
 
     @property
     def h(self) -> float:
-        """The step size ``T / len(layers)``; setting it sets ``T = h * len(layers)``."""
-        return self._T / len(self.layers)
+        """The step size, ``T / len(layers)``; setting it sets ``T = h * len(layers)`` (and keeps ``h`` as
+        given: ``T / len(layers)`` may round to another float)."""
+        return self._h
 
     @h.setter
     def h(self, value):
         self.T = float(value) * len(self.layers)
+        self._h = float(value)
 
     def __setstate__(self, state):
         if "T" in state:  # (pickled when T and h were attributes)
-            state["_T"] = state.pop("T")
-            state.pop("h", None)
+            state["_T"], state["_h"] = state.pop("T"), state.pop("h", None)
         super().__setstate__(state)
+        if self.__dict__.get("_h") is None:
+            self._h = self._T / len(self.layers)
 
     def forward(self, x):
         return serial_forward(self.layers, x, self.h, self.scheme)
