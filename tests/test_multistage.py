@@ -188,6 +188,17 @@ def test_the_builder_is_deterministic_per_seed_and_keeps_the_global_random_state
     assert not torch.equal(sa["1.layers.0.0.weight"], sa["1.layers.1.0.weight"])
 
 
+class FailsBackwardLayer(nn.Module):
+    """Applies an autograd Function (one whose backward raises) to its input."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, u):
+        return torch.tanh(self.fn.apply(u))
+
+
 def test_errors_say_what_to_do():
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="no layer-parallel stage"):
@@ -213,6 +224,23 @@ def test_errors_say_what_to_do():
                       nn.Conv2d(4, 6, 1), Stage(lambda i: nn.Sequential(nn.Conv2d(5, 5, 3, padding=1), nn.Tanh()), 4)])
     with pytest.raises(LayerError, match=r"^piece 3 \(stage 1, layers numbered from 0 in the stage\): layer 0 "):
         net(torch.randn(2, 1, 8, 8))
+    # and in its backward pass, as a note of the error (the traceback shows it)
+    class FailsBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, u):
+            return u.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom in backward")
+
+    net = MultiStage([nn.Conv2d(1, 4, 3, padding=1), Stage(lambda i: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
+                                                                                    nn.Tanh()), 4),
+                      nn.Conv2d(4, 4, 1), Stage(lambda i: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
+                                                                        FailsBackwardLayer(FailsBackward)), 4)])
+    with pytest.raises(LayerError, match="boom in backward") as caught:
+        net(torch.randn(2, 1, 8, 8)).sum().backward()
+    assert "in piece 3 (stage 1, layers numbered from 0 in the stage) of a MultiStage" in caught.value.__notes__
 
 
 def test_digits_images_are_the_digits_upscaled_bilinearly():

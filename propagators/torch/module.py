@@ -316,6 +316,9 @@ def _adjoint_pass(ctx, gy):
             raise differ  # every rank found it in the handshake: raised after the session (no one waits)
     except BaseException as exc:
         lp._alarm(exc)
+        note = getattr(lp, "_stage_note", None)  # (a MultiStage stage: which one, in its own layer numbering)
+        if note and isinstance(exc, LayerError) and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
         raise
     return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
 

@@ -171,6 +171,8 @@ class MultiStage(nn.Module):
                     f"from this MultiStage's ({self._comm.size} rank(s)); every stage runs on the same layer "
                     "communicator: build each with comm=<that communicator>, or pass Stage specifications")
             self.add_module(str(i), p)
+        for k, i in enumerate(i for i, p in enumerate(self) if isinstance(p, LayerParallel)):
+            self[i]._stage_note = f"in piece {i} (stage {k}, layers numbered from 0 in the stage) of a MultiStage"
         self._frozen_ties: list = []  # (piece, name, parameter): frozen and shared with a stage layer
         if self._comm.size > 1:
             self._refuse_ties()
@@ -284,7 +286,7 @@ class MultiStage(nn.Module):
                     if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("piece "):
                         exc.args = (f"piece {idx[0]} (stage {k}, layers numbered from 0 in the stage): "
                                     f"{exc.args[0]}",) + exc.args[1:]
-                    raise
+                    raise  # (a stage's errors in its backward pass carry the same as a note: _stage_note)
                 continue
             try:
                 sig = args_signature(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None
