@@ -189,14 +189,21 @@ def test_the_builder_is_deterministic_per_seed_and_keeps_the_global_random_state
 
 
 class FailsBackwardLayer(nn.Module):
-    """Applies an autograd Function (one whose backward raises) to its input."""
+    """A convolution whose gradient hook raises (in the backward pass only)."""
 
-    def __init__(self, fn):
+    def __init__(self, ch):
         super().__init__()
-        self.fn = fn
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
 
     def forward(self, u):
-        return torch.tanh(self.fn.apply(u))
+        z = torch.tanh(self.conv(u))
+        if z.requires_grad:
+            z.register_hook(self.boom)
+        return z
+
+    @staticmethod
+    def boom(grad):
+        raise RuntimeError("boom in backward")
 
 
 def test_errors_say_what_to_do():
@@ -225,19 +232,9 @@ def test_errors_say_what_to_do():
     with pytest.raises(LayerError, match=r"^piece 3 \(stage 1, layers numbered from 0 in the stage\): layer 0 "):
         net(torch.randn(2, 1, 8, 8))
     # and in its backward pass, as a note of the error (the traceback shows it)
-    class FailsBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, u):
-            return u.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("boom in backward")
-
     net = MultiStage([nn.Conv2d(1, 4, 3, padding=1), Stage(lambda i: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
                                                                                     nn.Tanh()), 4),
-                      nn.Conv2d(4, 4, 1), Stage(lambda i: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
-                                                                        FailsBackwardLayer(FailsBackward)), 4)])
+                      nn.Conv2d(4, 4, 1), Stage(lambda i: FailsBackwardLayer(4), 4)])
     with pytest.raises(LayerError, match="boom in backward") as caught:
         net(torch.randn(2, 1, 8, 8)).sum().backward()
     assert "in piece 3 (stage 1, layers numbered from 0 in the stage) of a MultiStage" in caught.value.__notes__
