@@ -2465,11 +2465,11 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     if (tol is not None and tol_type != "rel") or (res.converged and tol is None) or not ends \
             or not last >= LARGE_RESIDUAL[which] * _largest(ends):
         return  # (the norm is at least the largest entry: no warning, and no float64 copy of the output per pass)
-    size = _size(ends)
-    if tol is not None and which == "adjoint":
+    size, of = _size(ends), ("its output" if which == "forward" else "the input gradient")
+    if tol is not None and which == "adjoint" and _size(like) > size:
         # (a met tolerance: the adjoint states along the way, which the parameter gradients read, are not
         # smaller than the output gradient, though the input gradient may be, through a damping block)
-        size = max(size, _size(like))
+        size, of = _size(like), "the output gradient (larger than the input gradient)"
     if size > 0 and last >= LARGE_RESIDUAL[which] * size and last > 10 * _eps(dtype) * _size(like):  # (not the
         #                                                     rounding of larger states, for an output or gradient near 0)
         met = "" if tol is None or first is None else (
@@ -2477,8 +2477,7 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
             "times that size")
         warnings.warn(  # (a single cycle that skips has no first residual: this is the check it gets)
             f"the {which} MGRIT solve returned a residual of {last:.3e} after {res.iterations} cycle(s), "
-            f"{last / size:.2g} times the size of " + ("its output" if which == "forward" else "the input gradient")
-            + f" ({size:.3e}){met}: "
+            f"{last / size:.2g} times the size of {of} ({size:.3e}){met}: "
             + ("its output and the gradients are" if which == "forward" else "the gradients are")
             + " probably far off the serial network's (docs/benchmarks.md, \"Fixed cycles\"); unstable coarse steps "
             "do that. Use relax='FCF', fewer levels or a smaller cf (mgrit.choose_settings picks them), raise `"

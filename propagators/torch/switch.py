@@ -614,10 +614,11 @@ class SerialSwitch:
 
         Call it once per optimizer step, after ``loss.backward()`` and before ``optimizer.step()``,
         with the whole batch ``(x, target)`` whose gradient is in ``.grad``: the measurement compares
-        ``.grad`` with the exact gradient of ``loss_fn`` on that batch. With gradient accumulation over
-        micro-batches, accumulate the mean (each micro-batch's loss divided by their number) and pass
-        the concatenated batch; a call per micro-batch, or with the last micro-batch alone, compares
-        ``.grad`` with another gradient."""
+        ``.grad`` with the exact gradient of ``loss_fn`` (a mean over the samples) on that batch. With
+        gradient accumulation over micro-batches, accumulate the whole batch's mean (each micro-batch's
+        loss weighted by its share of the samples: divided by their number for equal sizes) and pass the
+        concatenated batch; a call per micro-batch, or with the last micro-batch alone, compares ``.grad``
+        with another gradient."""
         self.steps += 1
         if self.mode == "serial" or (self.steps - 1) % self.every:
             return None
