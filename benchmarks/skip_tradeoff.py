@@ -13,14 +13,18 @@ down in every cycle. This script measures what the choice buys, per network:
 * ``out err``: the output's relative error.
 
 The settings are ``skip`` True / False at 1/1, 2/1, 2/2 and 3/2 forward / adjoint cycles; every
-network runs with cf 4, 4 levels (3 for 64 layers) and F / FCF relaxation, LayerParallel's
-defaults otherwise. The last lines name, per network, the settings that no other setting beats
-in both time and parameter-gradient error (the Pareto front).
+network runs with cf 4, 4 levels (3 below 256 layers) and F / FCF relaxation, LayerParallel's
+defaults otherwise. The networks: four of tanh layers ``u + h tanh(W u + b)`` of width 16 (batch
+16), and with ``--families`` also 64 pre-norm transformer blocks (``transformer_layers``, dim 32, 4
+heads, 17 tokens, batch 8) and 64 convolutional layers ``tanh(conv3x3(u))`` (8 channels, 12 x 12
+maps, batch 8). The last lines name, per network, the settings that no other setting beats in both
+time and parameter-gradient error (the Pareto front).
 
 Run::
 
-    .venv/bin/python benchmarks/skip_tradeoff.py             # 4 networks, about a minute
-    .venv/bin/python benchmarks/skip_tradeoff.py --quick     # one small network, a smoke run
+    .venv/bin/python benchmarks/skip_tradeoff.py               # 4 tanh networks, under a minute
+    .venv/bin/python benchmarks/skip_tradeoff.py --families    # and a transformer and a conv net
+    .venv/bin/python benchmarks/skip_tradeoff.py --quick       # one small network, a smoke run
 """
 from __future__ import annotations
 
@@ -39,11 +43,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _cli import positive_int  # noqa: E402
-from propagators.torch import ConvergenceWarning, LayerParallel  # noqa: E402
+from propagators.torch import ConvergenceWarning, LayerParallel, transformer_layers  # noqa: E402
 
-#: (N, width, T, batch) of the tanh networks u + h tanh(W u + b)
-NETWORKS = [(1024, 16, 1.0, 16), (1024, 16, 8.0, 16), (256, 16, 4.0, 16), (64, 16, 4.0, 16)]
-QUICK = [(64, 16, 4.0, 16)]
+
+def tanh_net(N: int, width: int, T: float, batch: int) -> tuple:
+    """(name, layers, T, input shape) of a tanh network u + h tanh(W u + b)."""
+    torch.manual_seed(0)
+    return (f"N {N}, w {width}, T {T:g}, B {batch}", [nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                                      for _ in range(N)], T, (batch, width))
+
+
+def transformer_net() -> tuple:
+    torch.manual_seed(0)
+    return "transformer, 64 blocks, dim 32, T 4", transformer_layers(64, 32, 4), 4.0, (8, 17, 32)
+
+
+def conv_net() -> tuple:
+    torch.manual_seed(0)
+    return ("conv, 64 layers, 8 ch, 12 x 12, T 4",
+            [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Tanh()) for _ in range(64)], 4.0, (8, 8, 12, 12))
+
+
+NETWORKS = [lambda: tanh_net(1024, 16, 1.0, 16), lambda: tanh_net(1024, 16, 8.0, 16),
+            lambda: tanh_net(256, 16, 4.0, 16), lambda: tanh_net(64, 16, 4.0, 16)]
+FAMILIES = [transformer_net, conv_net]
+QUICK = [lambda: tanh_net(64, 16, 4.0, 16)]
 CYCLES = [(1, 1), (2, 1), (2, 2), (3, 2)]
 
 
@@ -51,12 +75,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=positive_int, default=9, help="interleaved repetitions of each timing")
     p.add_argument("--quick", action="store_true", help="one small network, 3 repetitions (a smoke run)")
+    p.add_argument("--families", action="store_true", help="also a transformer and a convolutional network")
     return p.parse_args(argv)
-
-
-def layers(N: int, width: int) -> list:
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(N)]
 
 
 def rel(a, b) -> float:
@@ -72,11 +92,10 @@ def gradients(model, x, w) -> tuple:
     return y.detach(), xg.grad, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def study(N: int, width: int, T: float, batch: int, repeat: int) -> list:
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
-    w = torch.randn(batch, width, generator=torch.Generator().manual_seed(2))
-    base = layers(N, width)
-    levels = 4 if N >= 256 else 3
+def study(base: list, T: float, shape: tuple, repeat: int) -> list:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    levels = 4 if len(base) >= 256 else 3
     rows = []
     for skip in (True, False):
         for fwd, bwd in CYCLES:
@@ -117,17 +136,17 @@ def pareto(rows: list) -> list:
 def main(argv=None) -> None:
     a = parse(argv)
     torch.set_num_threads(1)
-    nets, repeat = (QUICK, min(a.repeat, 3)) if a.quick else (NETWORKS, a.repeat)
+    nets, repeat = (QUICK, min(a.repeat, 3)) if a.quick else (NETWORKS + (FAMILIES if a.families else []), a.repeat)
     print(f"skip True / False in training: one step (forward + backward), float32, 1 thread, cf 4, F / FCF; "
           f"medians of {repeat} interleaved repetitions; errors relative to serial autograd (lp.serial)")
-    print(f"{'network':<30}{'skip':>6}{'cycles':>8}{'ms':>9}{'dW err':>10}{'dx err':>10}{'out err':>10}")
+    print(f"{'network':<38}{'skip':>6}{'cycles':>8}{'ms':>9}{'dW err':>10}{'dx err':>10}{'out err':>10}")
     fronts = []
-    for N, width, T, batch in nets:
-        rows = study(N, width, T, batch, repeat)
-        name = f"N {N}, w {width}, T {T:g}, B {batch}"
+    for make in nets:
+        name, base, T, shape = make()
+        rows = study(base, T, shape, repeat)
         for r in rows:
             cycles = f"{r['fwd']}/{r['bwd']}"
-            print(f"{name:<30}{str(r['skip']):>6}{cycles:>8}{r['ms']:>9.2f}{r['dw']:>10.3g}{r['dx']:>10.3g}"
+            print(f"{name:<38}{str(r['skip']):>6}{cycles:>8}{r['ms']:>9.2f}{r['dw']:>10.3g}{r['dx']:>10.3g}"
                   f"{r['out']:>10.3g}")
         front = sorted(pareto(rows), key=lambda r: r["ms"])
         fronts.append((name, front))
