@@ -2285,24 +2285,31 @@ def _grid_fixed(name: str):
 
 
 def _check_grid(comm, data_comm) -> None:
-    """Raise unless the layer and data communicators (both MPI) meet in this rank alone: a data communicator
-    that shares other ranks with the layer one (the layer communicator itself, the world) would average
-    gradients of different layers."""
-    if data_comm is None or data_comm.size == 1 or not all(hasattr(c, "_MPI") for c in (comm, data_comm)):
-        return  # (torch.distributed groups: allreduce_gradients compares the replicas' layouts)
-    MPI = comm._MPI
-    mine, theirs = comm.comm.Get_group(), data_comm.comm.Get_group()
-    try:  # (groups, not world ranks: communicators of spawned processes have no COMM_WORLD ranks)
-        common = MPI.Group.Intersection(mine, theirs)
-        overlap = common.Get_size()
-        shared = sorted(set(common.Translate_ranks(list(range(overlap)), mine)))
-        common.Free()
-    finally:
-        mine.Free()
-        theirs.Free()
+    """Raise unless the layer and data communicators (both MPI or both torch.distributed) meet in this rank
+    alone: a data communicator that shares other ranks with the layer one (the layer communicator itself,
+    the world) would average gradients of different layers."""
+    if data_comm is None or data_comm.size == 1:
+        return
+    if all(hasattr(c, "_MPI") for c in (comm, data_comm)):
+        MPI = comm._MPI
+        mine, theirs = comm.comm.Get_group(), data_comm.comm.Get_group()
+        try:  # (groups, not world ranks: communicators of spawned processes have no COMM_WORLD ranks)
+            common = MPI.Group.Intersection(mine, theirs)
+            overlap = common.Get_size()
+            shared = sorted(set(common.Translate_ranks(list(range(overlap)), mine)))
+            common.Free()
+        finally:
+            mine.Free()
+            theirs.Free()
+    elif all(hasattr(c, "_g") and hasattr(c, "_members") for c in (comm, data_comm)):  # torch.distributed
+        ranks = [{c._g.world[m] for m in c._members} for c in (comm, data_comm)]  # (global ranks)
+        shared = sorted(ranks[0] & ranks[1])
+        overlap = len(shared)
+    else:
+        return  # (engines mixed: allreduce_gradients compares the replicas' layouts)
     if overlap > 1:
         raise ValueError(
-            f"the data communicator shares ranks {shared} of the layer communicator with it: it must meet it "
+            f"the data communicator shares ranks {shared} with the layer communicator: it must meet it "
             "in this rank alone (each data rank holds the same layers as this one); pass the two parts of "
             "mgrit.split_comm(world, layer_size), not the layer communicator or the world as data_comm")
 

@@ -132,6 +132,15 @@ def grid_nan(bad_data):
             print(f"case split rank {dist.get_rank()}: {exc}", flush=True)
             return 1
     layer_group, data_group = mgrit.split_comm(dist.group.WORLD, 2)
+    for wrong in (layer_group, dist.group.WORLD):  # (the layer group or the world as the data one: every rank)
+        try:
+            LayerParallel(layers(12), cf=2, max_levels=3, comm=layer_group, data_comm=wrong)
+            print(f"case overlap rank {dist.get_rank()}: no error", flush=True)
+            return 1
+        except ValueError as exc:
+            if "mgrit.split_comm" not in str(exc):
+                print(f"case overlap rank {dist.get_rank()}: {exc}", flush=True)
+                return 1
     lp = LayerParallel(layers(12), cf=2, max_levels=3, comm=layer_group, data_comm=data_group)
     model = nn.Sequential(nn.Linear(3, 4), lp, nn.Linear(4, 1))
     torch.manual_seed(5)
