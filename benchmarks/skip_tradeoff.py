@@ -83,11 +83,12 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def gradients(model, x, w) -> tuple:
-    """(output, input gradient, all parameter gradients) of ``sum(model(x) * w)``."""
+def gradients(model, x, w, call=None) -> tuple:
+    """(output, input gradient, all parameter gradients) of ``sum(model(x) * w)`` (``call(x)`` in place of
+    ``model(x)``: ``lp.serial``, the block's layers one after the other with plain autograd)."""
     model.zero_grad()
     xg = x.clone().requires_grad_(True)
-    y = model(xg)
+    y = (call or model)(xg)
     (y * w).sum().backward()
     return y.detach(), xg.grad, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -102,7 +103,7 @@ def study(base: list, T: float, shape: tuple, repeat: int) -> list:
             lp = LayerParallel(copy.deepcopy(base), T=T, cf=4, max_levels=levels, fwd_iters=fwd, bwd_iters=bwd,
                                skip=skip)
             rows.append(dict(skip=skip, fwd=fwd, bwd=bwd, lp=lp, times=[]))
-    y_ref, gx_ref, gw_ref = _serial_gradients(rows[0]["lp"], x, w)
+    y_ref, gx_ref, gw_ref = gradients(rows[0]["lp"], x, w, call=rows[0]["lp"].serial)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         for r in rows:
@@ -116,15 +117,6 @@ def study(base: list, T: float, shape: tuple, repeat: int) -> list:
     for r in rows:
         r["ms"] = 1e3 * statistics.median(r["times"])
     return rows
-
-
-def _serial_gradients(lp, x, w) -> tuple:
-    """The serial network's (``lp.serial``: the block's layers one after the other, plain autograd)."""
-    lp.zero_grad()
-    xg = x.clone().requires_grad_(True)
-    y = lp.serial(xg)
-    (y * w).sum().backward()
-    return y.detach(), xg.grad, torch.cat([p.grad.reshape(-1) for p in lp.parameters()])
 
 
 def pareto(rows: list) -> list:
