@@ -1398,8 +1398,8 @@ class LayerParallel(_SolveCycles, nn.Module):
                 if js:
                     calls, layout = kp.record_dropout(js[0], x.detach(), dt)  # interchangeable layers: the same
                     mine.update({j: calls for j in js if calls})
-                    if moved is None and layout is not None and layout != memory_layout(x):
-                        moved = (js[0], type(c.template).__name__, memory_layout(x), layout)
+                    if moved is None and layout is not None and layout != key[4]:  # (key[4]: x's layout)
+                        moved = (js[0], type(c.template).__name__, key[4], layout)
         calls, every = mine, [moved]
         if self._comm.size > 1:
             calls, every = {}, []
