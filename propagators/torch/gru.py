@@ -62,6 +62,13 @@ class GRUPropagator(_CellPropagator):
     coarse : {"frozen", "inject"}
     """
 
+    def hold(self, held) -> None:
+        # the fine step returns the state itself there (n + 1 (h - n) would round: in bfloat16 a step moved h by
+        # 2^-8), and an update gate of exactly 1 (sigmoid(inf)) makes the frozen coarse step's composition
+        # (z, n - z n) = (1, 0) the identity exactly, and every gate's gradient there exactly 0
+        self.held = held
+        self.gi[..., self.H:2 * self.H].masked_fill_(held[..., None], math.inf)
+
     def hidden(self, U):
         """``W_h h + b_h`` for stacked states ``U`` (..., B, H): one matrix product."""
         return F.linear(U, self.W, self.b)
@@ -93,7 +100,7 @@ class GRUPropagator(_CellPropagator):
         r, z, n = self.gates(self.inputs(i0, k), self.hidden(U)[:, None])
         if k == 1:  # the GRU cell, written as torch.nn.GRU writes it
             out = n[:, 0] + z[:, 0] * (U - n[:, 0])
-            if self.held is not None:  # (z = 1 there, but n + (h - n) rounds: in bfloat16 a step moved h by 2^-8)
+            if self.held is not None:  # (past a packed sequence's end: hold)
                 out = torch.where(_windows(self.held, i0, 1, self.offset)[:, 0, ..., None], U, out)
             return out
         # frozen gates: h_{j+1} = z_j h_j + (1 - z_j) n_j is affine in h, composed in log2(k) rounds
@@ -259,13 +266,6 @@ class ParallelGRU(_ParallelRNN):
     _propagator = GRUPropagator
     _adjoint = GRUAdjointPropagator
     _takes_packed = True
-
-    def _hold(self, gi, held) -> None:
-        # an update gate of exactly 1 (sigmoid(inf)): the frozen coarse step's composition (z, n - z n) = (1, 0)
-        # is the identity exactly, and every gate's gradient there is exactly 0 (the fine step, n + 1 (h - n),
-        # which rounds, keeps the state itself: GRUPropagator.held)
-        H = self.hidden_size
-        gi[..., H:2 * H].masked_fill_(held[..., None], math.inf)
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,

@@ -140,8 +140,13 @@ class _CellPropagator(mgrit.Propagator):
         self.offset, self.coarse = int(offset), coarse
         self.H = int(weight_hh.shape[1])
         #: bool (n, B) or None: the positions (from ``offset``) whose step keeps the state exactly (past the end
-        #: of a packed sequence)
+        #: of a packed sequence; :meth:`hold`)
         self.held = None
+
+    def hold(self, held) -> None:
+        """Make the steps at the positions ``held`` (bool, (n, B), from ``offset``) keep the state exactly
+        (only cells whose module sets ``_takes_packed``)."""
+        raise NotImplementedError  # pragma: no cover - only cells with _takes_packed
 
     def span(self, m: int) -> int:
         """Inputs a step over ``m`` positions reads."""
@@ -803,12 +808,7 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         output = x.new_zeros(L, 0, D * H) + zero if self.return_sequence else None
         return self._returned(output, h0.new_zeros(h0.shape) + zero, batched)
 
-    _takes_packed = False  # a PackedSequence input (the cell defines _hold)
-
-    def _hold(self, gi, held) -> None:
-        """Make the steps at the positions ``held`` (bool, (n, B)) keep the state, through their input
-        projections ``gi`` (n, B, G), in place."""
-        raise NotImplementedError  # pragma: no cover - only cells with _takes_packed
+    _takes_packed = False  # a PackedSequence input (the cell's propagator defines hold)
 
     def _split(self, weights):
         w_ih, w_hh = weights[0], weights[1]
@@ -833,10 +833,9 @@ class _ParallelRNN(_SolveCycles, nn.Module):
             w_ih, w_hh, b_ih, b_hh = (None if v is None else v.detach() for v in self._split(weights))
             xd = x.detach()
             gi = F.linear(xd[lay.w_lo:lay.w_hi], w_ih, b_ih)  # input projections: one matrix product
-            if held is not None:
-                self._hold(gi, held[lay.w_lo:lay.w_hi])
             prop = self._propagator(w_hh, b_hh, gi, lay.w_lo, self.coarse)
-            prop.held = None if held is None else held[lay.w_lo:lay.w_hi]
+            if held is not None:
+                prop.hold(held[lay.w_lo:lay.w_hi])
         if P == 1:
             res = mgrit.solve(prop, h0.detach().contiguous(), lay.t, **self._mgrit_options(exact, True),
                               comm=self._comm, final_residual=True)
