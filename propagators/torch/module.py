@@ -316,8 +316,9 @@ def _adjoint_pass(ctx, gy):
             raise differ  # every rank found it in the handshake: raised after the session (no one waits)
     except BaseException as exc:
         lp._alarm(exc)
-        note = getattr(lp, "_stage_note", None)  # (a MultiStage stage: which one, in its own layer numbering)
-        if note and isinstance(exc, LayerError) and note not in getattr(exc, "__notes__", ()):
+        stage = getattr(lp, "_stage", None)  # (a MultiStage stage: which one, in its own layer numbering)
+        note = f"in {stage} of a MultiStage"
+        if stage and isinstance(exc, LayerError) and note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)
         raise
     return (None, None, None, gx if ctx.needs_input_grad[3] else None, *grads)
@@ -1527,6 +1528,10 @@ class LayerParallel(_SolveCycles, nn.Module):
             return y
         except BaseException as exc:
             self._alarm(exc)
+            stage = getattr(self, "_stage", None)  # (a MultiStage stage: "layer 0" is its own numbering)
+            if stage and isinstance(exc, LayerError) and exc.args and isinstance(exc.args[0], str) \
+                    and not exc.args[0].startswith("piece "):
+                exc.args = (f"{stage}: {exc.args[0]}",) + exc.args[1:]
             raise
 
     def _restamp(self) -> None:

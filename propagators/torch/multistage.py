@@ -25,7 +25,6 @@ from torch import nn
 
 from mgrit.comm import Call, args_signature, as_communicator, warn_if_alone
 
-from .kernel import LayerError
 from .module import _STATEFUL, LayerParallel, _announced, _copied, _crc, _one_thread, check_root
 
 _OWN = ("comm", "data_comm")
@@ -172,7 +171,7 @@ class MultiStage(nn.Module):
                     "communicator: build each with comm=<that communicator>, or pass Stage specifications")
             self.add_module(str(i), p)
         for k, i in enumerate(i for i, p in enumerate(self) if isinstance(p, LayerParallel)):
-            self[i]._stage_note = f"in piece {i} (stage {k}, layers numbered from 0 in the stage) of a MultiStage"
+            self[i]._stage = f"piece {i} (stage {k}, layers numbered from 0 in the stage)"  # (its errors name it)
         self._frozen_ties: list = []  # (piece, name, parameter): frozen and shared with a stage layer
         if self._comm.size > 1:
             self._refuse_ties()
@@ -279,14 +278,7 @@ class MultiStage(nn.Module):
             self._check_frozen_ties()
         for is_stage, idx in self._segments:
             if is_stage:
-                try:
-                    x = self[idx[0]](x)
-                except LayerError as exc:  # ("layer 0" is the stage's own numbering: say which stage)
-                    k = sum(isinstance(p, LayerParallel) for p in list(self)[: idx[0]])
-                    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("piece "):
-                        exc.args = (f"piece {idx[0]} (stage {k}, layers numbered from 0 in the stage): "
-                                    f"{exc.args[0]}",) + exc.args[1:]
-                    raise  # (a stage's errors in its backward pass carry the same as a note: _stage_note)
+                x = self[idx[0]](x)
                 continue
             try:
                 sig = args_signature(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None
