@@ -502,6 +502,13 @@ class SerialSwitch:
                              f"(shards of {[m for m, _ in session.shared]} samples): use batches of >= 2 samples")
         return rec
 
+    def _loss(self, x, target):
+        """``loss_fn(model(x), target)``; a loss that fails on one rank is announced to the others (they raise
+        in the backward pass's handshake instead of waiting there)."""
+        y = self.model(x)
+        with _announced(self._comm):
+            return self.loss_fn(y, target)
+
     def _samples(self, x) -> int:
         """The number of samples of ``x`` (along the batch axis)."""
         try:
@@ -544,18 +551,12 @@ class SerialSwitch:
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     for p in params:
                         p.grad = None
-                    y = self.model(x.narrow(xd, a, b - a))
-                    with _announced(self._comm):  # (a failing loss on one rank: the others raise in the backward)
-                        loss = self.loss_fn(y, target.narrow(td, a, b - a))
-                    loss.backward()
+                    self._loss(x.narrow(xd, a, b - a), target.narrow(td, a, b - a)).backward()
                     parts.append(self._grads(params))
                 if batch_stats:  # statistics of the whole batch: the group gradients do not sum to it
                     for p in params:
                         p.grad = None
-                    y = self.model(x)
-                    with _announced(self._comm):
-                        loss = self.loss_fn(y, target)
-                    loss.backward()
+                    self._loss(x, target).backward()
                     full = self._grads(params)
         finally:
             with torch.no_grad():
