@@ -908,6 +908,28 @@ def _halo_follows_assign(lp, incompatible_keys) -> None:
         lp._halo_like_owned(before)
 
 
+def _grid_fixed(name: str):
+    raise AttributeError(
+        f"LayerParallel.{name} is fixed at construction (the time grid, the hierarchy and the layers' "
+        "distribution over ranks are built from it): build a new LayerParallel with the T you want over "
+        "the same layers, e.g. LayerParallel(list(lp.layers), T=...) on one process, or "
+        "load_state_dict(lp.state_dict()) into a new one")
+
+
+def _fixed_function(name: str):
+    raise AttributeError(
+        f"LayerParallel.{name} is fixed at construction (the layers' kernel, the checks of their steps and the "
+        f"copies lent to other ranks are built with it; a new value would reach some passes and not others): "
+        f"build a new LayerParallel with the {name} you want, e.g. LayerParallel(list(lp.layers), T=lp.T, "
+        f"{name}=...) on one process, or load_state_dict(lp.state_dict()) into a new one")
+
+
+def _fixed(name: str, doc: str, refuse):
+    """A read-only property of LayerParallel: the value of ``_<name>``; setting it calls ``refuse(name)``,
+    which raises the error that says what to do instead."""
+    return property(lambda self: getattr(self, "_" + name), lambda self, value: refuse(name), doc=doc)
+
+
 class LayerParallel(_SolveCycles, nn.Module):
     """A stack of residual layers evaluated by MGRIT, forward and backward.
 
@@ -1117,51 +1139,13 @@ class LayerParallel(_SolveCycles, nn.Module):
         super().__setstate__(state)
         self._build_kernel()
 
-    # -- the time grid: fixed at construction --------------------------------
-    @property
-    def T(self) -> float:
-        """The final time: the layers are steps of size ``h = T / n_layers`` (read-only)."""
-        return self._T
-
-    @T.setter
-    def T(self, value):
-        _grid_fixed("T")
-
-    @property
-    def h(self) -> float:
-        """The step size ``T / n_layers`` of every layer (read-only)."""
-        return self._h
-
-    @h.setter
-    def h(self, value):
-        _grid_fixed("h")
-
-    @property
-    def options(self) -> FixedOptions:
-        """The MGRIT settings (cf, max_levels, min_coarse, relax, cycle, c_weight), read-only."""
-        return self._options
-
-    @options.setter
-    def options(self, value):
-        FixedOptions._refuse(None)
-
-    @property
-    def scheme(self):
-        """The one-step method ``scheme(f, u, dt)`` of every layer (read-only)."""
-        return self._scheme
-
-    @scheme.setter
-    def scheme(self, value):
-        _fixed_function("scheme")
-
-    @property
-    def layer_index(self):
-        """Which layer steps each coarse interval (read-only)."""
-        return self._layer_index
-
-    @layer_index.setter
-    def layer_index(self, value):
-        _fixed_function("layer_index")
+    # -- fixed at construction: the time grid, the settings, the scheme -------
+    T = _fixed("T", "The final time: the layers are steps of size ``h = T / n_layers`` (read-only).", _grid_fixed)
+    h = _fixed("h", "The step size ``T / n_layers`` of every layer (read-only).", _grid_fixed)
+    options = _fixed("options", "The MGRIT settings (cf, max_levels, min_coarse, relax, cycle, c_weight), "
+                     "read-only (a :class:`FixedOptions`).", lambda name: FixedOptions._refuse(None))
+    scheme = _fixed("scheme", "The one-step method ``scheme(f, u, dt)`` of every layer (read-only).", _fixed_function)
+    layer_index = _fixed("layer_index", "Which layer steps each coarse interval (read-only).", _fixed_function)
 
     # -- construction helpers -------------------------------------------------
     def _held(self) -> dict:
@@ -2281,14 +2265,6 @@ def _agreed_build(shared, what: str, names) -> int:
     return _agreed_uid([u for u, *_ in shared])
 
 
-def _grid_fixed(name: str):
-    raise AttributeError(
-        f"LayerParallel.{name} is fixed at construction (the time grid, the hierarchy and the layers' "
-        "distribution over ranks are built from it): build a new LayerParallel with the T you want over "
-        "the same layers, e.g. LayerParallel(list(lp.layers), T=...) on one process, or "
-        "load_state_dict(lp.state_dict()) into a new one")
-
-
 def _check_grid(comm, data_comm) -> None:
     """Raise unless the layer and data communicators (both MPI or both torch.distributed) meet in this rank
     alone: a data communicator that shares other ranks with the layer one (the layer communicator itself,
@@ -2317,14 +2293,6 @@ def _check_grid(comm, data_comm) -> None:
             f"the data communicator shares ranks {shared} with the layer communicator: it must meet it "
             "in this rank alone (each data rank holds the same layers as this one); pass the two parts of "
             "mgrit.split_comm(world, layer_size), not the layer communicator or the world as data_comm")
-
-
-def _fixed_function(name: str):
-    raise AttributeError(
-        f"LayerParallel.{name} is fixed at construction (the layers' kernel, the checks of their steps and the "
-        f"copies lent to other ranks are built with it; a new value would reach some passes and not others): "
-        f"build a new LayerParallel with the {name} you want, e.g. LayerParallel(list(lp.layers), T=lp.T, "
-        f"{name}=...) on one process, or load_state_dict(lp.state_dict()) into a new one")
 
 
 def _check_T(T) -> float:
