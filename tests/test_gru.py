@@ -625,17 +625,21 @@ def test_packed_padding_keeps_the_state_exactly_in_low_precision(dtype):
     assert err < 3 * err_alone + 10 * torch.finfo(dtype).eps, (err, err_alone)
 
 
-def test_dropout_masks_of_a_packed_pass_are_in_its_padded_layout():
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_dropout_masks_of_a_packed_pass_are_in_its_padded_layout(cell):
     """With a PackedSequence, dropout_masks(seed, output) gives the masks in the padded layout where the pass
-    applied them: layer 1 of the converged pass equals nn.GRU on the packed, masked output of layer 0."""
+    applied them: layer 1 of the converged pass equals torch's module on the packed, masked output of layer 0
+    (ParallelGRU and ParallelLSTM)."""
     from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
+    import propagators.torch as pt
+
     torch.manual_seed(4)
-    par = ParallelGRU(I, H, num_layers=2, dropout=0.5, cf=2, **TIGHT)
+    par = getattr(pt, f"Parallel{cell}")(I, H, num_layers=2, dropout=0.5, cf=2, **TIGHT)
     seqs = [torch.randn(n, I) for n in (6, 3, 9)]
     out, _ = par(pack_sequence(seqs, enforce_sorted=False))
     (mask,) = par.dropout_masks(par.last_dropout_seed, out)
-    layers = [torch.nn.GRU(I if l == 0 else H, H) for l in range(2)]
+    layers = [getattr(torch.nn, cell)(I if l == 0 else H, H) for l in range(2)]
     for l, g in enumerate(layers):
         g.load_state_dict({k.replace(f"_l{l}", "_l0"): v for k, v in par.state_dict().items() if k.endswith(f"_l{l}")})
     first, lengths = pad_packed_sequence(layers[0](pack_sequence(seqs, enforce_sorted=False))[0])
@@ -643,11 +647,9 @@ def test_dropout_masks_of_a_packed_pass_are_in_its_padded_layout():
     assert maxdiff(pad_packed_sequence(out)[0], pad_packed_sequence(ref)[0]) < TOL
 
 
-def test_a_packed_pass_with_few_cycles_approximates_and_the_lstm_refuses_packed_input():
+def test_a_packed_pass_with_few_cycles_approximates():
     """With few forward cycles a packed batch's h_n is an approximation that more cycles improve (to
-    nn.GRU's); ParallelLSTM (whose state cannot be held through its gates) says to pad."""
-    from propagators.torch import ParallelLSTM
-
+    nn.GRU's)."""
     torch.manual_seed(5)
     ref = torch.nn.GRU(I, H)
     seqs = [torch.randn(n, I) for n in (40, 13, 27)]
@@ -659,8 +661,6 @@ def test_a_packed_pass_with_few_cycles_approximates_and_the_lstm_refuses_packed_
         with torch.no_grad():
             errs.append(maxdiff(par(pk)[1], ref(pk)[1]))
     assert errs[0] > errs[1] > errs[2] and errs[2] < TOL
-    with pytest.raises(TypeError, match="ParallelLSTM does not take a PackedSequence: pad the sequences"):
-        ParallelLSTM(I, H)(pk)
 
 
 def test_reverse_weights_of_a_one_way_gru_raise_clearly():
@@ -676,13 +676,13 @@ def test_reverse_weights_of_a_one_way_gru_raise_clearly():
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gru.md"
 
 
-@pytest.mark.parametrize("k", range(5))
+@pytest.mark.parametrize("k", range(6))
 def test_docs_examples_run(k):
     """The one-rank examples of docs/gru.md run as printed (their asserts included)."""
     import re
 
     blocks = [b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "MPI" not in b]
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # the examples build float32 models, as written
     try:

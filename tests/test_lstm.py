@@ -182,6 +182,148 @@ def test_adjoint_step_is_the_vjp_of_the_forward_step(coarse, m, forced):
     assert maxdiff(prop.step(s0.detach(), float(i0), float(i0 + m)), torch.cat([hs[-1], cs[-1]], dim=-1)) < 1e-14
 
 
+def held_states(prop, raw, s0, i0: int, k: int, held):
+    """The step over [i0, i0 + k] with the positions ``held`` ((k, B) bool) keeping the state, written out
+    with the raw input projections ``raw`` (the gates frozen at s0): every intermediate (h, c)."""
+    gh = prop.hidden(s0)
+    h, c, hs, cs = s0[..., :prop.H], s0[..., prop.H:], [], []
+    for j in range(k):
+        i, f, g, o = prop.gates(raw[i0 + j], gh)
+        cn = f * c + i * g
+        keep = held[j][:, None]
+        h, c = torch.where(keep, h, o * torch.tanh(cn)), torch.where(keep, c, cn)
+        hs.append(h)
+        cs.append(c)
+    return hs, cs
+
+
+@pytest.mark.parametrize("pattern", ["suffix", "prefix", "all", "none", "hole"])
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_held_positions_keep_the_state_and_the_adjoint_is_the_vjp(pattern, m):
+    """Past a packed sequence's end (a suffix of held positions; reversed, a prefix) the steps keep the state:
+    the fine and the frozen coarse steps equal the step written out with the state kept there, and the
+    adjoint step is that step's vector-Jacobian product (autograd), also with forcing at the held points; the
+    gradients of every gate there are exactly zero."""
+    torch.manual_seed(11 + m)
+    L, i0, k = 9, 2, m
+    W, b = torch.randn(4 * H, H) * 0.5, torch.randn(4 * H)
+    raw = torch.randn(L, B, 4 * H)
+    held = torch.zeros(L, B, dtype=torch.bool)
+    cut = {"suffix": [1, 2, 3, 1], "prefix": [1, 2, 3, 1], "all": [0] * B, "none": [m] * B, "hole": [2] * B}[pattern]
+    for bb, n in enumerate(cut):  # batch entry bb: n of the window's positions are not held
+        w = held[i0: i0 + k, bb]
+        if pattern == "prefix":
+            w[: k - min(n, k)] = True
+        elif pattern == "hole":
+            w[min(n, k - 1): k - 1] = True  # (held positions inside the window, then one that is not)
+        else:
+            w[min(n, k):] = True
+    prop = LSTMPropagator(W, b, raw.clone(), 0)
+    prop.hold(held)
+    s0 = torch.randn(B, 2 * H, requires_grad=True)
+    hs, cs = held_states(prop, raw, s0, i0, k, held[i0:])
+    forcing = torch.randn(L + 1, B, H)
+    lam1 = torch.randn(B, 2 * H)
+    cot = [forcing[i0 + j + 1] for j in range(k - 1)] + [lam1[:, :H], lam1[:, H:]]
+    ref = torch.autograd.grad(hs[:-1] + [hs[-1], cs[-1]], s0, cot)[0]
+    ref[:, :H] += forcing[i0]
+    S = s0.detach()[None]
+    adj = LSTMAdjointPropagator(prop, L, S, prop.hidden(S), i0, forcing)
+    back = adj.step(lam1, float(L - i0 - m), float(L - i0))
+    assert maxdiff(back, ref) < 1e-13
+    got = prop.step(s0.detach(), float(i0), float(i0 + m))
+    assert maxdiff(got, torch.cat([hs[-1], cs[-1]], dim=-1)) < 1e-14
+    if pattern == "all":  # (exactly: the state, and lam_c, pass unchanged)
+        assert torch.equal(got, s0.detach()) and torch.equal(back[:, H:], lam1[:, H:])
+    d, _ = prop.gate_gradients(S.expand(L, B, 2 * H), prop.gi, prop.hidden(S), torch.randn(L, B, 2 * H))
+    assert torch.equal(d[held], torch.zeros_like(d[held]))
+
+
+def packed_run(m, seqs, hx, sort, w_out):
+    """Forward and backward of a packed batch of ``seqs`` through ``m``; (output, h_n, c_n, grads of the
+    sequences, of h0 and c0, and of every weight)."""
+    ss = [q.clone().requires_grad_(True) for q in seqs]
+    hh = None if hx is None else tuple(v.clone().requires_grad_(True) for v in hx)
+    m.zero_grad()
+    o, (h, c) = m(torch.nn.utils.rnn.pack_sequence(ss, enforce_sorted=sort), hh)
+    loss = (h * h).sum() + (0.7 * c * c).sum() + ((o.data * w_out[: o.data.shape[0]]).sum() if o is not None else 0)
+    loss.backward()
+    return (o, h, c, [q.grad for q in ss], None if hh is None else [v.grad for v in hh],
+            {k: p.grad for k, p in m.named_parameters()})
+
+
+@pytest.mark.parametrize("layers, bidirectional, batch_first, with_hx, sort, lengths, cf", [
+    (1, False, False, False, False, [7, 3, 9, 3, 1], 2),  # ties and a sequence of one position
+    (2, True, True, True, False, [7, 3, 9, 3, 1], 4),
+    (2, False, False, True, True, [9, 7, 3, 3, 1], 2),  # enforce_sorted=True: no sort indices
+    (1, True, False, True, False, [2, 41, 17], 4),
+    (1, False, True, True, False, [6, 6, 6], 2),  # every sequence whole: the padded pass
+])
+def test_packed_sequences_equal_nn_lstm(layers, bidirectional, batch_first, with_hx, sort, lengths, cf):
+    """A PackedSequence input: the steps past a sequence's end keep its (h, c), so converged solves give
+    nn.LSTM's packed output (the same batch sizes and sort order), (h_n, c_n) in the caller's order and the
+    gradients of every sequence, h0, c0 and weight, also through frozen coarse steps that cross a sequence's
+    end; eval mode (exact stepping) and return_sequence=False too."""
+    torch.manual_seed(layers + 3 * bidirectional + len(lengths))
+    ref = torch.nn.LSTM(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+    par = ParallelLSTM(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, cf=cf,
+                       max_levels=4, **TIGHT)
+    par.load_state_dict(ref.state_dict())
+    seqs = [torch.randn(n, I) for n in lengths]
+    D = 1 + bidirectional
+    hx = tuple(torch.randn(D * layers, len(lengths), H) for _ in range(2)) if with_hx else None
+    w_out = torch.randn(sum(lengths), D * H)
+    (o_r, h_r, c_r, gx_r, gh_r, gw_r), (o, h, c, gx, gh, gw) = (packed_run(m, seqs, hx, sort, w_out)
+                                                                 for m in (ref, par))
+    assert isinstance(o, torch.nn.utils.rnn.PackedSequence) and torch.equal(o.batch_sizes, o_r.batch_sizes)
+    for a, b in ((o.sorted_indices, o_r.sorted_indices), (o.unsorted_indices, o_r.unsorted_indices)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert maxdiff(o.data, o_r.data) < TOL and maxdiff(h, h_r) < TOL and maxdiff(c, c_r) < TOL
+    assert max(maxdiff(a, b) for a, b in zip(gx, gx_r)) < TOL
+    if with_hx:
+        assert maxdiff(gh[0], gh_r[0]) < TOL and maxdiff(gh[1], gh_r[1]) < TOL
+    for k in gw_r:
+        assert maxdiff(gw[k], gw_r[k]) < TOL, k
+    par.eval(), ref.eval()
+    with torch.no_grad():
+        pk = torch.nn.utils.rnn.pack_sequence(seqs, enforce_sorted=sort)
+        assert maxdiff(par(pk, hx)[0].data, ref(pk, hx)[0].data) < TOL
+        par.return_sequence = False
+        o, (h, c) = par(pk, hx)
+        assert o is None and maxdiff(h, ref(pk, hx)[1][0]) < TOL and maxdiff(c, ref(pk, hx)[1][1]) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_packed_padding_keeps_the_state_exactly_in_low_precision(dtype):
+    """Many padding steps after a short sequence change nothing, in any precision: a held step, fine or
+    coarse, returns its state bit for bit, exact stepping (eval) gives h_n equal to the output at the
+    sequence's last position, and the solves' outputs of the short sequence are as close to nn.LSTM's as
+    when it is passed alone."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 8, bidirectional=True).float()
+    seqs = [torch.randn(5, 4).float(), torch.randn(400, 4).float()]
+    hx = tuple(0.5 * torch.randn(2, 2, 8).float() for _ in range(2))
+    low = tuple(v.to(dtype) for v in hx)
+    par = ParallelLSTM(4, 8, bidirectional=True).to(dtype)
+    par.load_state_dict(lstm.state_dict())
+    packed = torch.nn.utils.rnn.pack_sequence([q.to(dtype) for q in seqs], enforce_sorted=False)
+    with torch.no_grad():
+        ref, _ = torch.nn.utils.rnn.pad_packed_sequence(lstm(torch.nn.utils.rnn.pack_sequence(seqs, False), hx)[0])
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(par(packed, low)[0])  # (2/1 cycles)
+        alone = par(seqs[0][:, None].to(dtype), tuple(v[:, :1] for v in low))[0]
+        par.eval()
+        o, (h, _) = par(packed, low)
+        prop = LSTMPropagator(par.weight_hh_l0, par.bias_hh_l0, torch.randn(6, 2, 32).to(dtype), 0)
+        prop.hold(torch.ones(6, 2, dtype=torch.bool))
+        s = torch.randn(2, 16).to(dtype)
+        assert torch.equal(prop.step(s, 0.0, 1.0), s) and torch.equal(prop.step(s, 1.0, 6.0), s)
+    padded, _ = torch.nn.utils.rnn.pad_packed_sequence(o)
+    assert torch.equal(h[0, 0], padded[4, 0, :8])
+    err = float((out[:5, 0].float() - ref[:5, 0]).abs().max())
+    err_alone = float((alone[:, 0].float() - ref[:5, 0]).abs().max())
+    assert err < 3 * err_alone + 10 * torch.finfo(dtype).eps, (err, err_alone)
+
+
 def test_fewer_cycles_approximate_and_more_cycles_improve():
     """At the default 2/1 cycles the output is an approximation; more cycles shrink its error and the
     residual of what was returned."""
@@ -250,8 +392,6 @@ def test_an_empty_batch_gives_nn_lstms_empty_outputs_and_zero_gradients():
     (lambda: torch.randn(5, B, I), lambda: (torch.randn(1, B, H), None), TypeError,  # ("a Tensor or None, got None")
      r"c0 must be a torch.Tensor, got NoneType \(pass hx=None for zero initial states"),
     (lambda: torch.randn(5, B, I + 1), lambda: None, ValueError, "input_size"),
-    (lambda: torch.nn.utils.rnn.pack_sequence([torch.randn(3, I)]), lambda: None, TypeError,
-     "ParallelLSTM does not take a PackedSequence"),
 ])
 def test_bad_inputs_raise_and_say_what_to_pass(make, hx, exc, match):
     with pytest.raises(exc, match=match):

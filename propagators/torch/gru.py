@@ -265,7 +265,6 @@ class ParallelGRU(_ParallelRNN):
     _gates = 3
     _propagator = GRUPropagator
     _adjoint = GRUAdjointPropagator
-    _takes_packed = True
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,

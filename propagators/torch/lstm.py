@@ -11,6 +11,8 @@ docs/gru.md ("ParallelLSTM") and docs/theory.md (the adjoint).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,8 @@ class LSTMPropagator(_CellPropagator):
     not depend on the state, ``c`` follows the affine recursion
     ``c_{k+1} = f_k c_k + i_k g_k`` (composed in ``log2 m`` rounds) and
     ``h = o_{m-1} tanh(c_m)``. With ``coarse="inject"`` it is one cell at the
-    interval's first input. Both are the fine step when ``m = 1``.
+    interval's first input. Both are the fine step when ``m = 1``. Past the end of a
+    packed sequence (:meth:`hold`) every step keeps the state exactly.
 
     Parameters
     ----------
@@ -52,6 +55,25 @@ class LSTMPropagator(_CellPropagator):
     offset : int
     coarse : {"frozen", "inject"}
     """
+
+    def hold(self, held) -> None:
+        # input gate exactly 0 and forget gate exactly 1 (sigmoid of -inf, +inf) keep c there exactly, through the
+        # frozen coarse step's affine composition too; h is kept by choosing (torch.where) the output gate of the
+        # last position not held (:meth:`kept`). An output gate of exactly 1 there makes every gate's gradient
+        # exactly 0 at the held positions (each carries a factor i, 1 - f or 1 - o)
+        self.held = held
+        H, mask = self.H, held[..., None]
+        self.gi[..., :H].masked_fill_(mask, -math.inf)
+        self.gi[..., H:2 * H].masked_fill_(mask, math.inf)
+        self.gi[..., 3 * H:].masked_fill_(mask, math.inf)
+
+    def kept(self, i0, k: int):
+        """For windows of ``k`` positions from ``i0``: for each position, the index of the last position up to it
+        that is not held, (n, k, B); -1 where every one up to it is held. The state after a position is the state
+        after that one (or the window's first state)."""
+        held = _windows(self.held, i0, k, self.offset)
+        pos = torch.arange(1, k + 1, device=held.device).view((1, k) + (1,) * (held.dim() - 2))
+        return (pos * ~held).cummax(1).values - 1
 
     def hidden(self, S):
         """``W_h h + b_h`` for stacked states ``S`` (..., B, 2H): one matrix product."""
@@ -91,7 +113,12 @@ class LSTMPropagator(_CellPropagator):
         else:  # frozen gates: c_{j+1} = f_j c_j + i_j g_j is affine in c, composed in log2(k) rounds
             A, Bc = _affine_compose(f, i * g)
             c = torch.addcmul(Bc, A, c0)
-        return torch.cat([o[:, -1] * torch.tanh(c), c], dim=-1)
+        if self.held is None:
+            return torch.cat([o[:, -1] * torch.tanh(c), c], dim=-1)
+        j = self.kept(i0, k)[:, -1]  # (past a packed sequence's end: the output gate of its last position, or h kept)
+        oj = o.gather(1, j.clamp(min=0)[:, None, ..., None].expand((-1, 1) + tuple(o.shape[2:])))[:, 0]
+        h = torch.where((j >= 0)[..., None], oj * torch.tanh(c), S[..., :self.H])
+        return torch.cat([h, c], dim=-1)
 
 
 class LSTMAdjointPropagator(_CellAdjoint):
@@ -138,6 +165,11 @@ class LSTMAdjointPropagator(_CellAdjoint):
             inner = (_windows(self.g, np.asarray(i0) + 1, k - 1, 0) if self.g is not None
                      else torch.zeros_like(tc[:, :-1]))
             dh = torch.cat([inner, dh], dim=1)
+        passed = None
+        if f_.held is not None:  # the forcing of the h after a held position belongs to the last one not held before
+            j = f_.kept(i0, k)[..., None]  # it (whose h it is), or passes to lam_h where there is none
+            passed = torch.where(j < 0, dh, 0.0).sum(1)
+            dh = torch.zeros_like(dh).scatter_add_(1, j.clamp(min=0).expand_as(dh), torch.where(j < 0, 0.0, dh))
         direct = dh * o * (1.0 - tc * tc)
         # mu_j = dL/dc after position j, from the last back: mu_{k-1} = lam_c + direct_{k-1},
         # mu_j = f_{j+1} mu_{j+1} + direct_j; affine in mu, scanned in reverse order
@@ -147,6 +179,8 @@ class LSTMAdjointPropagator(_CellAdjoint):
         dgates = torch.cat([(mus * g * i * (1.0 - i)).sum(1), (mus * cs * f * (1.0 - f)).sum(1),
                             (mus * i * (1.0 - g * g)).sum(1), (dh * tc * o * (1.0 - o)).sum(1)], dim=-1)
         lam_h = torch.matmul(dgates, f_.W)
+        if passed is not None:
+            lam_h = lam_h + passed
         if self.g is not None:
             lam_h = lam_h + _windows(self.g, i0, 1, 0)[:, 0]
         return torch.cat([lam_h, f[:, 0] * mus[:, 0]], dim=-1)
@@ -181,7 +215,9 @@ class ParallelLSTM(_ParallelRNN):
     coarse step keeps the gates' hidden feedback at the interval's start, so
     the cell state follows an affine recursion over the interval's inputs
     (:class:`LSTMPropagator`). ``return_sequence=False`` returns
-    ``(None, (h_n, c_n))``.
+    ``(None, (h_n, c_n))``. A ``torch.nn.utils.rnn.PackedSequence`` input gives a packed
+    output, as ``nn.LSTM`` does: the steps past each sequence's end keep its ``(h, c)``
+    exactly (:meth:`LSTMPropagator.hold`; docs/gru.md, "ParallelLSTM").
 
     Examples
     --------

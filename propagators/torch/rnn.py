@@ -145,8 +145,8 @@ class _CellPropagator(mgrit.Propagator):
 
     def hold(self, held) -> None:
         """Make the steps at the positions ``held`` (bool, (n, B), from ``offset``) keep the state exactly
-        (only cells whose module sets ``_takes_packed``)."""
-        raise NotImplementedError  # pragma: no cover - only cells with _takes_packed
+        (past the end of a packed sequence), through the fine and the coarse steps and their adjoints."""
+        raise NotImplementedError  # pragma: no cover - every cell defines it
 
     def span(self, m: int) -> int:
         """Inputs a step over ``m`` positions reads."""
@@ -574,10 +574,6 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         the initial states are cast to it). ``time_major``: a batched input is (L, B, in) whatever
         ``batch_first`` says (a PackedSequence's padded form)."""
         name = type(self).__name__
-        if isinstance(input, nn.utils.rnn.PackedSequence):
-            raise TypeError(f"{name} does not take a PackedSequence: pad the sequences to one length "
-                            "(e.g. nn.utils.rnn.pad_packed_sequence, or repeat each series' last value) and "
-                            "pass the padded tensor (ParallelGRU takes a PackedSequence)")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"{name} expects a torch.Tensor input, got {type(input).__name__}")
         if not input.is_floating_point():
@@ -684,7 +680,7 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         P = self._comm.size
         drop = self.training and self.dropout > 0 and self.num_layers > 1
         rng = torch.random.get_rng_state() if drop else None
-        packed = input if isinstance(input, nn.utils.rnn.PackedSequence) and self._takes_packed else None
+        packed = input if isinstance(input, nn.utils.rnn.PackedSequence) else None
         try:
             seed, share, session, held = None, None, None, None
             with _announced(self._comm):  # a bad input on one rank raises on every rank (in the handshake below)
@@ -807,8 +803,6 @@ class _ParallelRNN(_SolveCycles, nn.Module):
         zero = zero * 0 if track else 0.0
         output = x.new_zeros(L, 0, D * H) + zero if self.return_sequence else None
         return self._returned(output, h0.new_zeros(h0.shape) + zero, batched)
-
-    _takes_packed = False  # a PackedSequence input (the cell's propagator defines hold)
 
     def _split(self, weights):
         w_ih, w_hh = weights[0], weights[1]

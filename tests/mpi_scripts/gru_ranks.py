@@ -19,7 +19,7 @@ success and exits 1 otherwise.
 import torch
 
 from checks import fail, rank, size, world
-from rnn_checks import (TIGHT, check, raised_on_every_rank, same_randn, value_error_everywhere,
+from rnn_checks import (TIGHT, check, packed_on_ranks, raised_on_every_rank, same_randn, value_error_everywhere,
                         weights_inputs_and_copies)
 import mgrit
 from propagators.torch import ParallelGRU
@@ -314,47 +314,6 @@ def dropout_on_ranks():
         still_trains(par, f"after {what}")
 
 
-def packed_on_ranks():
-    """A PackedSequence (unsorted, ties, a sequence of one position) on every rank: converged, the packed
-    output, h_n and the gradients of every sequence, h0 and weight equal nn.GRU's, one- and two-way; other
-    sequence lengths on the last rank (the same padded values) make every rank raise, naming the lengths."""
-    from torch.nn.utils.rnn import pack_sequence
-
-    for layers, bidirectional in ((1, False), (2, True)):
-        D = 2 if bidirectional else 1
-        torch.manual_seed(31 + layers)
-        ref = torch.nn.GRU(3, 4, num_layers=layers, bidirectional=bidirectional)
-        par = ParallelGRU(3, 4, num_layers=layers, bidirectional=bidirectional, comm=world, cf=2, max_levels=3,
-                          **TIGHT)
-        par.load_state_dict(ref.state_dict())
-        seqs = [same_randn(n, 3) for n in (9, 4, 13, 4, 1)]
-        h0 = same_randn(D * layers, 5, 4)
-        w = same_randn(sum(len(q) for q in seqs), D * 4)
-        got = []
-        for m in (ref, par):
-            ss = [q.clone().requires_grad_(True) for q in seqs]
-            hh = h0.clone().requires_grad_(True)
-            o, n = m(pack_sequence(ss, enforce_sorted=False), hh)
-            ((o.data * w).sum() + n.square().sum()).backward()
-            got.append((o, n, ss, hh))
-        (o_r, n_r, s_r, h_r), (o, n, s, h) = got
-        name = f"packed (layers={layers}, bidirectional={bidirectional})"
-        if not torch.equal(o.batch_sizes, o_r.batch_sizes) or not torch.equal(o.sorted_indices, o_r.sorted_indices):
-            fail(f"{name}: not packed as nn.GRU packs it")
-        check(f"{name} output", o.data, o_r.data)
-        check(f"{name} h_n", n, n_r)
-        for k, (a, b) in enumerate(zip(s, s_r)):
-            check(f"{name} grad of sequence {k}", a.grad, b.grad)
-        check(f"{name} h0 grad", h.grad, h_r.grad)
-        for (k, p), q in zip(par.named_parameters(), ref.parameters()):
-            check(f"{name} grad {k}", p.grad, q.grad)
-    x = same_randn(6, 2, 3)  # zeros past position 4 of the second sequence: the same padded values
-    x[4:, 1] = 0.0
-    lengths = [6, 4] if rank != size - 1 else [6, 5]
-    value_error_everywhere(lambda: par(torch.nn.utils.rnn.pack_padded_sequence(x, lengths)), "sequence lengths",
-                           "other sequence lengths on one rank")
-
-
 case(13, 1, True, False, True, True, 2, 3, "FCF", steps=3)
 case(13, 2, True, False, True, True, 2, 3, "FCF", steps=2, bidirectional=True)
 case(11, 1, True, True, False, False, 2, 4, "F", bidirectional=True)
@@ -367,7 +326,7 @@ solve_failure_raises_everywhere()
 settings_mismatch_raises_everywhere()
 low_precision_weight_gradients()
 dropout_on_ranks()
-packed_on_ranks()
+packed_on_ranks(ParallelGRU, torch.nn.GRU)
 if size > 1:
     order_and_build_mismatches_raise_everywhere()
     backward_failure_raises_everywhere()

@@ -6,7 +6,8 @@ input, h0, c0 and every weight equal nn.LSTM's with copied weights to 1e-10, one
 layers, one- and two-way, batch_first, (h0, c0) given or None, return_sequence=False,
 sequences shorter than the number of ranks, over optimizer steps (the weights stay equal on
 every rank) and in eval mode; dropout between layers equals the masked stack of one-layer
-LSTMs with rank 0's seed although the ranks' random states differ; a bad (h0, c0) on one rank
+LSTMs with rank 0's seed although the ranks' random states differ; a PackedSequence equals
+nn.LSTM's packed pass (rnn_checks.packed_on_ranks); a bad (h0, c0) on one rank
 and a failing adjoint step on one rank make every rank raise (RemoteRankError naming the rank
 on the others), after which the module still trains. Prints "rank r OK" on success and exits 1
 otherwise.
@@ -15,7 +16,7 @@ otherwise.
 import torch
 
 from checks import fail, rank, size, world
-from rnn_checks import TIGHT, check, raised_on_every_rank, same_randn, weights_inputs_and_copies
+from rnn_checks import TIGHT, check, packed_on_ranks, raised_on_every_rank, same_randn, weights_inputs_and_copies
 from propagators.torch import ParallelLSTM
 
 torch.set_default_dtype(torch.float64)
@@ -179,6 +180,7 @@ case(13, 2, True, True, False, True, 4, 2, steps=2)
 case(11, 2, False, False, True, False, 2, 4)
 case(size - 1 if size > 2 else 1, 1, True, False, True, True, 2, 2)  # fewer points than ranks
 dropout_with_rank_0s_seed()
+packed_on_ranks(ParallelLSTM, torch.nn.LSTM)
 if size > 1:
     failures_raise_everywhere()
 weights_inputs_and_copies(ParallelLSTM)

@@ -1,9 +1,9 @@
 """What the MPI scripts of the recurrent modules share (gru_ranks.py, lstm_ranks.py): converged
-settings, an absolute comparison, the same random input on every rank, and the check that an error
-on the last rank reaches every rank."""
+settings, an absolute comparison, the same random input on every rank, the check that an error
+on the last rank reaches every rank, and the checks of packed sequences and of shared weights."""
 import torch
 
-from checks import fail, one_rank_fails, rank, size, value_error_everywhere  # noqa: F401 - (shared)
+from checks import fail, one_rank_fails, rank, size, value_error_everywhere, world  # noqa: F401 - (shared)
 
 TIGHT = dict(fwd_iters=60, bwd_iters=60, fwd_tol=1e-14, bwd_tol=1e-14)
 TOL = 1e-10
@@ -121,3 +121,48 @@ def weights_inputs_and_copies(cls):
     one = cls(I, H, comm=MPI.COMM_SELF, cf=2, **TIGHT)
     twin = copy.deepcopy(one)
     check(f"deepcopy of a {cls.__name__} on COMM_SELF", twin(x)[0], one(x)[0], tol=1e-15)
+
+
+def packed_on_ranks(cls, serial):
+    """A PackedSequence (unsorted, ties, a sequence of one position) on every rank: converged, the packed
+    output, the final states and the gradients of every sequence, initial state and weight equal torch's
+    module ``serial``'s, one- and two-way; other sequence lengths on the last rank (the same padded values)
+    make every rank raise, naming the lengths."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    lstm = cls.__name__ == "ParallelLSTM"
+    for layers, bidirectional in ((1, False), (2, True)):
+        D = 2 if bidirectional else 1
+        torch.manual_seed(31 + layers)
+        ref = serial(3, 4, num_layers=layers, bidirectional=bidirectional)
+        par = cls(3, 4, num_layers=layers, bidirectional=bidirectional, comm=world, cf=2, max_levels=3, **TIGHT)
+        par.load_state_dict(ref.state_dict())
+        seqs = [same_randn(n, 3) for n in (9, 4, 13, 4, 1)]
+        h0 = [same_randn(D * layers, 5, 4)] + ([0.5 * same_randn(D * layers, 5, 4)] if lstm else [])
+        w = same_randn(sum(len(q) for q in seqs), D * 4)
+        got = []
+        for m in (ref, par):
+            ss = [q.clone().requires_grad_(True) for q in seqs]
+            hh = [v.clone().requires_grad_(True) for v in h0]
+            o, n = m(pack_sequence(ss, enforce_sorted=False), tuple(hh) if lstm else hh[0])
+            n = list(n) if lstm else [n]
+            ((o.data * w).sum() + sum(v.square().sum() for v in n)).backward()
+            got.append((o, n, ss, hh))
+        (o_r, n_r, s_r, h_r), (o, n, s, h) = got
+        name = f"{cls.__name__} packed (layers={layers}, bidirectional={bidirectional})"
+        if not torch.equal(o.batch_sizes, o_r.batch_sizes) or not torch.equal(o.sorted_indices, o_r.sorted_indices):
+            fail(f"{name}: not packed as {serial.__name__} packs it")
+        check(f"{name} output", o.data, o_r.data)
+        for k, (a, b) in enumerate(zip(n, n_r)):
+            check(f"{name} final state {k}", a, b)
+        for k, (a, b) in enumerate(zip(s, s_r)):
+            check(f"{name} grad of sequence {k}", a.grad, b.grad)
+        for k, (a, b) in enumerate(zip(h, h_r)):
+            check(f"{name} grad of initial state {k}", a.grad, b.grad)
+        for (k, p), q in zip(par.named_parameters(), ref.parameters()):
+            check(f"{name} grad {k}", p.grad, q.grad)
+    x = same_randn(6, 2, 3)  # zeros past position 4 of the second sequence: the same padded values
+    x[4:, 1] = 0.0
+    lengths = [6, 4] if rank != size - 1 else [6, 5]
+    value_error_everywhere(lambda: par(torch.nn.utils.rnn.pack_padded_sequence(x, lengths)), "sequence lengths",
+                           "other sequence lengths on one rank")
