@@ -26,7 +26,8 @@ from torch import nn  # noqa: E402
 from propagators.torch import LayerParallel, ODENet  # noqa: E402
 from propagators.torch.switch import SerialSwitch, Switchable, SwitchRule  # noqa: E402
 from propagators.torch.transformer import (  # noqa: E402
-    AttentionLayer, MLPLayer, TransformerBlock, make_vit, transformer_layers)
+    AttentionLayer, ClassifierHead, MLPLayer, TransformerBlock, make_vit, transformer_layers, with_key_padding,
+    without_key_padding)
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
 from layer_zoo import check_equals_serial, loss_fn, rel, serial_reference  # noqa: E402
@@ -119,6 +120,97 @@ def test_a_block_is_the_standard_pre_norm_block_at_unit_step():
     att, mlp = blk.attn, blk.mlp
     halves = ODENet([att, mlp], T=2.0)  # h = 1
     assert rel(halves(u), u + blk(u)) < 1e-14
+
+
+def padding(lengths, n_tok):
+    """The key-padding mask (True at padding) of sequences of ``lengths`` tokens padded to ``n_tok``."""
+    return torch.arange(n_tok) >= torch.tensor(lengths)[:, None]
+
+
+def encoder_layer_of(blk):
+    """torch's pre-norm nn.TransformerEncoderLayer (GELU, no dropout) with the weights of ``blk``."""
+    dim, hidden = blk.attn.dim, blk.mlp.fc1.out_features
+    ref = nn.TransformerEncoderLayer(dim, blk.attn.heads, dim_feedforward=hidden, dropout=0.0, activation="gelu",
+                                     norm_first=True, batch_first=True)
+    with torch.no_grad():
+        ref.self_attn.in_proj_weight.copy_(blk.attn.qkv.weight)
+        ref.self_attn.in_proj_bias.copy_(blk.attn.qkv.bias)
+        ref.self_attn.out_proj.load_state_dict(blk.attn.proj.state_dict())
+        for mine, theirs in ((blk.mlp.fc1, ref.linear1), (blk.mlp.fc2, ref.linear2), (blk.attn.norm, ref.norm1),
+                             (blk.mlp.norm, ref.norm2)):
+            theirs.load_state_dict(mine.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_block_with_key_padding_is_torchs_encoder_layer_with_a_padding_mask(causal):
+    """With a padding channel (with_key_padding) a block at unit step is nn.TransformerEncoderLayer
+    (norm_first, GELU) called with src_key_padding_mask (and the causal src_mask) on every token that is
+    not padding, and the layer leaves the padding channel unchanged, bit for bit."""
+    torch.manual_seed(12)
+    blk = TransformerBlock(8, 2, mlp_ratio=2.0, causal=causal, key_padding=True)
+    ref = encoder_layer_of(blk)
+    x, mask = torch.randn(3, 6, 8), padding([6, 4, 1], 6)
+    u = with_key_padding(x, mask)
+    y = u + blk(u)
+    causal_mask = torch.ones(6, 6, dtype=torch.bool).triu(1) if causal else None
+    expect = ref(x, src_mask=causal_mask, src_key_padding_mask=mask)
+    assert rel(without_key_padding(y)[~mask], expect[~mask]) < 1e-13
+    assert torch.equal(y[..., -1], u[..., -1]) and torch.equal(blk(u)[..., -1], torch.zeros(3, 6))
+
+
+@pytest.mark.parametrize("form", ["sequential", "parallel", "halves"])
+def test_padded_sequences_give_each_sequence_alone(form):
+    """Through a serial network of blocks with key_padding=True, every token of a padded batch gets what its
+    sequence gives alone, unpadded: the padding changes nothing that is not padding; a sequence of padding
+    only stays finite."""
+    torch.manual_seed(13)
+    net = ODENet(transformer_layers(3, 8, 2, mlp_ratio=1.5, form=form, key_padding=True), T=1.0)
+    lengths = [5, 2, 4, 0]
+    x = torch.randn(4, 5, 8)
+    with torch.no_grad():
+        y = without_key_padding(net(with_key_padding(x, padding(lengths, 5))))
+        assert torch.isfinite(y).all()
+        for b, n in enumerate(lengths[:3]):
+            alone = without_key_padding(net(with_key_padding(x[b:b + 1, :n], padding([n], n))))
+            assert rel(y[b, :n], alone[0]) < 1e-13, b
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("form, causal", [("sequential", False), ("parallel", True), ("halves", False)])
+def test_blocks_with_key_padding_give_serial_output_and_gradients(form, causal, batched):
+    """LayerParallel over blocks with a padding channel (sequences of 5, 3, 1 and 0 tokens): converged, the
+    output and every gradient equal serial autograd's, batched (vmap) and looped."""
+    torch.manual_seed(14)
+    layers = transformer_layers(4, 8, 2, mlp_ratio=2.0, form=form, causal=causal, key_padding=True)
+    lp = LayerParallel(copy.deepcopy(layers), T=2.0, cf=2, max_levels=3, batched=batched, **TIGHT)
+    check_equals_serial(lp, layers, with_key_padding(torch.randn(4, 5, 8), padding([5, 3, 1, 0], 5)), 2.0)
+    assert {c.mode for c in lp.kernel.classes} == ({"vmap"} if batched else {"loop"})
+
+
+def test_the_mean_pooling_head_leaves_the_padding_out():
+    torch.manual_seed(15)
+    head = ClassifierHead(8, 3, pool="mean", key_padding=True)
+    x, mask = torch.randn(3, 5, 8), padding([5, 2, 0], 5)
+    out = head(with_key_padding(x, mask))
+    z = head.norm(x)
+    expect = [z[0].mean(0), z[1, :2].mean(0), torch.zeros(8)]
+    assert rel(out, head.fc(torch.stack(expect))) < 1e-14
+
+
+def test_key_padding_inputs_are_checked():
+    blk = TransformerBlock(8, 2, key_padding=True)
+    with pytest.raises(ValueError, match=r"expects states of width 9 \(the tokens and a padding channel: "
+                                         r"with_key_padding"):
+        blk(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="width 8 .*build the layers with key_padding=True"):
+        TransformerBlock(8, 2)(torch.randn(2, 3, 9))
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        with_key_padding(torch.randn(2, 3, 8), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have the tokens' leading shape \(2, 3\)"):
+        with_key_padding(torch.randn(2, 3, 8), torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="`key_padding` must be True or False"):
+        AttentionLayer(8, 2, key_padding="yes")
 
 
 def test_bad_arguments_are_clear_errors():

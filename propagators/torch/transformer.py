@@ -46,7 +46,8 @@ from .module import LayerParallel, ODENet, _copied
 from .switch import SerialSwitch, Switchable
 
 __all__ = ["AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "PatchEmbedding",
-           "ClassifierHead", "ViT", "make_vit", "Switchable", "SerialSwitch"]
+           "ClassifierHead", "ViT", "make_vit", "Switchable", "SerialSwitch", "with_key_padding",
+           "without_key_padding"]
 
 FORMS = ("sequential", "parallel", "halves")
 
@@ -54,6 +55,56 @@ FORMS = ("sequential", "parallel", "halves")
 def _check_dims(dim: int, heads: int) -> None:
     if not (is_integer(dim) and is_integer(heads)) or dim < 1 or heads < 1 or dim % heads:
         raise ValueError(f"`dim` ({dim!r}) must be a positive multiple of `heads` ({heads!r}), both whole numbers")
+
+
+def with_key_padding(x, key_padding_mask):
+    """The state of layers built with ``key_padding=True``: tokens ``x`` (..., tokens, dim) and one more channel,
+    1 at the tokens ``key_padding_mask`` (bool, (..., tokens), True at padding: ``nn.MultiheadAttention``'s
+    ``key_padding_mask``) marks, 0 at the others.
+
+    The mask travels inside the state, so that every layer evaluation (on every level, interval and rank of
+    an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel unchanged (their
+    right-hand side is 0 there) and take no gradient through it. :func:`without_key_padding` strips it.
+
+    >>> import torch
+    >>> u = with_key_padding(torch.zeros(2, 3, 4), torch.tensor([[False, False, True], [False, False, False]]))
+    >>> u.shape, u[..., -1].tolist()
+    (torch.Size([2, 3, 5]), [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"with_key_padding expects floating-point tokens (..., tokens, dim), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+        got = getattr(key_padding_mask, "dtype", type(key_padding_mask).__name__)
+        raise TypeError(f"key_padding_mask must be a bool tensor (..., tokens), True at padding (as for "
+                        f"nn.MultiheadAttention), got {got}")
+    if x.dim() < 2 or tuple(key_padding_mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"key_padding_mask must have the tokens' leading shape {tuple(x.shape[:-1])} (tokens "
+                         f"(..., tokens, dim)), got {tuple(key_padding_mask.shape)}")
+    return torch.cat([x, key_padding_mask[..., None].to(x.dtype)], dim=-1)
+
+
+def without_key_padding(u):
+    """The tokens of a state made by :func:`with_key_padding`: its padding channel stripped."""
+    return u[..., :-1]
+
+
+def _split_padding(layer, u):
+    """``(tokens, padding (bool, (..., tokens)) or None)`` of a layer's state; a clear error for another width."""
+    width = layer.dim + layer.key_padding
+    if u.shape[-1] != width:
+        what = ("the tokens and a padding channel: with_key_padding(x, mask)" if layer.key_padding else
+                "tokens (for a state with a padding channel build the layers with key_padding=True)")
+        raise ValueError(f"{type(layer).__name__} of dim {layer.dim} expects states of width {width} ({what}), "
+                         f"got shape {tuple(u.shape)}")
+    if not layer.key_padding:
+        return u, None
+    return u[..., :-1], u[..., -1] > 0.5
+
+
+def _with_zero_channel(z, padding):
+    """A right-hand side ``z`` with the padding channel's 0 appended (when the state has one)."""
+    return z if padding is None else torch.cat([z, z.new_zeros(z.shape[:-1] + (1,))], dim=-1)
 
 
 def _check_width(dim: int, mlp_ratio) -> int:
@@ -80,14 +131,21 @@ class AttentionLayer(nn.Module):
         order (docs/norm_dropout.md), so training matches the serial network.
     bias : bool
         Biases of the query/key/value and output projections.
+    key_padding : bool
+        The state carries a padding channel (:func:`with_key_padding`): no
+        token attends to the tokens it marks. A token with no key left to
+        attend to (a sequence of padding only) gets zero attention weights.
 
-    The state has shape ``(..., tokens, dim)``; the output has the same shape.
+    The state has shape ``(..., tokens, dim)`` (``dim + 1`` with
+    ``key_padding``); the output has the same shape (0 in the padding channel).
     """
 
-    def __init__(self, dim: int, heads: int, causal: bool = False, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, dim: int, heads: int, causal: bool = False, dropout: float = 0.0, bias: bool = True,
+                 key_padding: bool = False):
         super().__init__()
         _check_dims(dim, heads)
         self.dim, self.heads, self.causal = int(dim), int(heads), check_flag(causal, "causal")
+        self.key_padding = check_flag(key_padding, "key_padding")
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
@@ -99,6 +157,7 @@ class AttentionLayer(nn.Module):
         return x if drop.p == 0 else drop(x)  # no random draw at all without dropout
 
     def forward(self, u):
+        u, padding = _split_padding(self, u)
         n_tok, d, H = u.shape[-2], self.dim, self.heads
         lead = u.shape[:-2]
         q, k, v = self.qkv(self.norm(u)).chunk(3, dim=-1)
@@ -108,28 +167,36 @@ class AttentionLayer(nn.Module):
 
         q, k, v = heads(q), heads(k), heads(v)
         scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(d // H))
-        if self.causal:
-            mask = torch.ones(n_tok, n_tok, dtype=torch.bool, device=u.device).triu(1)
+        mask = torch.ones(n_tok, n_tok, dtype=torch.bool, device=u.device).triu(1) if self.causal else None
+        if padding is not None:  # (keys marked in each sequence, for every head and query)
+            keys = padding[..., None, None, :]
+            mask = keys if mask is None else mask | keys
+        if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        weights = self._drop(self.attn_drop, torch.softmax(scores, dim=-1))
-        out = (weights @ v).transpose(-2, -3).reshape(*lead, n_tok, d)
-        return self._drop(self.out_drop, self.proj(out))
+        weights = torch.softmax(scores, dim=-1)
+        if padding is not None:  # a query with every key masked: zero weights, not softmax's NaN
+            weights = weights.masked_fill(mask.all(-1, keepdim=True), 0.0)
+        out = (self._drop(self.attn_drop, weights) @ v).transpose(-2, -3).reshape(*lead, n_tok, d)
+        return _with_zero_channel(self._drop(self.out_drop, self.proj(out)), padding)
 
 
 class MLPLayer(nn.Module):
-    """Pre-norm MLP ``W2 gelu(W1 LN(u))`` (the residual branch only)."""
+    """Pre-norm MLP ``W2 gelu(W1 LN(u))`` (the residual branch only); with ``key_padding`` the state's
+    padding channel (:func:`with_key_padding`) is passed over (0 in the output)."""
 
-    def __init__(self, dim: int, hidden: int | None = None, dropout: float = 0.0):
+    def __init__(self, dim: int, hidden: int | None = None, dropout: float = 0.0, key_padding: bool = False):
         super().__init__()
         hidden = 4 * dim if hidden is None else int(hidden)
+        self.dim, self.key_padding = int(dim), check_flag(key_padding, "key_padding")
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, u):
+        u, padding = _split_padding(self, u)
         z = self.fc2(F.gelu(self.fc1(self.norm(u))))
-        return z if self.drop.p == 0 else self.drop(z)
+        return _with_zero_channel(z if self.drop.p == 0 else self.drop(z), padding)
 
 
 class TransformerBlock(nn.Module):
@@ -139,18 +206,19 @@ class TransformerBlock(nn.Module):
     so that ``u + F(u)`` is exactly the standard pre-norm block (attention,
     residual add, MLP, residual add) and ``u + h F(u)`` its ODE step.
     ``form="parallel"``: ``F(u) = Attn(LN1(u)) + MLP(LN2(u))`` (both branches
-    read ``u``, as in GPT-J / PaLM blocks).
+    read ``u``, as in GPT-J / PaLM blocks). ``key_padding=True``: the state
+    carries a padding channel (:func:`with_key_padding`), see :class:`AttentionLayer`.
     """
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0, form: str = "sequential",
-                 causal: bool = False, dropout: float = 0.0):
+                 causal: bool = False, dropout: float = 0.0, key_padding: bool = False):
         super().__init__()
         if form not in ("sequential", "parallel"):
             raise ValueError(f"`form` must be 'sequential' or 'parallel' for one block, got {form!r} "
                              "(two half-step layers per block: transformer_layers(..., form='halves'))")
         self.form = form
-        self.attn = AttentionLayer(dim, heads, causal=causal, dropout=dropout)
-        self.mlp = MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout)
+        self.attn = AttentionLayer(dim, heads, causal=causal, dropout=dropout, key_padding=key_padding)
+        self.mlp = MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout, key_padding=key_padding)
 
     def forward(self, u):
         a = self.attn(u)
@@ -158,10 +226,19 @@ class TransformerBlock(nn.Module):
 
 
 def transformer_layers(n_blocks: int, dim: int, heads: int, mlp_ratio: float = 4.0, form: str = "sequential",
-                       causal: bool = False, dropout: float = 0.0) -> list:
+                       causal: bool = False, dropout: float = 0.0, key_padding: bool = False) -> list:
     """The layer modules of ``n_blocks`` blocks: ``n_blocks`` :class:`TransformerBlock`
     (``form`` "sequential" or "parallel"), or ``2 n_blocks`` alternating
-    :class:`AttentionLayer`, :class:`MLPLayer` (``form="halves"``)."""
+    :class:`AttentionLayer`, :class:`MLPLayer` (``form="halves"``). ``key_padding=True``: states
+    with a padding channel (:func:`with_key_padding`; sequences of different lengths in one batch).
+
+    >>> import torch
+    >>> from propagators.torch import LayerParallel
+    >>> lp = LayerParallel(transformer_layers(4, 8, 2, key_padding=True), T=1.0, cf=2)
+    >>> x, mask = torch.randn(2, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    >>> without_key_padding(lp(with_key_padding(x, mask))).shape   # the second sequence: 3 tokens
+    torch.Size([2, 5, 8])
+    """
     check_integer(n_blocks, "n_blocks", 1)
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
@@ -169,11 +246,11 @@ def transformer_layers(n_blocks: int, dim: int, heads: int, mlp_ratio: float = 4
     if form == "halves":
         out = []
         for _ in range(n_blocks):
-            out += [AttentionLayer(dim, heads, causal=causal, dropout=dropout),
-                    MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout)]
+            out += [AttentionLayer(dim, heads, causal=causal, dropout=dropout, key_padding=key_padding),
+                    MLPLayer(dim, _check_width(dim, mlp_ratio), dropout=dropout, key_padding=key_padding)]
         return out
-    return [TransformerBlock(dim, heads, mlp_ratio, form=form, causal=causal, dropout=dropout)
-            for _ in range(n_blocks)]
+    return [TransformerBlock(dim, heads, mlp_ratio, form=form, causal=causal, dropout=dropout,
+                             key_padding=key_padding) for _ in range(n_blocks)]
 
 
 class PatchEmbedding(nn.Module):
@@ -230,20 +307,28 @@ class PatchEmbedding(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """LayerNorm, then the class token (``pool="cls"``) or the token mean (``"mean"``), then a linear map."""
+    """LayerNorm, then the class token (``pool="cls"``) or the token mean (``"mean"``), then a linear map.
+    ``key_padding=True``: states with a padding channel (:func:`with_key_padding`), the mean over the tokens
+    it does not mark (0 for a sequence of padding only)."""
 
-    def __init__(self, dim: int, classes: int, pool: str = "cls"):
+    def __init__(self, dim: int, classes: int, pool: str = "cls", key_padding: bool = False):
         super().__init__()
         if pool not in ("cls", "mean"):
             raise ValueError(f"`pool` must be 'cls' or 'mean', got {pool!r}")
         check_integer(classes, "classes", 1)
-        self.pool = pool
+        self.pool, self.dim, self.key_padding = pool, int(dim), check_flag(key_padding, "key_padding")
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, classes)
 
     def forward(self, u):
+        u, padding = _split_padding(self, u)
         z = self.norm(u)
-        return self.fc(z[:, 0] if self.pool == "cls" else z.mean(dim=1))
+        if self.pool == "cls":
+            return self.fc(z[:, 0])
+        if padding is None:
+            return self.fc(z.mean(dim=1))
+        keep = (~padding)[..., None].to(z.dtype)
+        return self.fc((z * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0))
 
 
 class ViT(nn.Module):

@@ -4,8 +4,9 @@ Usage: mpiexec -n P python transformer_ranks.py
 Checks on every rank, float64, against the serial network with the same
 initial weights built on every rank (plain autograd), 1e-9 relative:
 
-* causal transformer blocks: output, input gradient, and the gradients of
-  every layer gathered on rank 0;
+* causal transformer blocks, also with a padding channel (sequences of
+  different lengths, one of none): output, input gradient, and the gradients
+  of every layer gathered on rank 0;
 * the ViT (embedding, blocks, head): logits and every gradient (the blocks'
   gathered on rank 0), also after Adam steps; ``to_serial`` gives the reference's
   weights on rank 0 and ``load_serial`` of a serial ViT's state dict its logits;
@@ -25,7 +26,7 @@ from torch import nn
 from checks import REL, check, fail, one_rank_fails, rank, world
 from propagators.torch import LayerParallel
 from propagators.torch.switch import SerialSwitch
-from propagators.torch.transformer import make_vit, transformer_layers
+from propagators.torch.transformer import make_vit, transformer_layers, with_key_padding
 
 torch.set_default_dtype(torch.float64)
 TIGHT = dict(fwd_iters=40, bwd_iters=40, fwd_tol=1e-14, bwd_tol=1e-14)
@@ -46,13 +47,15 @@ def gathered(lp):
     return every
 
 
-def blocks_equal_serial():
+def blocks_equal_serial(key_padding=False):
     torch.manual_seed(1)
-    layers = transformer_layers(6, 8, 2, mlp_ratio=1.0, causal=True)
+    layers = transformer_layers(6, 8, 2, mlp_ratio=1.0, causal=True, key_padding=key_padding)
     lp = LayerParallel(copy.deepcopy(layers), T=1.5, cf=2, max_levels=3, comm=world, **TIGHT)
     ref = copy.deepcopy(layers)
     torch.manual_seed(2)
     x = torch.randn(3, 5, 8)
+    if key_padding:  # (sequences of 5, 3 and 0 tokens)
+        x = with_key_padding(x, torch.arange(5) >= torch.tensor([[5], [3], [0]]))
     xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y = lp(xp)
     ((y**2).sum() + y.sum()).backward()
@@ -60,13 +63,13 @@ def blocks_equal_serial():
     for f in ref:
         u = u + h * f(u)
     ((u**2).sum() + u.sum()).backward()
-    check("blocks: output", y.detach(), u.detach())
-    check("blocks: input gradient", xp.grad, xs.grad)
+    check(f"blocks (key_padding={key_padding}): output", y.detach(), u.detach())
+    check(f"blocks (key_padding={key_padding}): input gradient", xp.grad, xs.grad)
     every = gathered(lp)
     if every is not None:
         for j, gs in every.items():
             for g, p in zip(gs, ref[j].parameters()):
-                check(f"blocks: gathered gradient of layer {j}", g, p.grad)
+                check(f"blocks (key_padding={key_padding}): gathered gradient of layer {j}", g, p.grad)
 
 
 def vit_equals_serial():
@@ -255,6 +258,7 @@ def vit_load_with_a_head_entry_missing_on_one_rank():
 
 
 blocks_equal_serial()
+blocks_equal_serial(key_padding=True)
 vit_equals_serial()
 vit_load_with_a_head_entry_missing_on_one_rank()
 replicas_with_different_cycles_raise()
