@@ -647,6 +647,36 @@ def test_dropout_masks_of_a_packed_pass_are_in_its_padded_layout(cell):
     assert maxdiff(pad_packed_sequence(out)[0], pad_packed_sequence(ref)[0]) < TOL
 
 
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_a_packed_pass_with_an_overflowing_hidden_projection_saturates_as_torchs(cell):
+    """A review: with W_hh h + b_hh overflowing to +-inf (finite float32 weights of 3e38), a held gate's input
+    projection (+-inf) plus it was NaN, and the packed pass raised a misleading DivergenceError where torch's
+    module saturates its gates; now the held gates' hidden projections stay finite and the pass is torch's."""
+    import propagators.torch as pt
+
+    ref = getattr(torch.nn, cell)(1, 4).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.zero_()
+        if cell == "LSTM":
+            ref.weight_hh_l0.fill_(3e38)
+        else:  # (z's projection to -inf, against the +inf of a held z; r * W_hn h would be NaN in torch too)
+            ref.weight_hh_l0[4:8].fill_(-3e38)
+    par = getattr(pt, f"Parallel{cell}")(1, 4, cf=2, **TIGHT).float()
+    par.load_state_dict(ref.state_dict())
+    f32 = dict(dtype=torch.float32)
+    pk = torch.nn.utils.rnn.pack_sequence([torch.zeros(12, 1, **f32), torch.zeros(1, 1, **f32)])
+    h0 = torch.full((1, 2, 4), 0.9, **f32)
+    hx = (h0, torch.ones(1, 2, 4, **f32)) if cell == "LSTM" else h0
+    for train in (True, False):
+        par.train(train)
+        with torch.no_grad():
+            (o, n), (o_r, n_r) = par(pk, hx), ref(pk, hx)
+        for a, b in zip(*(((x,) if cell == "GRU" else x) for x in (n, n_r))):
+            assert torch.isfinite(a).all() and float((a - b).abs().max()) < 1e-6, (a, b)
+        assert float((o.data - o_r.data).abs().max()) < 1e-6
+
+
 def test_a_packed_pass_with_few_cycles_approximates():
     """With few forward cycles a packed batch's h_n is an approximation that more cycles improve (to
     nn.GRU's)."""

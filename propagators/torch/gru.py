@@ -25,7 +25,8 @@ from torch import nn
 from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
-from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows, check_options
+from .rnn import (_affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _finite_when_held, _ParallelRNN,
+                  _windows, check_options)
 
 __all__ = ["ParallelGRU", "GRUPropagator", "GRUAdjointPropagator"]
 
@@ -71,7 +72,7 @@ class GRUPropagator(_CellPropagator):
 
     def hidden(self, U):
         """``W_h h + b_h`` for stacked states ``U`` (..., B, H): one matrix product."""
-        return F.linear(U, self.W, self.b)
+        return _finite_when_held(self, F.linear(U, self.W, self.b), 2)  # (r, z; n reads r * gh_n, as nn.GRU)
 
     def gates(self, gi, gh):
         """``r, z, n`` from input projections ``gi`` and hidden projections ``gh`` (broadcast)."""

@@ -21,7 +21,8 @@ from torch import nn
 from mgrit.comm import as_communicator, warn_if_alone
 
 from .module import _announced
-from .rnn import _affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _ParallelRNN, _windows, check_options
+from .rnn import (_affine_compose, _affine_scan, _CellAdjoint, _CellPropagator, _finite_when_held, _ParallelRNN,
+                  _windows, check_options)
 
 __all__ = ["ParallelLSTM", "LSTMPropagator", "LSTMAdjointPropagator"]
 
@@ -66,18 +67,21 @@ class LSTMPropagator(_CellPropagator):
         self.gi[..., :H].masked_fill_(mask, -math.inf)
         self.gi[..., H:2 * H].masked_fill_(mask, math.inf)
         self.gi[..., 3 * H:].masked_fill_(mask, math.inf)
+        # the last position not held up to each one (-1: none), for kept
+        pos = torch.arange(self.offset + 1, self.offset + len(held) + 1, device=held.device)[:, None]
+        self._last = (pos * ~held).cummax(0).values - 1
 
     def kept(self, i0, k: int):
-        """For windows of ``k`` positions from ``i0``: for each position, the index of the last position up to it
-        that is not held, (n, k, B); -1 where every one up to it is held. The state after a position is the state
-        after that one (or the window's first state)."""
-        held = _windows(self.held, i0, k, self.offset)
-        pos = torch.arange(1, k + 1, device=held.device).view((1, k) + (1,) * (held.dim() - 2))
-        return (pos * ~held).cummax(1).values - 1
+        """For windows of ``k`` positions from ``i0``: for each position, the index in the window of the last
+        position up to it that is not held, (n, k, B); -1 where every one in the window up to it is held. The
+        state after a position is the state after that one (or the window's first state)."""
+        last = _windows(self._last, i0, k, self.offset)
+        start = torch.as_tensor(np.asarray(i0), device=last.device).view((-1, 1) + (1,) * (last.dim() - 2))
+        return (last - start).clamp_(min=-1)
 
     def hidden(self, S):
         """``W_h h + b_h`` for stacked states ``S`` (..., B, 2H): one matrix product."""
-        return F.linear(S[..., :self.H], self.W, self.b)
+        return _finite_when_held(self, F.linear(S[..., :self.H], self.W, self.b), 4)
 
     def gates(self, gi, gh):
         """``i, f, g, o`` from input projections ``gi`` and hidden projections ``gh`` (broadcast)."""
@@ -115,7 +119,10 @@ class LSTMPropagator(_CellPropagator):
             c = torch.addcmul(Bc, A, c0)
         if self.held is None:
             return torch.cat([o[:, -1] * torch.tanh(c), c], dim=-1)
-        j = self.kept(i0, k)[:, -1]  # (past a packed sequence's end: the output gate of its last position, or h kept)
+        if k == 1:  # (past a packed sequence's end: h kept)
+            held = _windows(self.held, i0, 1, self.offset)[:, 0, ..., None]
+            return torch.cat([torch.where(held, S[..., :self.H], o[:, 0] * torch.tanh(c)), c], dim=-1)
+        j = self.kept(i0, k)[:, -1]  # (the output gate of the last position not held, or h kept)
         oj = o.gather(1, j.clamp(min=0)[:, None, ..., None].expand((-1, 1) + tuple(o.shape[2:])))[:, 0]
         h = torch.where((j >= 0)[..., None], oj * torch.tanh(c), S[..., :self.H])
         return torch.cat([h, c], dim=-1)
@@ -166,8 +173,11 @@ class LSTMAdjointPropagator(_CellAdjoint):
                      else torch.zeros_like(tc[:, :-1]))
             dh = torch.cat([inner, dh], dim=1)
         passed = None
-        if f_.held is not None:  # the forcing of the h after a held position belongs to the last one not held before
-            j = f_.kept(i0, k)[..., None]  # it (whose h it is), or passes to lam_h where there is none
+        if f_.held is not None and k == 1:  # a held step keeps h: lam_h passes
+            held = _windows(f_.held, i0, 1, f_.offset)[..., None]
+            passed, dh = torch.where(held, dh, 0.0)[:, 0], torch.where(held, 0.0, dh)
+        elif f_.held is not None:  # the forcing of the h after a held position belongs to the last one not held
+            j = f_.kept(i0, k)[..., None]  # before it (whose h it is), or passes to lam_h where there is none
             passed = torch.where(j < 0, dh, 0.0).sum(1)
             dh = torch.zeros_like(dh).scatter_add_(1, j.clamp(min=0).expand_as(dh), torch.where(j < 0, 0.0, dh))
         direct = dh * o * (1.0 - tc * tc)

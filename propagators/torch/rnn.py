@@ -128,6 +128,18 @@ def _by_length(fn, S, i0: np.ndarray, m: np.ndarray):
     return out
 
 
+def _finite_when_held(prop, gh, blocks: int):
+    """The fresh hidden projections ``gh`` of a propagator with held positions (:meth:`_CellPropagator.hold`)
+    with ``+-inf`` (an overflow of ``W_h h + b_h``) in the first ``blocks`` gate blocks, those of the gates
+    that hold, made the dtype's largest finite values, in place: a held gate's infinite input projection plus
+    an infinite ``gh`` of the other sign would be NaN, and such a gate is the same otherwise (an input that
+    large saturates its sigmoid or tanh to the same 0 or 1). NaN stays NaN."""
+    if prop.held is not None and gh.is_floating_point():
+        big = torch.finfo(gh.dtype).max
+        gh[..., :blocks * prop.H].clamp_(-big, big)
+    return gh
+
+
 class _CellPropagator(mgrit.Propagator):
     """What the forward propagators of the cells share: the weights, the input projections of the
     positions ``offset ..`` (``gi``, shape (n, B, G)), the coarse step's kind, and stepping a batch of
