@@ -24,6 +24,11 @@ Run::
     .venv/bin/python benchmarks/gru_timeseries.py --dataset BasicMotions --epochs 80
     .venv/bin/python benchmarks/gru_timeseries.py --bidirectional --layers 2 --dropout 0.2
     .venv/bin/python benchmarks/gru_timeseries.py --cell lstm    # ParallelLSTM against nn.LSTM
+    .venv/bin/python benchmarks/gru_timeseries.py --packed       # each series at its own length
+
+With ``--packed`` both models read each batch as a ``PackedSequence`` of the series at
+their own lengths (``nn.utils.rnn.pack_padded_sequence``), so the last hidden state is
+the one at each series' end, not after repeating its last value up to the longest.
 
 With ``--bidirectional`` the classifier reads both directions' last hidden states
 of the last layer; with ``--dropout`` (and ``--layers`` 2 or more) both models drop
@@ -73,6 +78,9 @@ def parse(argv=None):
     p.add_argument("--layers", type=positive_int, default=1, help="recurrent layers")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout between layers (as nn.GRU's)")
     p.add_argument("--bidirectional", action="store_true")
+    p.add_argument("--packed", action="store_true",
+                   help="batches as PackedSequences of each series at its own length (default: padded with "
+                        "each series' last value)")
     p.add_argument("--quick", action="store_true", help="a tiny run (a few seconds)")
     p.add_argument("--json", type=Path, help="also write the curves and the table here")
     a = p.parse_args(argv)
@@ -109,14 +117,17 @@ def load(name: str, quick: bool):
     def tensors(ds, n=None):
         keep = stratified(ds.y, n)
         X = torch.as_tensor(((ds.X[keep] - mean) / std).transpose(0, 2, 1), dtype=torch.float32)  # (n, L, C)
-        return X.contiguous(), torch.as_tensor(ds.y[keep])
+        return X.contiguous(), torch.as_tensor(ds.y[keep]), torch.as_tensor(ds.lengths[keep])
 
     n_tr, n_te = (64, 64) if quick else (None, None)
     return tensors(train, n_tr), tensors(test, n_te), train.n_classes, T
 
 
-def features(rnn, X):
-    """The classifier's input: the last layer's last hidden state (both directions' when bidirectional)."""
+def features(rnn, X, lengths=None):
+    """The classifier's input: the last layer's last hidden state (both directions' when bidirectional); with
+    ``lengths``, of the batch packed at those lengths."""
+    if lengths is not None:
+        X = nn.utils.rnn.pack_padded_sequence(X, lengths, batch_first=True, enforce_sorted=False)
     h_n = rnn(X)[1]
     h_n = h_n[0] if isinstance(h_n, tuple) else h_n  # (an LSTM's (h_n, c_n))
     return torch.cat(list(h_n[-2:]), dim=-1) if rnn.bidirectional else h_n[-1]
@@ -133,16 +144,18 @@ def make_parallel(gru0, a, dropout=None):
     return rnn
 
 
-def accuracy(rnn, head, X, y) -> float:
+def accuracy(rnn, head, X, y, lengths=None) -> float:
     rnn.eval()
     with torch.no_grad():
-        pred = head(features(rnn, X)).argmax(1)
+        pred = head(features(rnn, X, lengths)).argmax(1)
     rnn.train()
     return 100.0 * float((pred == y).double().mean())
 
 
 def train_one(kind, gru0, head0, data, a, seed):
-    (Xtr, ytr), (Xte, yte) = data[0], data[1]
+    (Xtr, ytr, ltr), (Xte, yte, lte) = data[0], data[1]
+    if not a.packed:
+        ltr = lte = None
     rnn = copy.deepcopy(gru0) if kind == "serial" else make_parallel(gru0, a)
     head = copy.deepcopy(head0)
     opt = torch.optim.Adam(list(rnn.parameters()) + list(head.parameters()), lr=a.lr)
@@ -155,7 +168,7 @@ def train_one(kind, gru0, head0, data, a, seed):
         for k in range(0, len(perm), a.batch):
             idx = perm[k:k + a.batch]
             opt.zero_grad()
-            loss = F.cross_entropy(head(features(rnn, Xtr[idx])), ytr[idx])
+            loss = F.cross_entropy(head(features(rnn, Xtr[idx], None if ltr is None else ltr[idx])), ytr[idx])
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -165,14 +178,14 @@ def train_one(kind, gru0, head0, data, a, seed):
                 fwd_its.append(rnn.last_forward[0].iterations)
                 bwd_its.append(rnn.last_backward[0].iterations)
         t_train += time.perf_counter() - t0
-        curve.append(accuracy(rnn, head, Xte, yte))
+        curve.append(accuracy(rnn, head, Xte, yte, lte))
     h_err = None
     if kind != "serial":  # how far the training-mode solve is from the exact recursion, after training
         p, rnn.dropout = rnn.dropout, 0.0  # (no dropout on either side)
         with torch.no_grad():
-            approx = features(rnn, Xte)
+            approx = features(rnn, Xte, lte)
             rnn.eval()
-            exact = features(rnn, Xte)
+            exact = features(rnn, Xte, lte)
             rnn.train()
         rnn.dropout = p
         h_err = float((approx - exact).norm() / exact.norm())
@@ -182,8 +195,8 @@ def train_one(kind, gru0, head0, data, a, seed):
 
 def gradient_error(gru0, head0, data, a) -> float:
     """Relative error (2-norm over all GRU weights) of ParallelGRU's first-batch gradient (no dropout)."""
-    Xtr, ytr = data[0]
-    X, y = Xtr[: a.batch], ytr[: a.batch]
+    Xtr, ytr, ltr = data[0]
+    X, y, lengths = Xtr[: a.batch], ytr[: a.batch], ltr[: a.batch] if a.packed else None
     grads = []
     for kind in ("serial", "mgrit"):
         if kind == "serial":
@@ -192,7 +205,7 @@ def gradient_error(gru0, head0, data, a) -> float:
         else:
             rnn = make_parallel(gru0, a, dropout=0.0)
         head = copy.deepcopy(head0)
-        F.cross_entropy(head(features(rnn, X)), y).backward()
+        F.cross_entropy(head(features(rnn, X, lengths)), y).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in rnn.parameters()]))
     return float((grads[1] - grads[0]).norm() / grads[0].norm())
 
@@ -201,9 +214,11 @@ def main(argv=None):
     a = parse(argv)
     torch.set_num_threads(1)
     data = load(a.dataset, a.quick)
-    (Xtr, _), (Xte, _), n_classes, T = data[0], data[1], data[2], data[3]
+    (Xtr, _, ltr), (Xte, _, _), n_classes, T = data[0], data[1], data[2], data[3]
     model = f"{a.cell.upper()} hidden {a.hidden}, {a.layers} layer(s)" + (", bidirectional" if a.bidirectional else "")
     model += f", dropout {a.dropout}" if a.dropout else ""
+    model += (f", packed at the series' lengths ({int(ltr.min())} to {int(ltr.max())})" if a.packed
+              else ", padded with each series' last value")
     print(f"{a.dataset}: {len(Xtr)} train / {len(Xte)} test sequences of length {T}, {Xtr.shape[2]} channels, "
           f"{n_classes} classes; {model}, Adam lr {a.lr}, batch {a.batch}, {a.epochs} epochs, {a.seeds} seed(s)")
     print(f"MGRIT: cf {a.cf}, max_levels {a.max_levels}, relax {','.join(a.relax)}, coarse step {a.coarse!r}, "

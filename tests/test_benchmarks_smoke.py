@@ -139,24 +139,26 @@ def test_cnn_spatial_quick_run_prints_the_table():
 
 
 @pytest.mark.parametrize("script, needle", [("transformer_digits.py", "serial"), ("multistage_digits.py", "serial"),
-                                            ("gru_timeseries.py", "nn.GRU"), ("adaptive_cycles.py", "adaptive")])
+                                            ("gru_timeseries.py", "nn.GRU"), ("adaptive_cycles.py", "adaptive"),
+                                            ("transformer_timeseries.py", "| layer-parallel, masked |")])
 def test_training_benchmarks_quick_runs_print_their_tables(script, needle):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    if script == "gru_timeseries.py":
+    if script.endswith("timeseries.py"):
         pytest.importorskip("aeon")  # its data files ship inside aeon
     out = run_benchmark(script, "--quick")
     assert needle in out and "%" in out, out
 
 
-@pytest.mark.parametrize("cell", ["gru", "lstm"])
-def test_gru_timeseries_quick_run_with_two_bidirectional_layers_and_dropout(cell):
+@pytest.mark.parametrize("cell, packed", [("gru", False), ("lstm", True)])
+def test_gru_timeseries_quick_run_with_two_bidirectional_layers_and_dropout(cell, packed):
     pytest.importorskip("torch")
     pytest.importorskip("aeon")
     out = run_benchmark("gru_timeseries.py", "--quick", "--cell", cell, "--bidirectional", "--layers", "2",
-                        "--dropout", "0.2")
+                        "--dropout", "0.2", *(["--packed"] if packed else []))
     name = cell.upper()
     assert f"{name} hidden 16, 2 layer(s), bidirectional, dropout 0.2" in out, out
+    assert ("packed at the series' lengths" if packed else "padded with each series' last value") in out, out
     assert f"| Parallel{name} (MGRIT) |" in out and f"| nn.{name} (serial) |" in out, out
 
 
@@ -253,8 +255,9 @@ def test_gru_timeseries_quick_subset_holds_every_class_and_regression_sets_are_r
         import gru_timeseries
     finally:
         sys.path.remove(str(BENCHMARKS))
-    (_, ytr), (_, yte), n_classes, _ = gru_timeseries.load("JapaneseVowels", quick=True)
-    assert n_classes == 9 and len(ytr) == len(yte) == 64
+    (Xtr, ytr, ltr), (_, yte, _), n_classes, T = gru_timeseries.load("JapaneseVowels", quick=True)
+    assert n_classes == 9 and len(ytr) == len(yte) == 64 and int(ltr.max()) <= T == Xtr.shape[1]
+    assert 7 <= int(ltr.min()) < T  # (the series' own lengths, for --packed)
     assert set(ytr.tolist()) == set(yte.tolist()) == set(range(9))
     assert max(np.bincount(ytr.numpy())) - min(np.bincount(ytr.numpy())) <= 1  # classes in turn
     with pytest.raises(SystemExit, match="not a classification set"):
