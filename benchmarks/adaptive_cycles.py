@@ -24,7 +24,6 @@ Run: ``python benchmarks/adaptive_cycles.py`` (about 3 minutes on 2 cores) or
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import numpy as np

@@ -128,7 +128,7 @@ def timings(a):
                     p.grad = None
                 lp(x.clone().requires_grad_(True)).square().sum().backward()
 
-            fns, names = [plain, batched], ["plain loop", "LP batched"]
+            fns = [plain, batched]
             t = interleaved(fns, a.repeat, sync)
             row = {"width": width, "batch": batch, "N": N, "plain": t[0], "batched": t[1]}
             # looped layers on CUDA streams, on a shorter net (one kernel chain per layer and sweep)
