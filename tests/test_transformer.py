@@ -188,6 +188,36 @@ def test_blocks_with_key_padding_give_serial_output_and_gradients(form, causal, 
     assert {c.mode for c in lp.kernel.classes} == ({"vmap"} if batched else {"loop"})
 
 
+def test_a_scheme_of_ones_own_that_scales_the_state_keeps_the_mask():
+    """A review: an exponential-Euler scheme multiplies the padding channel by exp(-dt) every step; read as
+    "> 0.5" it fell below at T = 2 and the padding reached the real tokens (0.27 off), silently. A channel that
+    is not 0 is padding now: each sequence still gets what it gets alone, through LayerParallel too."""
+    torch.manual_seed(16)
+
+    def exp_euler(f, u, dt):
+        return u * math.exp(-dt) + (1.0 - math.exp(-dt)) * f(u)
+
+    layers = transformer_layers(4, 8, 2, mlp_ratio=1.0, key_padding=True)
+    lp = LayerParallel(layers, T=2.0, cf=2, scheme=exp_euler, **TIGHT)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        y = without_key_padding(lp(with_key_padding(x, padding([5, 2], 5))))
+        alone = without_key_padding(lp(with_key_padding(x[1:, :2], padding([2], 2))))
+    assert rel(y[1, :2], alone[0]) < 1e-12
+
+
+def test_layers_pickled_before_key_padding_still_run():
+    """A review: modules saved before the option existed have no key_padding attribute (nor MLPLayer's width):
+    their first pass raised AttributeError; they read as key_padding=False."""
+    torch.manual_seed(17)
+    blk, head = TransformerBlock(8, 2), ClassifierHead(8, 3, pool="mean")
+    u = torch.randn(2, 4, 8)
+    before = (blk(u), head(u))
+    for m in (blk.attn, blk.mlp, head):
+        del m.__dict__["key_padding"]  # (as unpickled from an older version)
+    assert torch.equal(blk(u), before[0]) and torch.equal(head(u), before[1])
+
+
 def test_the_mean_pooling_head_leaves_the_padding_out():
     torch.manual_seed(15)
     head = ClassifierHead(8, 3, pool="mean", key_padding=True)
@@ -211,6 +241,10 @@ def test_key_padding_inputs_are_checked():
         with_key_padding(torch.randn(2, 3, 8), torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="`key_padding` must be True or False"):
         AttentionLayer(8, 2, key_padding="yes")
+    with pytest.raises(ValueError, match=r"key_padding_mask is on meta, the tokens on cpu: move the mask there"):
+        with_key_padding(torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.bool, device="meta"))
+    with pytest.raises(TypeError, match="make_vit builds a model of images.*takes no key_padding"):
+        make_vit(2, 8, 2, key_padding=True)
 
 
 def test_bad_arguments_are_clear_errors():

@@ -64,7 +64,9 @@ def with_key_padding(x, key_padding_mask):
 
     The mask travels inside the state, so that every layer evaluation (on every level, interval and rank of
     an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel unchanged (their
-    right-hand side is 0 there) and take no gradient through it. :func:`without_key_padding` strips it.
+    right-hand side is 0 there) and take no gradient through it. A layer reads every token whose channel is
+    not 0 as padding: a scheme of one's own that scales the state (``u exp(-dt) + ...``) keeps the mask too.
+    :func:`without_key_padding` strips it.
 
     >>> import torch
     >>> u = with_key_padding(torch.zeros(2, 3, 4), torch.tensor([[False, False, True], [False, False, False]]))
@@ -81,6 +83,9 @@ def with_key_padding(x, key_padding_mask):
     if x.dim() < 2 or tuple(key_padding_mask.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"key_padding_mask must have the tokens' leading shape {tuple(x.shape[:-1])} (tokens "
                          f"(..., tokens, dim)), got {tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != x.device:
+        raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the tokens on {x.device}: move the mask "
+                         f"there (mask.to({str(x.device)!r}))")
     return torch.cat([x, key_padding_mask[..., None].to(x.dtype)], dim=-1)
 
 
@@ -90,16 +95,18 @@ def without_key_padding(u):
 
 
 def _split_padding(layer, u):
-    """``(tokens, padding (bool, (..., tokens)) or None)`` of a layer's state; a clear error for another width."""
-    width = layer.dim + layer.key_padding
+    """``(tokens, padding (bool, (..., tokens)) or None)`` of a layer's state (a layer with a LayerNorm
+    ``norm`` of the tokens' width); a clear error for another width. Padding: a channel that is not 0."""
+    dim = layer.norm.normalized_shape[-1]
+    width = dim + layer.key_padding
     if u.shape[-1] != width:
         what = ("the tokens and a padding channel: with_key_padding(x, mask)" if layer.key_padding else
                 "tokens (for a state with a padding channel build the layers with key_padding=True)")
-        raise ValueError(f"{type(layer).__name__} of dim {layer.dim} expects states of width {width} ({what}), "
+        raise ValueError(f"{type(layer).__name__} of dim {dim} expects states of width {width} ({what}), "
                          f"got shape {tuple(u.shape)}")
     if not layer.key_padding:
         return u, None
-    return u[..., :-1], u[..., -1] > 0.5
+    return u[..., :-1], u[..., -1] != 0
 
 
 def _with_zero_channel(z, padding):
@@ -139,6 +146,8 @@ class AttentionLayer(nn.Module):
     The state has shape ``(..., tokens, dim)`` (``dim + 1`` with
     ``key_padding``); the output has the same shape (0 in the padding channel).
     """
+
+    key_padding = False  # (the default of layers pickled before the option existed)
 
     def __init__(self, dim: int, heads: int, causal: bool = False, dropout: float = 0.0, bias: bool = True,
                  key_padding: bool = False):
@@ -184,10 +193,12 @@ class MLPLayer(nn.Module):
     """Pre-norm MLP ``W2 gelu(W1 LN(u))`` (the residual branch only); with ``key_padding`` the state's
     padding channel (:func:`with_key_padding`) is passed over (0 in the output)."""
 
+    key_padding = False  # (the default of layers pickled before the option existed)
+
     def __init__(self, dim: int, hidden: int | None = None, dropout: float = 0.0, key_padding: bool = False):
         super().__init__()
         hidden = 4 * dim if hidden is None else int(hidden)
-        self.dim, self.key_padding = int(dim), check_flag(key_padding, "key_padding")
+        self.key_padding = check_flag(key_padding, "key_padding")
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
@@ -309,14 +320,17 @@ class PatchEmbedding(nn.Module):
 class ClassifierHead(nn.Module):
     """LayerNorm, then the class token (``pool="cls"``) or the token mean (``"mean"``), then a linear map.
     ``key_padding=True``: states with a padding channel (:func:`with_key_padding`), the mean over the tokens
-    it does not mark (0 for a sequence of padding only)."""
+    it does not mark (0 for a sequence of padding only); ``"cls"`` reads token 0 whatever the mask says (put the
+    class token first and pad on the right)."""
+
+    key_padding = False  # (the default of heads pickled before the option existed)
 
     def __init__(self, dim: int, classes: int, pool: str = "cls", key_padding: bool = False):
         super().__init__()
         if pool not in ("cls", "mean"):
             raise ValueError(f"`pool` must be 'cls' or 'mean', got {pool!r}")
         check_integer(classes, "classes", 1)
-        self.pool, self.dim, self.key_padding = pool, int(dim), check_flag(key_padding, "key_padding")
+        self.pool, self.key_padding = pool, check_flag(key_padding, "key_padding")
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, classes)
 
@@ -455,6 +469,10 @@ def make_vit(n_blocks: int = 8, dim: int = 32, heads: int = 4, *, side: int = 8,
     check_integer(n_blocks, "n_blocks", 1)
     _check_dims(dim, heads)
     causal, parallel = check_flag(causal, "causal"), check_flag(parallel, "parallel")
+    if "key_padding" in lp_options:
+        raise TypeError("make_vit builds a model of images, whose token count is fixed: it takes no key_padding; for "
+                        "sequences of different lengths build transformer_layers(..., key_padding=True) and "
+                        "ClassifierHead(..., key_padding=True) around a LayerParallel (docs/transformer.md §1)")
     if causal and pool == "cls":
         raise ValueError("causal=True with pool='cls': the class token stands in front of the patches and causal "
                          "attention lets it see only itself, so the classifier would ignore the image; use "
