@@ -890,6 +890,33 @@ def test_on_a_device_bidirectional_and_dropout_equal_nn_gru_and_the_masked_stack
     assert maxdiff(out, inp) < TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_on_a_device_a_packed_pass_equals_torchs(cell, device):
+    """On the device (float64; benchmarks/gpu.py runs the CUDA case): a bidirectional two-layer packed pass,
+    converged, gives torch's packed output, final states and every gradient there."""
+    import propagators.torch as pt
+
+    torch.manual_seed(19)
+    kw = dict(num_layers=2, bidirectional=True)
+    ref = getattr(torch.nn, cell)(I, H, **kw).to(device)
+    par = getattr(pt, f"Parallel{cell}")(I, H, cf=2, **kw, **TIGHT).to(device)
+    par.load_state_dict(ref.state_dict())
+    seqs = [torch.randn(n, I, device=device) for n in (11, 4, 1, 8)]
+    w = torch.randn(sum(len(q) for q in seqs), 2 * H, device=device)
+    got = []
+    for m in (ref, par):
+        ss = [q.clone().requires_grad_(True) for q in seqs]
+        o, n = m(torch.nn.utils.rnn.pack_sequence(ss, enforce_sorted=False))
+        finals = list(n) if cell == "LSTM" else [n]
+        ((o.data * w).sum() + sum(v.square().sum() for v in finals)).backward()
+        got.append((o.data, finals, [q.grad for q in ss], [p.grad for p in m.parameters()]))
+    (o_r, n_r, gx_r, gw_r), (o, n, gx, gw) = got
+    assert o.device.type == device and maxdiff(o, o_r) < TOL
+    for a, b in zip(n + gx + gw, n_r + gx_r + gw_r):
+        assert maxdiff(a, b) < TOL
+
+
 @pytest.mark.parametrize("cls", ["GRU", "LSTM"])
 def test_a_non_finite_loss_gives_non_finite_gradients_as_torch_and_the_scaler_skips_it(cls):
     """A NaN loss, or an overflowing scaled one (torch.amp.GradScaler's first steps), gives NaN

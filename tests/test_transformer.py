@@ -218,6 +218,23 @@ def test_layers_pickled_before_key_padding_still_run():
     assert torch.equal(blk(u), before[0]) and torch.equal(head(u), before[1])
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_a_device_blocks_with_key_padding_give_serial_output_and_gradients(device):
+    """On the device (float64; benchmarks/gpu.py runs the CUDA case): batched blocks with a padding channel,
+    converged, equal serial autograd there, and the padding channel comes out unchanged."""
+    torch.manual_seed(18)
+    layers = [m.to(device) for m in transformer_layers(4, 8, 2, mlp_ratio=2.0, causal=True, key_padding=True)]
+    lp = LayerParallel(copy.deepcopy(layers), T=2.0, cf=2, max_levels=3, **TIGHT)
+    u = with_key_padding(torch.randn(4, 5, 8, device=device), padding([5, 3, 1, 0], 5).to(device))
+    check_equals_serial(lp, layers, u, 2.0)
+    with torch.no_grad():
+        assert torch.equal(lp(u)[..., -1], u[..., -1])
+
+
 def test_the_mean_pooling_head_leaves_the_padding_out():
     torch.manual_seed(15)
     head = ClassifierHead(8, 3, pool="mean", key_padding=True)
