@@ -930,6 +930,18 @@ def _fixed(name: str, doc: str, refuse):
     return property(lambda self: getattr(self, "_" + name), lambda self, value: refuse(name), doc=doc)
 
 
+def _loading_strictly() -> bool:
+    """The ``strict`` of the ``torch.nn.Module.load_state_dict`` call under way, read from its frame: torch
+    passes True to every ``_load_from_state_dict`` whatever the caller asked, and applies ``strict=False`` to
+    the unexpected keys afterwards. True when no such call is found."""
+    frame, code = sys._getframe(1), nn.Module.load_state_dict.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
+
+
 class LayerParallel(_SolveCycles, nn.Module):
     """A stack of residual layers evaluated by MGRIT, forward and backward.
 
@@ -1254,7 +1266,8 @@ class LayerParallel(_SolveCycles, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
-        if strict and self._comm.size > 1:  # a serial network's entries, as torch's habit saves them: say what loads
+        if _loading_strictly() and self._comm.size > 1:  # a serial network's entries, as torch saves them: say what
+            #                                                loads (with strict=False they are unexpected keys)
             head = prefix + "layers."
             held = {k[len(head):].split(".", 1)[0] for k in state_dict if k.startswith(head)}
             others = {int(j) for j in held if j.isdigit()} - set(self.owned_layers)
@@ -1263,8 +1276,9 @@ class LayerParallel(_SolveCycles, nn.Module):
                     f"the LayerParallel {prefix[:-1] or 'block'!r} holds {len(self.owned_layers)} of its "
                     f"{self.n_layers} layers on this rank, and the state dict has entries of {len(others)} others, "
                     "as a serial network's: load those with lp.load_serial(state_dict) on every rank"
-                    + (f" (its entries without the prefix {prefix!r}), the rest of the model with strict=False"
-                       if prefix else ""))
+                    + (f" (its entries without the prefix {prefix!r})" if prefix else "")
+                    + ", or call load_state_dict(..., strict=False) on every rank: each rank loads the layers it "
+                    "holds, and the others' entries come back as unexpected keys")
         # load_state_dict(assign=True) puts the checkpoint's tensors in the owned layers, in its dtype and on its
         # device; once the layers are loaded, _halo_follows_assign brings the halo copies along, as .to() does
         if local_metadata.get("assign_to_params_buffers", False) and self._halo:
