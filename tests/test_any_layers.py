@@ -2775,6 +2775,20 @@ def test_autocast_output_equals_serial_and_gradients_differ_by_its_precision():
         assert rel(p.grad, q.grad) < 5e-2
 
 
+def test_a_tolerance_below_autocasts_rounding_is_named_in_autocasts_dtype():
+    """A review: float32 states stepped under bfloat16 autocast stall at bfloat16's rounding; the warning said
+    "float32 rounds at about 1e-07" (the states' dtype), pointing away from the cause."""
+    from propagators.torch import ConvergenceWarning, transformer_layers
+
+    torch.manual_seed(0)
+    layers = [m.float() for m in transformer_layers(8, 16, 2, mlp_ratio=1.0)]
+    lp = LayerParallel(layers, T=1.0, cf=2, max_levels=3, fwd_iters=15, fwd_tol=1e-6)
+    x = torch.randn(4, 6, 16, dtype=torch.float32)
+    with pytest.warns(ConvergenceWarning, match=r"stopped decreasing .*bfloat16 rounds at about 8e-03"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp(x)
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_autocast_with_the_block_after_an_autocast_layer(batched):
     """Behind an nn.Linear under autocast the block's input is bfloat16, and so is its stored trajectory: the

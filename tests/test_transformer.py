@@ -235,6 +235,30 @@ def test_on_a_device_blocks_with_key_padding_give_serial_output_and_gradients(de
         assert torch.equal(lp(u)[..., -1], u[..., -1])
 
 
+def test_padding_tokens_keep_their_values_and_add_nothing_to_the_residuals():
+    """A review: padding tokens attended to the real ones and changed from layer to layer, so they counted in the
+    solves' residuals, and with a tolerance the same sequences padded to other lengths stopped after other
+    cycle counts (10 against 11) with other predictions. The layers leave padding tokens as they are: the
+    residual histories are those of the unpadded batch, and so are the cycles and the real tokens' output."""
+    torch.manual_seed(19)
+    x, lengths = torch.randn(3, 5, 8), [5, 2, 4]
+    runs = []
+    for n_tok in (5, 9, 16):
+        torch.manual_seed(20)  # (the same weights for each padding)
+        lp = LayerParallel(transformer_layers(4, 8, 2, mlp_ratio=1.0, key_padding=True), T=2.0, cf=2, fwd_iters=40,
+                           fwd_tol=1e-8)
+        padded = torch.cat([x, 100.0 * torch.randn(3, n_tok - 5, 8)], dim=1)
+        u = with_key_padding(padded, padding(lengths, n_tok))
+        with torch.no_grad():
+            y = lp(u)
+        assert torch.equal(y[padding(lengths, n_tok)], u[padding(lengths, n_tok)])  # padding tokens unchanged
+        runs.append((lp.forward_residuals, without_key_padding(y)[:, :5].masked_fill(padding(lengths, 5)[..., None], 0)))
+    (r0, y0), *rest = runs
+    for r, y in rest:
+        assert len(r) == len(r0) and all(abs(a - b) <= 1e-10 * abs(b) + 1e-13 for a, b in zip(r, r0) if b is not None)
+        assert rel(y, y0) < 1e-12
+
+
 def test_the_mean_pooling_head_leaves_the_padding_out():
     torch.manual_seed(15)
     head = ClassifierHead(8, 3, pool="mean", key_padding=True)

@@ -37,8 +37,8 @@ from .plan import DistributionPlan
 from .propagator import LayerStack, ODEPropagator
 from .schemes import dt_aware, forward_euler, heun, inject_layer, rk4
 from .switch import SerialSwitch, Switchable, SwitchRule
-from .transformer import (AttentionLayer, MLPLayer, TransformerBlock, ViT, make_vit, transformer_layers,
-                          with_key_padding, without_key_padding)
+from .transformer import (AttentionLayer, ClassifierHead, MLPLayer, PatchEmbedding, TransformerBlock, ViT, make_vit,
+                          transformer_layers, with_key_padding, without_key_padding)
 
 __all__ = [
     "forward_euler", "heun", "rk4", "dt_aware", "inject_layer",
@@ -50,6 +50,6 @@ __all__ = [
     "SpatialCoarsening", "FeatureMapTransfer", "galerkin_weight", "rediscretized_weight",
     "MultiStage", "Stage", "residual_cnn", "load_digits_images",
     "AttentionLayer", "MLPLayer", "TransformerBlock", "transformer_layers", "ViT", "make_vit",
-    "with_key_padding", "without_key_padding",
+    "ClassifierHead", "PatchEmbedding", "with_key_padding", "without_key_padding",
     "Switchable", "SerialSwitch", "SwitchRule",
 ]

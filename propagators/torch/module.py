@@ -1775,8 +1775,8 @@ class LayerParallel(_SolveCycles, nn.Module):
             if fmt is not None:  # (the serial network's convolutions keep such an input's memory format)
                 y = y.contiguous(memory_format=fmt)
         # after the checks: an error comes first
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype, (x, y),
-                    ends=(y,))
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type,
+                    _coarser(x.dtype, prop.autocast), (x, y), ends=(y,))
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -2332,6 +2332,14 @@ def _tolerance(value, name: str):
     if value is not None and not fits_float(value):
         raise ValueError(f"`{name}` must fit a float (math.inf is the largest), got {value!r:.40}")
     return value if value is None else float(value) + 0.0  # (+ 0.0: -0.0 is 0.0, alike on every rank)
+
+
+def _coarser(dtype, autocast):
+    """The dtype whose rounding a forward solve of states in ``dtype`` resolves: ``autocast``'s (the layers'
+    arithmetic under ``torch.autocast``) when that is the coarser floating type, else ``dtype``."""
+    if autocast is None or not (dtype.is_floating_point and autocast.is_floating_point):
+        return dtype
+    return autocast if torch.finfo(autocast).eps > torch.finfo(dtype).eps else dtype
 
 
 def _eps(dtype) -> float:

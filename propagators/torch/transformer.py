@@ -63,8 +63,8 @@ def with_key_padding(x, key_padding_mask):
     ``key_padding_mask``) marks, 0 at the others.
 
     The mask travels inside the state, so that every layer evaluation (on every level, interval and rank of
-    an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel unchanged (their
-    right-hand side is 0 there) and take no gradient through it. A layer reads every token whose channel is
+    an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel and the padding
+    tokens unchanged (their right-hand side is 0 there) and take no gradient through the channel. A layer reads every token whose channel is
     not 0 as padding: a scheme of one's own that scales the state (``u exp(-dt) + ...``) keeps the mask too.
     :func:`without_key_padding` strips it.
 
@@ -110,8 +110,12 @@ def _split_padding(layer, u):
 
 
 def _with_zero_channel(z, padding):
-    """A right-hand side ``z`` with the padding channel's 0 appended (when the state has one)."""
-    return z if padding is None else torch.cat([z, z.new_zeros(z.shape[:-1] + (1,))], dim=-1)
+    """A right-hand side ``z`` with the padding channel's 0 appended (when the state has one), and 0 at the
+    padding tokens: they keep their values, so that they add nothing to the solves' residuals (a tolerance
+    stops after the same cycles however much a batch is padded)."""
+    if padding is None:
+        return z
+    return torch.cat([z.masked_fill(padding[..., None], 0.0), z.new_zeros(z.shape[:-1] + (1,))], dim=-1)
 
 
 def _check_width(dim: int, mlp_ratio) -> int:
@@ -140,8 +144,10 @@ class AttentionLayer(nn.Module):
         Biases of the query/key/value and output projections.
     key_padding : bool
         The state carries a padding channel (:func:`with_key_padding`): no
-        token attends to the tokens it marks. A token with no key left to
-        attend to (a sequence of padding only) gets zero attention weights.
+        token attends to the tokens it marks, and those keep their values (the
+        output is 0 there; a padding token with no key left to attend to, as
+        under causal attention behind leading padding, gets zero weights, not
+        softmax's NaN, whose gradient would be NaN too).
 
     The state has shape ``(..., tokens, dim)`` (``dim + 1`` with
     ``key_padding``); the output has the same shape (0 in the padding channel).
