@@ -26,7 +26,7 @@ Run::
     .venv/bin/python benchmarks/layer_parallel.py --sweep 64 128 256 512 1024   # 1 -> 2 ranks only
     .venv/bin/python benchmarks/layer_parallel.py --layers 64 --batch-sweep 1 16 64 256   # one process
     .venv/bin/python benchmarks/layer_parallel.py --launches 5   # more mpiexec launches (default 3)
-    .venv/bin/python benchmarks/layer_parallel.py --breakdown --sweep 64 256 1024   # 2 ranks: waiting, own work
+    .venv/bin/python benchmarks/layer_parallel.py --breakdown --sweep 64 256 1024   # 2 ranks: waiting, own work, phases
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def parse(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="only where the two-rank pass goes, per rank: waiting for the other rank (the "
                         "communicator's `waited`) and its own work, beside one process on the whole net and "
-                        "on half of it (what a perfect split would leave each rank); with --sweep, per depth")
+                        "on half of it (what a perfect split would leave each rank), and the phases of a pass "
+                        "(before, in and between the two solves); with --sweep, per depth")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.batch_sweep and min(a.batch_sweep) < 1:
@@ -207,10 +208,76 @@ def child(a):
                                       "modes": lp2.kernel.describe()}))
 
 
+PHASES = ("before the forward solve", "forward solve: set-up", "forward solve: levels", "forward solve: end",
+          "between the solves", "adjoint solve: set-up", "adjoint solve: levels", "adjoint solve: end",
+          "after the adjoint solve")
+
+
+class Phases:
+    """The phases of a pass, timed: ``mgrit.solve`` and the level operations of ``mgrit.cycle.Levels``
+    wrapped (while installed) to note when the two solves start and end and when their first level
+    operation starts and their last ends; :meth:`split` turns one pass's notes into :data:`PHASES`."""
+
+    OPS = ("f_relax", "c_relax", "c_residual", "restrict", "inject", "correct", "sequential_solve",
+           "residual_norm", "residual_norms")
+
+    def __init__(self):
+        import mgrit
+        from mgrit import cycle
+
+        self.notes: list = []
+        solve = mgrit.solve
+
+        def timed_solve(*args, **kw):
+            self.notes.append(("solve", time.perf_counter()))
+            try:
+                return solve(*args, **kw)
+            finally:
+                self.notes.append(("end", time.perf_counter()))
+
+        def timed_op(fn):
+            def op(levels, *args, **kw):
+                self.notes.append(("op", time.perf_counter()))
+                try:
+                    return fn(levels, *args, **kw)
+                finally:
+                    self.notes.append(("op end", time.perf_counter()))
+            return op
+
+        mgrit.solve = timed_solve
+        for name in self.OPS:
+            setattr(cycle.Levels, name, timed_op(getattr(cycle.Levels, name)))
+
+    def split(self, t0: float, t1: float) -> list:
+        """Seconds of each of :data:`PHASES` in the pass from ``t0`` to ``t1`` (its notes since the last
+        call), or None when the pass did not make two solves."""
+        notes, self.notes = self.notes, []
+        solves, current = [], None
+        for kind, t in notes:
+            if kind == "solve":
+                current = {"start": t, "first": None, "last": t}
+            elif kind == "end" and current is not None:
+                current["end"] = t
+                solves.append(current)
+                current = None
+            elif current is not None:
+                if kind == "op" and current["first"] is None:
+                    current["first"] = t
+                if kind == "op end":
+                    current["last"] = t
+        if len(solves) != 2 or any(q["first"] is None for q in solves):
+            return None
+        f, b = solves
+        return [f["start"] - t0, f["first"] - f["start"], f["last"] - f["first"], f["end"] - f["last"],
+                b["start"] - f["end"], b["first"] - b["start"], b["last"] - b["first"], b["end"] - b["last"],
+                t1 - b["end"]]
+
+
 def breakdown_child(a):
     """Under ``mpiexec -n 2``, interleaved: the two-rank pass (each rank's own time and the time it spent
     waiting for the other, from ``lp.comm.waited``), and on every rank at once one process on the whole
-    net and on its first ``N // 2`` layers. Rank 0 prints ``RESULT`` with every rank's medians."""
+    net and on its first ``N // 2`` layers; each pass also split into :data:`PHASES` (:class:`Phases`).
+    Rank 0 prints ``RESULT`` with every rank's medians."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -221,18 +288,25 @@ def breakdown_child(a):
     runs = [fwd_bwd(lp2, x), fwd_bwd(whole, x), fwd_bwd(half, x)]
     for fn in runs:
         fn()
-    times, waits = [[] for _ in runs], []
+    phases = Phases()
+    times, waits, parts = [[] for _ in runs], [], [[] for _ in runs]
     for _ in range(a.repeat):
         for k, fn in enumerate(runs):
             comm.Barrier()
+            phases.notes = []
             w0, t0 = lp2.comm.waited, time.perf_counter()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            times[k].append(t1 - t0)
+            split = phases.split(t0, t1)
+            if split is not None:
+                parts[k].append(split)
             if k == 0:
                 waits.append(lp2.comm.waited - w0)
     mine = {"pass": statistics.median(times[0]), "waited": statistics.median(waits),
             "busy": statistics.median([t - w for t, w in zip(times[0], waits)]),
-            "whole": statistics.median(times[1]), "half": statistics.median(times[2])}
+            "whole": statistics.median(times[1]), "half": statistics.median(times[2]),
+            "phases": [[statistics.median(col) for col in zip(*p)] if p else None for p in parts]}
     every = comm.gather(mine, root=0)
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({"ranks": every}))
@@ -251,12 +325,26 @@ def breakdown(a):
           "leave each rank; extra work: own work minus the half net")
     print(f"{'layers':>7}{'rank':>5}{'whole ms':>10}{'half net ms':>13}{'2 ranks ms':>12}{'waiting ms':>12}"
           f"{'own work ms':>13}{'extra work ms':>15}")
+    phase_tables = []
     for n in a.sweep or [a.layers]:
         cmd = child_command(argparse.Namespace(**{**vars(a), "layers": n}), "--breakdown")
         for run in mpi_results(cmd, a.launches):
             for r, d in enumerate(run["ranks"]):
                 print(f"{n:>7}{r:>5}{1e3 * d['whole']:>10.2f}{1e3 * d['half']:>13.2f}{1e3 * d['pass']:>12.2f}"
                       f"{1e3 * d['waited']:>12.2f}{1e3 * d['busy']:>13.2f}{1e3 * (d['busy'] - d['half']):>15.2f}")
+            phase_tables.append((n, run["ranks"]))
+    print("\nthe phases of a pass (medians, ms): the solves' set-up runs until their first level operation, their "
+          "levels until the last one ends (waits for the other rank included), their end until they return; the "
+          "one-process columns are rank 0's")
+    for n, ranks in phase_tables:
+        cols = [("whole net", ranks[0]["phases"][1]), ("half net", ranks[0]["phases"][2])] + [
+            (f"2 ranks: rank {r}", d["phases"][0]) for r, d in enumerate(ranks)]
+        if any(c is None for _, c in cols):
+            continue
+        print(f"{n} layers{'':<17}" + "".join(f"{name:>17}" for name, _ in cols))
+        for i, phase in enumerate(PHASES):
+            print(f"  {phase:<24}" + "".join(f"{1e3 * c[i]:>17.3f}" for _, c in cols))
+        print(f"  {'sum':<24}" + "".join(f"{1e3 * sum(c):>17.3f}" for _, c in cols))
     return 0
 
 

@@ -185,6 +185,12 @@ def test_layer_parallel_quick_run_and_rank_sweep():
         rows = [[float(v) for v in r] for r in map(str.split, bd.splitlines()) if len(r) == 8 and r[0].isdigit()]
         assert [(r[0], r[1]) for r in rows] == [(16, 0), (16, 1)], bd
         assert all(0 <= r[5] <= r[4] + 0.01 and 0 < r[6] <= r[4] + 0.01 for r in rows), bd
+        # the phases of a pass: the nine phases and their sum, four columns (whole, half, rank 0, rank 1), none
+        # negative, the solves' level work and set-up present in each
+        lines = bd.split("the phases of a pass")[1].splitlines()
+        phases = {ln[:26].strip(): [float(v) for v in ln[26:].split()] for ln in lines if ln.startswith("  ")}
+        assert len(phases) == 10 and all(len(v) == 4 and min(v) >= 0 for v in phases.values()), bd
+        assert min(phases["forward solve: levels"]) > 0 and min(phases["adjoint solve: set-up"]) > 0, bd
 
 
 def test_families_quick_run_two_ranks_give_one_process_gradients():
