@@ -259,6 +259,26 @@ def test_padding_tokens_keep_their_values_and_add_nothing_to_the_residuals():
         assert rel(y, y0) < 1e-12
 
 
+def test_what_the_padding_held_reaches_nothing():
+    """A review: padding of 1e30 (float32) or NaN made LayerNorm NaN there and 0 * NaN in the attention reached
+    every real token; with_key_padding zeroes the padding tokens, so the output of the real tokens, serial and
+    layer-parallel, and their gradients are those of any other padding, and nothing is NaN."""
+    torch.manual_seed(21)
+    layers = [m.float() for m in transformer_layers(4, 8, 2, mlp_ratio=1.0, key_padding=True)]
+    lp = LayerParallel(copy.deepcopy(layers), T=1.0, cf=2)
+    net = ODENet(layers, T=1.0)
+    x, mask = torch.randn(2, 5, 8, dtype=torch.float32), padding([5, 3], 5)
+    results = []
+    for fill in (0.0, 1e30, float("nan")):
+        xs = x.masked_fill(mask[..., None], fill).requires_grad_(True)
+        y = torch.stack([without_key_padding(m(with_key_padding(xs, mask))) for m in (net, lp)])
+        y.masked_fill(mask[..., None], 0).sum().backward()
+        assert torch.isfinite(y).all() and torch.isfinite(xs.grad).all()
+        results.append((y.detach(), xs.grad))
+    for y, g in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(g, results[0][1])
+
+
 def test_the_mean_pooling_head_leaves_the_padding_out():
     torch.manual_seed(15)
     head = ClassifierHead(8, 3, pool="mean", key_padding=True)

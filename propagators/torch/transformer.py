@@ -60,7 +60,8 @@ def _check_dims(dim: int, heads: int) -> None:
 def with_key_padding(x, key_padding_mask):
     """The state of layers built with ``key_padding=True``: tokens ``x`` (..., tokens, dim) and one more channel,
     1 at the tokens ``key_padding_mask`` (bool, (..., tokens), True at padding: ``nn.MultiheadAttention``'s
-    ``key_padding_mask``) marks, 0 at the others.
+    ``key_padding_mask``) marks, 0 at the others. The marked tokens are set to 0: what a batch's padding held
+    (another sequence's values, NaN) reaches nothing.
 
     The mask travels inside the state, so that every layer evaluation (on every level, interval and rank of
     an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel and the padding
@@ -86,7 +87,8 @@ def with_key_padding(x, key_padding_mask):
     if key_padding_mask.device != x.device:
         raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the tokens on {x.device}: move the mask "
                          f"there (mask.to({str(x.device)!r}))")
-    return torch.cat([x, key_padding_mask[..., None].to(x.dtype)], dim=-1)
+    return torch.cat([x.masked_fill(key_padding_mask[..., None], 0.0), key_padding_mask[..., None].to(x.dtype)],
+                     dim=-1)
 
 
 def without_key_padding(u):
