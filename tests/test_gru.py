@@ -660,7 +660,8 @@ def test_a_packed_pass_with_an_overflowing_hidden_projection_saturates_as_torchs
             p.zero_()
         if cell == "LSTM":
             ref.weight_hh_l0.fill_(3e38)
-        else:  # (z's projection to -inf, against the +inf of a held z; r * W_hn h would be NaN in torch too)
+        else:  # (z's projection to -inf, against the +inf of a held z; an overflowing W_hn h with r = 0 would be
+            #      NaN at a held position, which torch never steps: docs/gru.md says so)
             ref.weight_hh_l0[4:8].fill_(-3e38)
     par = getattr(pt, f"Parallel{cell}")(1, 4, cf=2, **TIGHT).float()
     par.load_state_dict(ref.state_dict())

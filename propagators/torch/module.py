@@ -1266,8 +1266,9 @@ class LayerParallel(_SolveCycles, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
-        if _loading_strictly() and self._comm.size > 1:  # a serial network's entries, as torch saves them: say what
-            #                                                loads (with strict=False they are unexpected keys)
+        # a serial network's entries, as torch saves them: say what loads (torch passes strict=True here whatever
+        # the caller asked: a load_state_dict(strict=False) leaves them among the unexpected keys)
+        if strict and _loading_strictly() and self._comm.size > 1:
             head = prefix + "layers."
             held = {k[len(head):].split(".", 1)[0] for k in state_dict if k.startswith(head)}
             others = {int(j) for j in held if j.isdigit()} - set(self.owned_layers)
@@ -1276,9 +1277,11 @@ class LayerParallel(_SolveCycles, nn.Module):
                     f"the LayerParallel {prefix[:-1] or 'block'!r} holds {len(self.owned_layers)} of its "
                     f"{self.n_layers} layers on this rank, and the state dict has entries of {len(others)} others, "
                     "as a serial network's: load those with lp.load_serial(state_dict) on every rank"
-                    + (f" (its entries without the prefix {prefix!r})" if prefix else "")
-                    + ", or call load_state_dict(..., strict=False) on every rank: each rank loads the layers it "
-                    "holds, and the others' entries come back as unexpected keys")
+                    + (f" (its entries without the prefix {prefix!r}), the rest of the model with strict=False"
+                       if prefix else "")
+                    + "; load_state_dict(..., strict=False) alone loads the layers each rank owns (the others' "
+                    "entries come back as unexpected keys), not a layer's extra state in the copies of neighbours' "
+                    "layers a rank keeps, which load_serial fills too")
         # load_state_dict(assign=True) puts the checkpoint's tensors in the owned layers, in its dtype and on its
         # device; once the layers are loaded, _halo_follows_assign brings the halo copies along, as .to() does
         if local_metadata.get("assign_to_params_buffers", False) and self._halo:
@@ -1775,8 +1778,8 @@ class LayerParallel(_SolveCycles, nn.Module):
             if fmt is not None:  # (the serial network's convolutions keep such an input's memory format)
                 y = y.contiguous(memory_format=fmt)
         # after the checks: an error comes first
-        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type,
-                    _coarser(x.dtype, prop.autocast), (x, y), ends=(y,))
+        _warn_solve(res, "forward", "fwd_iters", None if exact else self.fwd_tol, self.tol_type, x.dtype, (x, y),
+                    ends=(y,), compute=_cast_to(x.dtype, prop.autocast))
         if self.warm_start:
             self._warm = ((tuple(x.shape), x.dtype, x.device), U, g0, x.detach().clone())
         return y, (prop, U, g0, x.shape)
@@ -2334,12 +2337,13 @@ def _tolerance(value, name: str):
     return value if value is None else float(value) + 0.0  # (+ 0.0: -0.0 is 0.0, alike on every rank)
 
 
-def _coarser(dtype, autocast):
-    """The dtype whose rounding a forward solve of states in ``dtype`` resolves: ``autocast``'s (the layers'
-    arithmetic under ``torch.autocast``) when that is the coarser floating type, else ``dtype``."""
-    if autocast is None or not (dtype.is_floating_point and autocast.is_floating_point):
-        return dtype
-    return autocast if torch.finfo(autocast).eps > torch.finfo(dtype).eps else dtype
+def _cast_to(dtype, autocast):
+    """The dtype the layers compute states of ``dtype`` in under ``torch.autocast`` of dtype ``autocast`` (None:
+    not enabled): ``autocast``'s for floating states other than float64 (which autocast leaves alone) when
+    it is the coarser, else None (their own)."""
+    if autocast is None or dtype == torch.float64 or not (dtype.is_floating_point and autocast.is_floating_point):
+        return None
+    return autocast if torch.finfo(autocast).eps > torch.finfo(dtype).eps else None
 
 
 def _eps(dtype) -> float:
@@ -2406,7 +2410,7 @@ def _user_stacklevel() -> int:
 
 
 def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dtype=None, like=(),
-                ends=None) -> None:
+                ends=None, compute=None) -> None:
     """Warn (:class:`ConvergenceWarning`) when a solve with a tolerance stopped above it, when the
     residual of the returned trajectory is not below the first residual measured (a diverging or
     stalling solve: its gradients are not worth much), unless both are at the rounding of the states,
@@ -2415,9 +2419,10 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
     with a tolerance met also the output gradient ``like``) and above the rounding of ``like`` (a relative
     tolerance scales with the first residual measured, which unstable coarse levels can blow up many times
     over the states' size).
-    ``dtype``: the states' (named in the advice); ``like``: states that every rank holds alike (the block's
-    input and output, the output gradient), whose sizes set the rounding: every rank decides alike
-    (``ends``: the same on every rank, broadcast from one)."""
+    ``dtype``: the states' (named in the advice; their rounding sets the floors); ``compute``: the coarser
+    dtype the layers compute them in under ``torch.autocast`` (named instead in the advice), or None;
+    ``like``: states that every rank holds alike (the block's input and output, the output gradient), whose
+    sizes set the rounding: every rank decides alike (``ends``: the same on every rank, broadcast from one)."""
     seen = [r for r in res.residuals if r is not None]
     first, last = (seen[0] if seen else None), res.final_residual
     if tol is not None and not res.converged:
@@ -2425,15 +2430,17 @@ def _warn_solve(res, which: str, iters: str, tol=None, tol_type: str = "abs", dt
         if last is None or bound is None or not last <= bound:
             got = "no residual to compare" if last is None or bound is None else f"residual {last:.3e} > {bound:.3e}"
             stalled = len(seen) >= 4 and seen[-1] > 0.5 * seen[-4]  # three cycles that did not halve it
-            finer = "" if dtype in (torch.float64, torch.complex128) else " or compute in float64"
+            finer = (" or run the block outside torch.autocast" if compute is not None else
+                     "" if dtype in (torch.float64, torch.complex128) else " or compute in float64")
+            named = dtype if compute is None else compute  # (under autocast: the layers' arithmetic)
             if stalled and seen[-1] <= _rounding_floor([] if like else seen, dtype, like):  # ... near the rounding
                 #                                                                                 of the states
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before): the tolerance is "
-                        f"below what the arithmetic resolves ({_rounding(dtype)}): raise the tolerance{finer}")
+                        f"below what the arithmetic resolves ({_rounding(named)}): raise the tolerance{finer}")
             elif stalled and seen[-1] <= _rounding_floor(seen, dtype, like):  # near the rounding of the largest
                 what = (f"the residual has stopped decreasing ({seen[-4]:.3e} three cycles before) near the "  # residual
                         f"rounding of the largest residual measured ({max(seen):.3e}, far larger than the states "
-                        f"at the block's ends; {_rounding(dtype)}): either the states inside the block are that "
+                        f"at the block's ends; {_rounding(named)}): either the states inside the block are that "
                         f"large, and the tolerance is below what the arithmetic resolves (raise it{finer}), "
                         "or unstable coarse levels blew the first cycles' iterate up, and fewer levels "
                         "(max_levels), relax='FCF' or a smaller cf converge further (mgrit.choose_settings picks "

@@ -203,6 +203,11 @@ class MLPLayer(nn.Module):
 
     key_padding = False  # (the default of layers pickled before the option existed)
 
+    @property
+    def dim(self) -> int:
+        """The tokens' width."""
+        return self.norm.normalized_shape[-1]
+
     def __init__(self, dim: int, hidden: int | None = None, dropout: float = 0.0, key_padding: bool = False):
         super().__init__()
         hidden = 4 * dim if hidden is None else int(hidden)
@@ -332,6 +337,11 @@ class ClassifierHead(nn.Module):
     class token first and pad on the right)."""
 
     key_padding = False  # (the default of heads pickled before the option existed)
+
+    @property
+    def dim(self) -> int:
+        """The tokens' width."""
+        return self.norm.normalized_shape[-1]
 
     def __init__(self, dim: int, classes: int, pool: str = "cls", key_padding: bool = False):
         super().__init__()
