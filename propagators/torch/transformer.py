@@ -65,8 +65,9 @@ def with_key_padding(x, key_padding_mask):
 
     The mask travels inside the state, so that every layer evaluation (on every level, interval and rank of
     an MGRIT solve) reads the mask of the sequences it steps; the layers leave the channel and the padding
-    tokens unchanged (their right-hand side is 0 there) and take no gradient through the channel. A layer reads every token whose channel is
-    not 0 as padding: a scheme of one's own that scales the state (``u exp(-dt) + ...``) keeps the mask too.
+    tokens unchanged (their right-hand side is 0 there) and take no gradient through the channel. A layer
+    reads every token whose channel is not 0 as padding: a scheme of one's own that scales the state
+    (``u exp(-dt) + ...``) keeps the mask too.
     :func:`without_key_padding` strips it.
 
     >>> import torch
@@ -146,10 +147,8 @@ class AttentionLayer(nn.Module):
         Biases of the query/key/value and output projections.
     key_padding : bool
         The state carries a padding channel (:func:`with_key_padding`): no
-        token attends to the tokens it marks, and those keep their values (the
-        output is 0 there; a padding token with no key left to attend to, as
-        under causal attention behind leading padding, gets zero weights, not
-        softmax's NaN, whose gradient would be NaN too).
+        token but itself attends to the tokens it marks, and those keep their
+        values (the output is 0 there).
 
     The state has shape ``(..., tokens, dim)`` (``dim + 1`` with
     ``key_padding``); the output has the same shape (0 in the padding channel).
@@ -185,14 +184,14 @@ class AttentionLayer(nn.Module):
         q, k, v = heads(q), heads(k), heads(v)
         scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(d // H))
         mask = torch.ones(n_tok, n_tok, dtype=torch.bool, device=u.device).triu(1) if self.causal else None
-        if padding is not None:  # (keys marked in each sequence, for every head and query)
-            keys = padding[..., None, None, :]
+        if padding is not None:  # (keys marked in each sequence, for every head and query; a padding query keeps
+            #                       its own key, so that no row of the softmax is masked whole: NaN there would
+            #                       reach the gradients of the projections, although its output is 0)
+            keys = padding[..., None, None, :] & ~torch.eye(n_tok, dtype=torch.bool, device=u.device)
             mask = keys if mask is None else mask | keys
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
-        if padding is not None:  # a query with every key masked: zero weights, not softmax's NaN
-            weights = weights.masked_fill(mask.all(-1, keepdim=True), 0.0)
         out = (self._drop(self.attn_drop, weights) @ v).transpose(-2, -3).reshape(*lead, n_tok, d)
         return _with_zero_channel(self._drop(self.out_drop, self.proj(out)), padding)
 
