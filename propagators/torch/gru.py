@@ -102,7 +102,7 @@ class GRUPropagator(_CellPropagator):
         if k == 1:  # the GRU cell, written as torch.nn.GRU writes it
             out = n[:, 0] + z[:, 0] * (U - n[:, 0])
             if self.held is not None:  # (past a packed sequence's end: hold)
-                out = torch.where(_windows(self.held, i0, 1, self.offset)[:, 0, ..., None], U, out)
+                out = torch.where(self.held_at(i0), U, out)
             return out
         # frozen gates: h_{j+1} = z_j h_j + (1 - z_j) n_j is affine in h, composed in log2(k) rounds
         A, Bc = _affine_compose(z, n - z * n)

@@ -120,8 +120,7 @@ class LSTMPropagator(_CellPropagator):
         if self.held is None:
             return torch.cat([o[:, -1] * torch.tanh(c), c], dim=-1)
         if k == 1:  # (past a packed sequence's end: h kept)
-            held = _windows(self.held, i0, 1, self.offset)[:, 0, ..., None]
-            return torch.cat([torch.where(held, S[..., :self.H], o[:, 0] * torch.tanh(c)), c], dim=-1)
+            return torch.cat([torch.where(self.held_at(i0), S[..., :self.H], o[:, 0] * torch.tanh(c)), c], dim=-1)
         j = self.kept(i0, k)[:, -1]  # (the output gate of the last position not held, or h kept)
         oj = o.gather(1, j.clamp(min=0)[:, None, ..., None].expand((-1, 1) + tuple(o.shape[2:])))[:, 0]
         h = torch.where((j >= 0)[..., None], oj * torch.tanh(c), S[..., :self.H])
@@ -174,7 +173,7 @@ class LSTMAdjointPropagator(_CellAdjoint):
             dh = torch.cat([inner, dh], dim=1)
         passed = None
         if f_.held is not None and k == 1:  # a held step keeps h: lam_h passes
-            held = _windows(f_.held, i0, 1, f_.offset)[..., None]
+            held = f_.held_at(i0)[:, None]
             passed, dh = torch.where(held, dh, 0.0)[:, 0], torch.where(held, 0.0, dh)
         elif f_.held is not None:  # the forcing of the h after a held position belongs to the last one not held
             j = f_.kept(i0, k)[..., None]  # before it (whose h it is), or passes to lam_h where there is none

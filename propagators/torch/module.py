@@ -1268,7 +1268,7 @@ class LayerParallel(_SolveCycles, nn.Module):
         self._warm = None  # other weights (a rollback, a checkpoint): the next pass starts cold, as a new block's
         # a serial network's entries, as torch saves them: say what loads (torch passes strict=True here whatever
         # the caller asked: a load_state_dict(strict=False) leaves them among the unexpected keys)
-        if strict and _loading_strictly() and self._comm.size > 1:
+        if strict and self._comm.size > 1 and _loading_strictly():
             head = prefix + "layers."
             held = {k[len(head):].split(".", 1)[0] for k in state_dict if k.startswith(head)}
             others = {int(j) for j in held if j.isdigit()} - set(self.owned_layers)

@@ -160,6 +160,10 @@ class _CellPropagator(mgrit.Propagator):
         (past the end of a packed sequence), through the fine and the coarse steps and their adjoints."""
         raise NotImplementedError  # pragma: no cover - every cell defines it
 
+    def held_at(self, i0: np.ndarray):
+        """Whether the step from each position ``i0`` is held (:meth:`hold`), shaped to select states: (n, B, 1)."""
+        return _windows(self.held, i0, 1, self.offset)[:, 0, ..., None]
+
     def span(self, m: int) -> int:
         """Inputs a step over ``m`` positions reads."""
         return m if self.coarse == "frozen" else 1
